@@ -1,0 +1,229 @@
+"""One data-parallel training step, single process: the ground truth every ZeRO stage must match.
+
+Legend: N world size, M micro-batches per step, S loss scale, g_j micro-batch j's gradient in the
+compute dtype (already multiplied by S, as backward of S * loss produces it), R the reduced
+gradient, t the optimizer's step count, C the clipping-chunk size.
+
+The step, in order (DESIGN.md §2):
+  1. R = reduce_microbatches([reduction_dtype(g_j)], N): the tree of reference/tree.py.
+  2. overflow = any non-finite value in any g_j or in R. On overflow the step is skipped: only
+     the loss scaler (fp16: scale * backoff) and the data-step counter change; the parameters,
+     the optimizer state and t stay as they were. fp32/bf16 raise instead, unless
+     nonfinite="skip".
+  3. g = fp32(R) * s(1 / (S * M)): unscaling and averaging are one multiplication, after the
+     whole sum.
+  4. norm = global_norm over the layout's chunks (float64, reference/layout.py, always computed
+     and returned). With clip_norm set: coef = s(clip_norm / (norm + 1e-6)); if coef < 1,
+     g = g * coef.
+  5. t = t + 1; each parameter is updated by its group's optimizer (reference/optim.py).
+  6. The working copy is the fp32 master rounded to the compute dtype (nearest even).
+Here s(x) means x computed in float64 and rounded once to float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import optim
+from .layout import DEFAULT_CHUNK, UnitLayout, model_layout
+from .precision import DTYPES, ScalerConfig, ScalerState, cast, f32, scaler_init, scaler_update
+from .tree import chunk_sumsq, global_norm, reduce_microbatches
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
+
+Grads = Mapping[str, np.ndarray]  # parameter name -> gradient, in the compute dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """What one step means: precision, reduction, optimizer, clipping, N and M."""
+
+    optimizer: str = "adamw"
+    """'sgd', 'adam' or 'adamw'."""
+    groups: tuple[optim.Hyper, ...] = (optim.Hyper(),)
+    """Hyper-parameters of each parameter group; ModelSpec.group_of maps names to indices."""
+    precision: str = "fp32"
+    """Compute dtype of the working copy and gradients: 'fp32', 'bf16' or 'fp16'."""
+    reduce_dtype: str | None = None
+    """Dtype of the gradient sum: 'fp32' (None means fp32) or the compute dtype (paper config)."""
+    world_size: int = 1
+    """N: the tree over ranks depends on it (only the shape; invariant for powers of two)."""
+    micro_batches: int = 1
+    """M: micro-batches per step, a positive multiple of world_size."""
+    clip_norm: float | None = None
+    """Clip the global L2 norm to this value; None disables clipping."""
+    scaler: ScalerConfig = field(default_factory=ScalerConfig)
+    """Dynamic loss scaling (fp16 only)."""
+    nonfinite: str = "raise"
+    """fp32/bf16 only: 'raise' (FloatingPointError) or 'skip' the step on non-finite gradients."""
+
+    def __post_init__(self):
+        optim.check_kind(self.optimizer)
+        if self.precision not in DTYPES:
+            raise ValueError(f"precision={self.precision!r}: allowed are {sorted(DTYPES)}")
+        if self.reduce_dtype not in (None, "fp32", self.precision):
+            raise ValueError(
+                f"reduce_dtype={self.reduce_dtype!r}: allowed are 'fp32' or the compute dtype "
+                f"{self.precision!r}"
+            )
+        if not self.groups:
+            raise ValueError("groups=(): at least one parameter group is needed")
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size}: must be >= 1")
+        if self.micro_batches < 1 or self.micro_batches % self.world_size:
+            raise ValueError(
+                f"micro_batches={self.micro_batches}: must be a positive multiple of "
+                f"world_size={self.world_size}"
+            )
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm={self.clip_norm}: must be > 0 or None")
+        if self.nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite={self.nonfinite!r}: allowed are 'raise', 'skip'")
+
+    @property
+    def reduction(self) -> str:
+        return self.reduce_dtype or "fp32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The parameters: their units (flat layout, reference/layout.py) and parameter groups."""
+
+    layouts: tuple[UnitLayout, ...]
+    group_of: Mapping[str, int]
+
+    @classmethod
+    def build(cls, units, group_of=None, *, chunk: int = DEFAULT_CHUNK) -> ModelSpec:
+        """units: a list of units, each a list of (name, shape); group_of: name -> group index."""
+        layouts = tuple(model_layout(units, chunk=chunk))
+        names = [s.name for lay in layouts for s in lay.slots]
+        group_of = dict(group_of or {})
+        return cls(layouts=layouts, group_of={n: group_of.get(n, 0) for n in names})
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for lay in self.layouts for s in lay.slots]
+
+    @property
+    def numel(self) -> int:
+        return sum(lay.numel for lay in self.layouts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainState:
+    master: dict[str, np.ndarray]  # fp32 master weights, by parameter name
+    opt: dict[str, dict[str, np.ndarray]]  # optimizer state arrays, by parameter name
+    t: int = 0  # optimizer steps taken (skipped steps excluded)
+    data_step: int = 0  # steps attempted (skipped steps included): seeds the data
+    scaler: ScalerState | None = None  # fp16 only
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInfo:
+    overflow: bool
+    skipped: bool
+    scale: float  # S used by this step
+    norm: np.float64 | None  # global gradient norm before clipping (None when skipped)
+    clip_coef: np.float32 | None  # applied coefficient, None when no clipping happened
+    reduced: dict[str, np.ndarray]  # R, in the reduction dtype, before unscaling
+
+
+def init_state(master: Mapping[str, np.ndarray], spec: ModelSpec, cfg: StepConfig) -> TrainState:
+    for n, grp in spec.group_of.items():
+        if not 0 <= grp < len(cfg.groups):
+            raise ValueError(
+                f"group_of[{n!r}]={grp}: allowed are 0..{len(cfg.groups) - 1} "
+                f"({len(cfg.groups)} parameter group(s) configured)"
+            )
+    master = {n: np.asarray(master[n], np.float32).copy() for n in spec.names}
+    opt = {
+        n: optim.init_state(cfg.optimizer, cfg.groups[spec.group_of[n]], master[n].shape)
+        for n in spec.names
+    }
+    scaler = scaler_init(cfg.scaler) if cfg.precision == "fp16" else None
+    return TrainState(master=master, opt=opt, scaler=scaler)
+
+
+def working_copy(state: TrainState, cfg: StepConfig) -> dict[str, np.ndarray]:
+    """The compute-dtype parameters forward and backward use (round to nearest even)."""
+    return {n: cast(p, cfg.precision) for n, p in state.master.items()}
+
+
+def any_nonfinite(arrays) -> bool:
+    return any(not np.isfinite(np.asarray(a, np.float32)).all() for a in arrays)
+
+
+def norm_partials(g: Mapping[str, np.ndarray], spec: ModelSpec) -> list[np.ndarray]:
+    """Per-unit chunk partials of a gradient dict, cut from the N-independent layout."""
+    return [chunk_sumsq(lay.flatten(g, 1, np.float32), lay.chunk) for lay in spec.layouts]
+
+
+def train_step(
+    state: TrainState, grads: Sequence[Grads], spec: ModelSpec, cfg: StepConfig
+) -> tuple[TrainState, StepInfo]:
+    """One step from per-micro-batch gradients; see the module docstring for the exact order."""
+    m = len(grads)
+    if m != cfg.micro_batches:
+        raise ValueError(
+            f"grads: got {m} micro-batches, config says micro_batches={cfg.micro_batches}"
+        )
+    scale = state.scaler.scale if state.scaler is not None else 1.0
+    reduced = {
+        n: reduce_microbatches([cast(g[n], cfg.reduction) for g in grads], cfg.world_size)
+        for n in spec.names
+    }
+    overflow = any_nonfinite(g[n] for g in grads for n in spec.names) or any_nonfinite(
+        reduced.values()
+    )
+    if overflow:
+        return skip_step(state, cfg, reduced, scale)
+
+    c = f32(1.0 / (scale * m))
+    g = {n: cast(r, "fp32") * c for n, r in reduced.items()}
+    norm = global_norm(norm_partials(g, spec))
+    coef = clip_coefficient(norm, cfg.clip_norm)
+    if coef is not None:
+        g = {n: x * coef for n, x in g.items()}
+
+    t = state.t + 1
+    master, opt = {}, {}
+    for n in spec.names:
+        hp = cfg.groups[spec.group_of[n]]
+        master[n], opt[n] = optim.step(cfg.optimizer, state.master[n], g[n], state.opt[n], hp, t)
+    scaler = None if state.scaler is None else scaler_update(state.scaler, False, cfg.scaler)
+    new = TrainState(master=master, opt=opt, t=t, data_step=state.data_step + 1, scaler=scaler)
+    return new, StepInfo(
+        overflow=False, skipped=False, scale=scale, norm=norm, clip_coef=coef, reduced=reduced
+    )
+
+
+def clip_coefficient(norm: np.float64, clip_norm: float | None) -> np.float32 | None:
+    """s(clip_norm / (norm + 1e-6)) when that is below 1, else None (nothing to multiply)."""
+    if clip_norm is None:
+        return None
+    coef = f32(clip_norm / (float(norm) + CLIP_EPS))
+    return coef if coef < 1 else None
+
+
+def skip_step(state: TrainState, cfg: StepConfig, reduced, scale: float):
+    """An overflowed step: only the scaler and the data-step counter move."""
+    if state.scaler is None and cfg.nonfinite == "raise":
+        raise FloatingPointError(
+            f"non-finite gradient at data step {state.data_step} with precision="
+            f"{cfg.precision!r}; set nonfinite='skip' to skip such steps"
+        )
+    scaler = None if state.scaler is None else scaler_update(state.scaler, True, cfg.scaler)
+    new = TrainState(
+        master=state.master,
+        opt=state.opt,
+        t=state.t,
+        data_step=state.data_step + 1,
+        scaler=scaler,
+    )
+    info = StepInfo(
+        overflow=True, skipped=True, scale=scale, norm=None, clip_coef=None, reduced=reduced
+    )
+    return new, info
