@@ -1,0 +1,70 @@
+"""What every paper_figures section shares: output locations, summary rows, the section record.
+
+A *section* is one function, ``run(*, profile, out) -> list[SummaryRow]``. It first computes or
+measures and writes its records (``zero.results``) to ``out.result(name)``, then renders its
+figures and tables by reading that JSON back, never from numbers held in code. The paper's own
+numbers come from :mod:`paper_figures.paper`.
+
+Legend: Ψ = num_params, N_d = world_size, K = the optimizer-state multiplier (12 for
+mixed-precision Adam).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+PROFILES = ("quick", "full")
+"""quick: minutes on a 2-core CPU (make repro, the tests); full: the large cases."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outputs:
+    """Where a run writes: ``root/results/*.json``, ``root/figures/*.png``, ``root/tables/*.md``."""
+
+    root: Path
+
+    def result(self, name: str) -> Path:
+        return self.root / "results" / f"{name}.json"
+
+    def figure(self, name: str) -> Path:
+        return self.root / "figures" / f"{name}.png"
+
+    def table(self, name: str) -> Path:
+        return self.root / "tables" / f"{name}.md"
+
+    def show(self, path: Path) -> str:
+        """``path`` relative to the root, for the summary."""
+        try:
+            return str(path.relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SummaryRow:
+    """One line of the summary that the main job prints."""
+
+    section: str
+    wrote: tuple[str, ...]
+    """Files written, relative to the output root."""
+    matches: str
+    """How ours compares with the paper, e.g. "54/54 cells"; "" where nothing is compared."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    """A registered section of the main job (see ``paper_figures.sections.SECTIONS``)."""
+
+    name: str
+    """Unique; ``--only NAME`` selects it, and its records go to ``results/<name>.json``."""
+    run: Callable[..., list[SummaryRow]]
+    """``run(*, profile: str, out: Outputs) -> list[SummaryRow]``."""
+    about: str
+    """One line for ``--help``."""
+
+
+def count_line(matched: int, total: int, what: str) -> str:
+    """A match count as the tables print it and the tests read it, e.g. "54/54 cells ..."."""
+    return f"{matched}/{total} {what}"

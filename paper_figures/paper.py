@@ -1,0 +1,160 @@
+"""The paper's printed numbers, typed in once, and its rounding rules.
+
+Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+arXiv 1910.02054 (SC20); transcribed in the project's PAPER.md, whose section is cited at each
+value. These are the only hand-typed numbers the figures and tables use: everything "ours" comes
+from the JSON records that the sections write.
+
+Legend: Ψ = num_params (7.5B, 128B, 1T in Table 1), N_d = world_size (the "DP" column),
+K = 12 (mixed-precision Adam), MP = N_m (the model-parallel degree of Table 2), GB = 1e9 bytes.
+Stages: 0 = Baseline DP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p.
+"""
+
+from __future__ import annotations
+
+import decimal
+import math
+from dataclasses import dataclass
+from decimal import Decimal
+
+# --- Figure 1 (PAPER.md §1.1): Ψ = 7.5B, N_d = 64, K = 12, per-device GB by stage. ---------------
+FIG1_NUM_PARAMS = 7.5e9
+FIG1_WORLD_SIZE = 64
+FIG1_K = 12
+FIG1_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+"""Figure 1 prints one decimal (1.9); Table 1 prints the same stage-3 value as 1.88."""
+
+# --- Table 1 (PAPER.md §1.2): per-device model-state GB vs DP degree. -----------------------------
+TABLE1_MODELS = (7.5e9, 128e9, 1e12)
+TABLE1_MODEL_LABELS = ("7.5B", "128B", "1T")
+TABLE1_STAGES = (1, 2, 3)
+TABLE1_DP = (1, 4, 16, 64, 256, 1024)
+TABLE1_GB = {
+    # DP: 7.5B (P_os, P_os+g, P_os+g+p), 128B (...), 1T (...)
+    1: (120, 120, 120, 2048, 2048, 2048, 16000, 16000, 16000),
+    4: (52.5, 41.3, 30, 896, 704, 512, 7000, 5500, 4000),
+    16: (35.6, 21.6, 7.5, 608, 368, 128, 4750, 2875, 1000),
+    64: (31.4, 16.6, 1.88, 536, 284, 32, 4187, 2218, 250),
+    256: (30.4, 15.4, 0.47, 518, 263, 8, 4046, 2054, 62.5),
+    1024: (30.1, 15.1, 0.12, 513, 257, 2, 4011, 2013, 15.6),
+}
+"""Row = DP degree; columns = (model, stage) in TABLE1_MODELS × TABLE1_STAGES order."""
+TABLE1_BOLD = {(4, 2), (16, 1), (64, 0), (64, 5), (1024, 8)}
+"""(DP, column index) of the cells the paper prints in bold: fits in a 32 GB V100."""
+TABLE1_DEVICE_GB = 32
+
+
+def table1_cell(dp: int, num_params: float, stage: int) -> float:
+    """The paper's printed Table 1 value for a DP degree, model size and stage."""
+    column = TABLE1_MODELS.index(num_params) * len(TABLE1_STAGES) + TABLE1_STAGES.index(stage)
+    return float(TABLE1_GB[dp][column])
+
+
+# --- Table 2 (PAPER.md §1.3): max model size, theoretical vs measured. ----------------------------
+@dataclass(frozen=True, kw_only=True)
+class Printed:
+    """One printed cell: its text as printed (markup stripped), the parsed value, its styling."""
+
+    text: str
+    """As printed, e.g. "7.6B" or "0.5T"."""
+    billions: float
+    """The value in billions of parameters (0.5T = 500)."""
+    bold: bool = False
+    italic: bool = False
+
+    @property
+    def decimals(self) -> int:
+        """Decimals printed in the number, e.g. 1 for "0.5T", 0 for "1T"."""
+        number = self.text[:-1]
+        return len(number.split(".")[1]) if "." in number else 0
+
+    @property
+    def unit(self) -> str:
+        """The unit as printed: "B" or "T"."""
+        return self.text[-1]
+
+
+def _p(text: str, *, bold: bool = False, italic: bool = False) -> Printed:
+    scale = {"B": 1.0, "T": 1000.0}[text[-1]]
+    return Printed(text=text, billions=float(text[:-1]) * scale, bold=bold, italic=italic)
+
+
+TABLE2_DEVICE_BYTES = 32e9
+TABLE2_WORLD_SIZE = 64
+TABLE2_K = 12
+TABLE2_MP = (1, 2, 4, 8, 16)
+TABLE2_GPUS = {1: 64, 2: 128, 4: 256, 8: 512, 16: 1024}
+TABLE2_THEORETICAL = {
+    # MP: (Baseline, P_os, P_os+g, P_os+g+p), i.e. stages 0..3
+    1: (_p("2B"), _p("7.6B", bold=True), _p("14.4B"), _p("128B")),
+    2: (_p("4B"), _p("15.2B", bold=True), _p("28.8B"), _p("256B")),
+    4: (_p("8B"), _p("30.4B", bold=True), _p("57.6B"), _p("0.5T")),
+    8: (_p("16B"), _p("60.8B", bold=True), _p("115.2B"), _p("1T")),
+    16: (_p("32B"), _p("121.6B", bold=True), _p("230.4B"), _p("2T", italic=True)),
+}
+TABLE2_MEASURED = {
+    # MP: (measured Baseline, measured ZeRO-DP with P_os)
+    1: (_p("1.3B"), _p("6.2B", bold=True)),
+    2: (_p("2.5B"), _p("12.5B", bold=True)),
+    4: (_p("5B"), _p("25B", bold=True)),
+    8: (_p("10B", italic=True), _p("50B", bold=True)),
+    16: (_p("20B"), _p("100B", bold=True)),
+}
+"""Italics as in the original; its caption does not explain them."""
+
+
+# --- The paper's rounding rules (PAPER.md §1.2 and §1.3). ---------------------------------------
+def _decimal(x: float) -> Decimal:
+    # The shortest repr is the decimal number the float stands for (41.25 -> "41.25"), so rounding
+    # it half up gives what a person rounding the printed value gets.
+    if not math.isfinite(x):
+        raise ValueError(f"x={x!r} is not allowed: expected a finite number")
+    return Decimal(repr(float(x)))
+
+
+def paper_round(x: float, *, fine_below: float = 2.0) -> float:
+    """Round a GB value the way Table 1 prints it (PAPER.md §1.2).
+
+    - Values of 100 or more are truncated to an integer: 4187.5 -> 4187, 2054.69 -> 2054.
+    - Values under 100 are rounded half up to 1 decimal (41.25 -> 41.3), or to 2 decimals when
+      under ``fine_below`` (1.875 -> 1.88, 0.1171875 -> 0.12). Figure 1 prints 1.875 as 1.9: that
+      is ``fine_below=0``.
+
+    Half up, not Python's round: round(41.25, 1) is 41.2 (half to even), the paper prints 41.3.
+    """
+    d = _decimal(x)
+    if d >= 100:
+        return float(d.to_integral_value(rounding=decimal.ROUND_DOWN))
+    quantum = Decimal("0.01") if d < Decimal(repr(float(fine_below))) else Decimal("0.1")
+    return float(d.quantize(quantum, rounding=decimal.ROUND_HALF_UP))
+
+
+def table2_round(billions: float, mp: int) -> float:
+    """Table 2's rule (PAPER.md §1.3): the MP = 1 value, rounded half up to 0.1B, times MP.
+
+    ``billions`` is the max model size at this MP, in billions; it is divided by MP first, so that
+    7.64B at MP = 2 prints as 2 × 7.6 = 15.2B, not 15.3B.
+    """
+    per_mp = _decimal(billions) / mp
+    return float(per_mp.quantize(Decimal("0.1"), rounding=decimal.ROUND_HALF_UP) * mp)
+
+
+def format_number(x: float, decimals: int | None = None) -> str:
+    """Print a number the way the paper does: no trailing ".0" (120, 7.5, 1.88, 4187).
+
+    With ``decimals``, round half up to that many decimals first (for the T-valued cells).
+    """
+    d = _decimal(x)
+    if decimals is not None:
+        d = d.quantize(Decimal(1).scaleb(-decimals), rounding=decimal.ROUND_HALF_UP)
+    text = format(d, "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text
+
+
+def format_size(billions: float, unit: str, decimals: int) -> str:
+    """A Table 2 cell in the paper's style: "7.6B", or in T with the paper's decimals ("0.5T")."""
+    if unit == "T":
+        return format_number(billions / 1000, decimals) + "T"
+    return format_number(billions) + "B"

@@ -1,0 +1,120 @@
+"""Table 2: the largest model whose model states fit in 32 GB, by stage and model-parallel degree.
+
+Ours is :func:`zero.memory.max_model_params` with 32 GB per device, N_d = 64 and MP ∈ {1, 2, 4,
+8, 16}, printed under the paper's rule (the MP = 1 value rounded to 0.1B, times MP; T-valued
+cells as ours/1000 to the paper's decimals; PAPER.md §1.3). The paper's measured columns are
+shown beside ours for reference; we have nothing of our own to put there yet.
+
+Legend: Ψ = num_params (the table's entries), N_d = world_size = 64, MP = N_m = mp, K = 12
+(mixed-precision Adam), GPUs = N_d · MP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from paper_figures import paper
+from paper_figures.common import Outputs, SummaryRow, count_line
+from zero.memory import STAGE_LABELS, max_model_params
+from zero.results import make_record, provenance, read_json, write_atomic, write_json
+
+NAME = "table2_max_model"
+
+
+def compute(profile: str) -> dict:
+    """The analytic records: one per (MP, stage). The profile does not matter to arithmetic."""
+    del profile
+    prov = provenance()
+    records = []
+    for mp in paper.TABLE2_MP:
+        for stage in range(4):
+            config = {
+                "memory_bytes": paper.TABLE2_DEVICE_BYTES,
+                "world_size": paper.TABLE2_WORLD_SIZE,
+                "stage": stage,
+                "k": paper.TABLE2_K,
+                "mp": mp,
+            }
+            result = {"max_params": max_model_params(**config)}
+            records.append(
+                make_record(
+                    config=config, result=result, kind="max_model.analytic", provenance=prov
+                )
+            )
+    return {"section": NAME, "records": records}
+
+
+def _styled(text: str, printed: paper.Printed) -> str:
+    if printed.italic:
+        text = f"*{text}*"
+    return f"**{text}**" if printed.bold else text
+
+
+def render(payload: dict, out: Outputs) -> tuple[Path, str]:
+    """Write the Markdown table from the records; returns its path and the match count."""
+    ours = {}
+    gpus = {}
+    for record in payload["records"]:
+        if record["kind"] != "max_model.analytic":
+            continue
+        c = record["config"]
+        ours[(c["mp"], c["stage"])] = record["result"]["max_params"] / 1e9  # billions
+        gpus[c["mp"]] = c["world_size"] * c["mp"]
+
+    matched = 0
+    rows = []
+    for mp in paper.TABLE2_MP:
+        row = [str(mp), str(gpus.get(mp, "–"))]
+        for stage, theirs in enumerate(paper.TABLE2_THEORETICAL[mp]):
+            if (mp, stage) not in ours:
+                row.append(f"– ({theirs.text})")
+                continue
+            rounded = paper.table2_round(ours[(mp, stage)], mp)
+            text = paper.format_size(rounded, theirs.unit, theirs.decimals)
+            matched += text == theirs.text
+            cell = f"{text} ({_styled(theirs.text, theirs)})"
+            row.append(cell if text == theirs.text else cell + " ≠")
+        row += [_styled(m.text, m) for m in paper.TABLE2_MEASURED[mp]]
+        rows.append(row)
+
+    total = len(paper.TABLE2_MP) * 4
+    match_line = count_line(matched, total, "theoretical cells equal the paper's printed value")
+    unrounded = ", ".join(
+        f"{STAGE_LABELS[s]} {ours[(1, s)]:.2f}B" for s in range(4) if (1, s) in ours
+    )
+    header = ["MP", "GPUs", *(f"{label}: ours (paper)" for label in STAGE_LABELS)]
+    header += ["paper measured Baseline", "paper measured ZeRO-DP (P_os)"]
+    prov = payload["records"][0]["provenance"] if payload["records"] else {}
+    lines = [
+        "# Table 2: max model size, theoretical vs measured",
+        "",
+        "Theoretical cells are *ours (paper)*: `zero.memory.max_model_params` with 32 GB per",
+        "device, N_d = 64 and K = 12, under the paper's rule (the MP = 1 value rounded half up to",
+        "0.1B, then times MP; T-valued cells are ours/1000 to the paper's decimals). The paper's",
+        "measured columns are its own (we have no measurement to set beside them yet). Bold and",
+        "italics are the paper's. ≠ marks a cell that differs.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        match_line + ".",
+        "",
+        f"Ours before rounding, MP = 1: {unrounded}.",
+        "",
+        f"Drawn from `results/{NAME}.json` (git commit {prov.get('git_commit', 'unknown')}, "
+        f"{prov.get('date_utc', 'date unknown')}).",
+        "",
+    ]
+    path = write_atomic(out.table(NAME), "\n".join(lines))
+    return path, f"{matched}/{total} cells"
+
+
+def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
+    result_path = write_json(out.result(NAME), compute(profile))
+    table_path, matches = render(read_json(result_path), out)
+    return [
+        SummaryRow(
+            section=NAME, wrote=(out.show(result_path), out.show(table_path)), matches=matches
+        )
+    ]

@@ -1,0 +1,209 @@
+"""Figure 1, Table 1 and Table 2 of the paper, re-derived, and the main job that draws them.
+
+The expected values are the paper's printed numbers (PAPER.md §1.1-1.3), typed in this file
+again, independently of paper_figures.paper, which is checked against them too: a typo in
+either shows.
+
+Legend: Ψ = num_params, N_d = world_size (the DP column), K = 12 (mixed-precision Adam),
+MP = the model-parallel degree, GB = 1e9 bytes.
+"""
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paper_figures import paper, table1_memory
+from paper_figures.common import Outputs
+from paper_figures.paper import format_size, paper_round, table2_round
+from zero.memory import max_model_params, model_state_bytes
+from zero.results import read_json, write_json
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Table 1 (PAPER.md §1.2), as printed. Columns: 7.5B, 128B, 1T × (P_os, P_os+g, P_os+g+p).
+TABLE1 = """
+1    120  120  120   2048 2048 2048  16000 16000 16000
+4    52.5 41.3 30    896  704  512   7000  5500  4000
+16   35.6 21.6 7.5   608  368  128   4750  2875  1000
+64   31.4 16.6 1.88  536  284  32    4187  2218  250
+256  30.4 15.4 0.47  518  263  8     4046  2054  62.5
+1024 30.1 15.1 0.12  513  257  2     4011  2013  15.6
+"""
+MODELS = (7.5e9, 128e9, 1e12)
+TABLE1_CELLS = [
+    (int(row[0]), MODELS[j // 3], 1 + j % 3, float(value))
+    for row in (line.split() for line in TABLE1.strip().splitlines())
+    for j, value in enumerate(row[1:])
+]
+
+# Table 2 (PAPER.md §1.3), theoretical columns as printed (markup stripped). Stages 0..3.
+TABLE2 = {
+    1: ("2B", "7.6B", "14.4B", "128B"),
+    2: ("4B", "15.2B", "28.8B", "256B"),
+    4: ("8B", "30.4B", "57.6B", "0.5T"),
+    8: ("16B", "60.8B", "115.2B", "1T"),
+    16: ("32B", "121.6B", "230.4B", "2T"),
+}
+
+
+def test_table1_has_54_cells():
+    assert len(TABLE1_CELLS) == 54
+
+
+@pytest.mark.parametrize(
+    ("dp", "num_params", "stage", "printed"),
+    TABLE1_CELLS,
+    ids=[f"DP{c[0]}-{c[1] / 1e9:g}B-stage{c[2]}" for c in TABLE1_CELLS],
+)
+def test_table1_cell(dp, num_params, stage, printed):
+    assert paper_round(model_state_bytes(num_params, dp, stage) / 1e9) == printed
+
+
+def test_paper_module_table1_transcription():
+    for dp, num_params, stage, printed in TABLE1_CELLS:
+        assert paper.table1_cell(dp, num_params, stage) == printed
+
+
+def test_figure1():
+    # Figure 1 prints one decimal throughout (1.9); Table 1 prints the stage-3 value as 1.88.
+    ours = [model_state_bytes(7.5e9, 64, s) / 1e9 for s in range(4)]
+    assert [paper_round(x, fine_below=0) for x in ours] == [120, 31.4, 16.6, 1.9]
+    assert paper_round(ours[3]) == 1.88
+    assert paper.FIG1_GB == {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}
+
+
+@pytest.mark.parametrize("mp", sorted(TABLE2))
+@pytest.mark.parametrize("stage", range(4))
+def test_table2_theoretical(mp, stage):
+    printed = TABLE2[mp][stage]
+    ours = table2_round(max_model_params(32e9, 64, stage, mp=mp) / 1e9, mp)
+    if printed.endswith("T"):
+        # T cells: ours/1000 to the printed decimals (512B -> 0.5T, 1024B -> 1T, 2048B -> 2T).
+        decimals = len(printed[:-1].split(".")[1]) if "." in printed else 0
+        assert format_size(ours, "T", decimals) == printed
+    else:
+        assert ours == float(printed[:-1])
+        assert format_size(ours, "B", 0) == printed
+    assert paper.TABLE2_THEORETICAL[mp][stage].text == printed
+
+
+def test_table2_is_rounded_before_multiplying_by_mp():
+    # 7.64B × 2 = 15.28B would round to 15.3B; the paper prints 2 × 7.6 = 15.2B.
+    assert table2_round(max_model_params(32e9, 64, 1, mp=2) / 1e9, 2) == 15.2
+
+
+@pytest.mark.parametrize(
+    ("x", "printed"),
+    [
+        (41.25, 41.3),
+        (1.875, 1.88),
+        (4187.5, 4187),
+        (2218.75, 2218),
+        (2054.69, 2054),
+        (513.5, 513),
+        (257.75, 257),
+        (0.46875, 0.47),
+        (0.1171875, 0.12),
+        (35.625, 35.6),
+        (99.96, 100.0),  # half up to 1 decimal, not truncated: it was under 100
+        (100.0, 100),
+        (2.0, 2),
+    ],
+)
+def test_paper_round(x, printed):
+    assert paper_round(x) == printed
+
+
+def test_python_round_is_half_to_even():
+    # Why paper_round uses ROUND_HALF_UP: 41.25 is exact in binary, and Python rounds it to even.
+    assert round(41.25, 1) == 41.2
+    assert paper_round(41.25) == 41.3
+
+
+# --- the main job --------------------------------------------------------------------------------
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def table_rows(markdown: str) -> str:
+    return "\n".join(line for line in markdown.splitlines() if line.startswith("|"))
+
+
+def test_main_job(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "paper_figures", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+
+    png = tmp_path / "figures" / "fig1_memory.png"
+    width, height = png_size(png)
+    assert width > 300 and height > 200
+    assert png.stat().st_size > 10_000
+
+    table1 = (tmp_path / "tables" / "table1_memory.md").read_text()
+    assert "54/54 cells equal the paper's printed value under its rounding." in table1
+    assert "5/5 bold cells where the paper has them." in table1
+    assert "**31.4 (31.4)**" in table1 and "≠" not in table_rows(table1)
+    table2 = (tmp_path / "tables" / "table2_max_model.md").read_text()
+    assert "20/20 theoretical cells equal the paper's printed value." in table2
+    assert "0.5T (0.5T)" in table2 and "≠" not in table_rows(table2)
+
+    for name, count in [("fig1_memory", 4), ("table1_memory", 54), ("table2_max_model", 20)]:
+        records = read_json(tmp_path / "results" / f"{name}.json")["records"]
+        assert len(records) == count
+        assert {"schema", "kind", "config", "result", "provenance"} <= set(records[0])
+    assert not list(tmp_path.rglob("*.tmp")), "a temporary file was left behind"
+
+    for expected in ["fig1_memory", "table1_memory", "table2_max_model", "54/54", "20/20", "4/4"]:
+        assert expected in done.stdout
+
+
+def test_main_job_only(tmp_path):
+    from paper_figures.__main__ import main
+
+    assert main(["--out", str(tmp_path), "--only", "table2_max_model"]) == 0
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.*")) == [
+        "results/table2_max_model.json",
+        "tables/table2_max_model.md",
+    ]
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--only", "no_such_section"])
+
+
+def test_table1_is_drawn_from_the_records(tmp_path):
+    # Change one record and the table must show it: the numbers come from the JSON, not the code.
+    payload = table1_memory.compute("quick")
+    cell = next(r for r in payload["records"] if r["config"]["world_size"] == 64)
+    cell["result"]["bytes"] *= 1.01
+    path = write_json(tmp_path / "results" / "table1_memory.json", payload)
+    table_path, matches = table1_memory.render(read_json(path), Outputs(root=tmp_path))
+    text = table_path.read_text()
+    assert "53/54 cells equal the paper's printed value" in text
+    assert table_rows(text).count("≠") == 1
+    assert matches.startswith("53/54")
+
+
+def test_write_json_is_atomic_and_strict(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    write_json(path, {"a": [1, 2.5]})
+    assert json.loads(path.read_text()) == {"a": [1, 2.5]}
+    # An unserialisable payload leaves the old file as it was, and no temporary file.
+    with pytest.raises(ValueError):
+        write_json(path, {"a": float("nan")})
+    with pytest.raises(TypeError):
+        write_json(path, {"a": object()})
+    assert read_json(path) == {"a": [1, 2.5]}
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]
