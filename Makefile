@@ -1,0 +1,56 @@
+# Everything runs from a project-local virtual environment, .venv, created on first use.
+#   make test            ruff format --check, ruff check, and the fast test tier (CI runs this)
+#   make repro           the main job: python -m paper_figures (pass options with ARGS="...")
+#   make test-full       the release tier: every test, hypothesis profile "full"
+#   make format          ruff format + ruff check --fix
+#   make strip-notebooks strip outputs and execution counts from notebooks/*.ipynb in place
+#   make clean           remove caches and build outputs (keeps .venv; see clean-venv)
+
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+RUFF := $(VENV)/bin/ruff
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+# The editable install maps the top-level packages that exist when it runs, so re-install when one
+# of them appears (or pyproject.toml changes).
+PACKAGE_INITS := $(wildcard reference/__init__.py zero/__init__.py verify/__init__.py \
+	paper_figures/__init__.py)
+
+.PHONY: test test-full repro format lint strip-notebooks clean clean-venv
+
+# torch goes in first and pinned: asking pip for plain `torch` would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml $(PACKAGE_INITS)
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $@
+
+lint: $(STAMP)
+	$(RUFF) format --check .
+	$(RUFF) check .
+
+test: lint
+	$(VPY) -m pytest -p no:cacheprovider -m "not full" --durations=20 -q
+
+test-full: lint
+	HYPOTHESIS_PROFILE=full $(VPY) -m pytest -p no:cacheprovider --durations=30 -q
+
+repro: $(STAMP)
+	$(VPY) -m paper_figures $(ARGS)
+
+format: $(STAMP)
+	$(RUFF) format .
+	$(RUFF) check --fix .
+
+strip-notebooks: $(STAMP)
+	$(VPY) tests/notebook_tools.py strip $(wildcard notebooks/*.ipynb)
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -type d -name .ipynb_checkpoints -exec rm -rf {} +
+
+clean-venv:
+	rm -rf $(VENV)
