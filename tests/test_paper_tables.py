@@ -161,7 +161,15 @@ def test_main_job(tmp_path):
     assert "20/20 theoretical cells equal the paper's printed value." in table2
     assert "0.5T (0.5T)" in table2 and "≠" not in table_rows(table2)
 
-    for name, count in [("fig1_memory", 4), ("table1_memory", 54), ("table2_max_model", 20)]:
+    sim = (tmp_path / "tables" / "sim_check.md").read_text()
+    assert "32/32 checks equal the formula." in sim and "≠" not in table_rows(sim)
+
+    for name, count in [
+        ("fig1_memory", 4),
+        ("table1_memory", 54),
+        ("table2_max_model", 20),
+        ("sim_check", 16),
+    ]:
         records = read_json(tmp_path / "results" / f"{name}.json")["records"]
         assert len(records) == count
         assert {"schema", "kind", "config", "result", "provenance"} <= set(records[0])

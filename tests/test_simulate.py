@@ -67,7 +67,7 @@ sizes_strategy = st.lists(
 )
 
 
-@settings(max_examples=60)
+@settings(max_examples=max(60, settings.default.max_examples))
 @given(
     sizes=sizes_strategy,
     log_n=st.integers(0, 3),
