@@ -1,0 +1,235 @@
+"""Stateless collectives, one per function, every resource passed in, every call counted.
+
+Legend: N ranks in `group`; a flat unit buffer has N·L elements (L the shard length); Ψ is the
+element count of everything a call moves, summed over units. Volumes are elements *sent per rank*:
+    reduce-scatter    (N-1)·L    = (N-1)/N · Ψ
+    all-gather        (N-1)·L    = (N-1)/N · Ψ
+    all-reduce        2·(N-1)·L  = 2(N-1)/N · Ψ   (reduce-scatter + all-gather, the ring's cost)
+Control traffic (overflow flag, norm partials, losses, rank-agreement checks) is counted under
+kind="control", apart from model states.
+
+[Note: deterministic reduce-scatter] A backend's reduce-scatter sums in an order of its choosing
+(a ring: rank r's shard accumulates in rotation order). Deterministic mode instead sends each
+rank its slices with one all-to-all and sums the N received slices locally with the reference's
+tree T in rank order (reference/tree.py). Same volume; on gloo it is even faster
+(MACHINE_NOTES.md). reference.tree works on torch tensors unchanged, so there is one definition
+of the order.
+
+Every function returns a Pending: the collective is launched (asynchronously when async_op) and
+`wait()` finishes it, including any local reduction, and stamps the record's end time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from reference.tree import tree_sum
+
+# torch 2.13 renamed the flat collectives; 2.6-2.11 only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(kw_only=True)
+class CommRecord:
+    """One collective as this rank saw it."""
+
+    op: str
+    phase: str  # what the traffic is for: grad, grad_gather, param_update, param_fwd, ...
+    kind: str  # "model" or "control"
+    unit: int | None
+    elements: int  # elements this rank sent (padding included)
+    padding: int  # of which padding
+    nbytes: int
+    step: int
+    start: float  # time.perf_counter() at launch
+    end: float | None = None  # at completion (wait)
+
+
+@dataclass
+class CommCounter:
+    """All traffic of one engine; `step` is set by the engine so records group by step."""
+
+    records: list[CommRecord] = field(default_factory=list)
+    step: int = 0
+
+    def add(self, **kw) -> CommRecord:
+        rec = CommRecord(step=self.step, start=time.perf_counter(), **kw)
+        self.records.append(rec)
+        return rec
+
+    def of_step(self, step: int | None = None, kind: str = "model") -> list[CommRecord]:
+        s = self.step if step is None else step
+        return [r for r in self.records if r.step == s and r.kind == kind]
+
+    def volume(self, step: int | None = None, kind: str = "model") -> tuple[int, int]:
+        """(elements sent, of which padding) by this rank in one step."""
+        recs = self.of_step(step, kind)
+        return sum(r.elements for r in recs), sum(r.padding for r in recs)
+
+    def counts(self, step: int | None = None, kind: str = "model") -> dict[str, int]:
+        """Number of calls per op in one step."""
+        out: dict[str, int] = {}
+        for r in self.of_step(step, kind):
+            out[r.op] = out.get(r.op, 0) + 1
+        return out
+
+
+class Pending:
+    """A launched collective; wait() completes it and returns its result."""
+
+    def __init__(self, work, finish: Callable[[], torch.Tensor], record: CommRecord, keep=()):
+        self._work, self._finish, self._record, self._result = work, finish, record, None
+        self._keep = keep  # inputs an asynchronous collective still reads; released on wait
+
+    def wait(self) -> torch.Tensor:
+        if self._record.end is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+            self._record.end = time.perf_counter()
+            self._keep = ()
+        return self._result
+
+
+def _launch(fn, *args, group, async_op, **kwargs):
+    work = fn(*args, group=group, async_op=async_op, **kwargs)
+    return work if async_op else None
+
+
+def reduce_scatter_tree(
+    flat: torch.Tensor, *, group, counter: CommCounter, padding: int, tag: dict, async_op=False
+) -> Pending:
+    """Rank r receives T(slice r of rank 0, ..., slice r of rank N-1): all-to-all + local tree.
+
+    Sends (N-1)·L elements per rank, (N-1)/N·Ψ ([Note: deterministic reduce-scatter]).
+    flat: this rank's padded buffer (N·L). Returns a new tensor of L elements, flat's dtype.
+    """
+    n = dist.get_world_size(group)
+    shard = flat.numel() // n
+    rec = counter.add(
+        op="reduce_scatter",
+        elements=(n - 1) * shard,
+        padding=padding,
+        nbytes=(n - 1) * shard * flat.element_size(),
+        **tag,
+    )
+    if n == 1:
+        return Pending(None, lambda: flat.clone(), rec)
+    recv = torch.empty_like(flat)
+    work = _launch(dist.all_to_all_single, recv, flat, group=group, async_op=async_op)
+    return Pending(work, lambda: tree_sum(list(recv.view(n, shard).unbind(0))), rec, (flat,))
+
+
+def reduce_scatter_fast(
+    flat: torch.Tensor, *, group, counter: CommCounter, padding: int, tag: dict, async_op=False
+) -> Pending:
+    """The backend's reduce-scatter (SUM, its own order). Sends (N-1)/N·Ψ per rank."""
+    n = dist.get_world_size(group)
+    shard = flat.numel() // n
+    rec = counter.add(
+        op="reduce_scatter",
+        elements=(n - 1) * shard,
+        padding=padding,
+        nbytes=(n - 1) * shard * flat.element_size(),
+        **tag,
+    )
+    out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
+    if n == 1:
+        return Pending(None, lambda: out.copy_(flat), rec)
+    work = _launch(_reduce_scatter_flat, out, flat, group=group, async_op=async_op)
+    return Pending(work, lambda: out, rec, (flat,))
+
+
+def all_reduce_sum(
+    flat: torch.Tensor, *, group, counter: CommCounter, padding: int, tag: dict, async_op=False
+) -> Pending:
+    """In-place backend all-reduce (SUM). Sends 2(N-1)/N·Ψ per rank (ring cost)."""
+    n = dist.get_world_size(group)
+    shard = flat.numel() // n
+    rec = counter.add(
+        op="all_reduce",
+        elements=2 * (n - 1) * shard,
+        padding=padding,
+        nbytes=2 * (n - 1) * shard * flat.element_size(),
+        **tag,
+    )
+    if n == 1:
+        return Pending(None, lambda: flat, rec)
+    work = _launch(dist.all_reduce, flat, group=group, async_op=async_op)
+    return Pending(work, lambda: flat, rec)
+
+
+def all_gather(
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    *,
+    group,
+    counter: CommCounter,
+    padding: int,
+    tag: dict,
+    async_op=False,
+) -> Pending:
+    """out (N·L) <- every rank's shard (L) in rank order. Sends (N-1)·L = (N-1)/N·Ψ per rank.
+
+    padding: padding elements this rank sends, i.e. (N-1) times those in its own shard.
+    """
+    n = dist.get_world_size(group)
+    rec = counter.add(
+        op="all_gather",
+        elements=(n - 1) * shard.numel(),
+        padding=padding,
+        nbytes=(n - 1) * shard.numel() * shard.element_size(),
+        **tag,
+    )
+    if n == 1:
+        return Pending(None, lambda: out.copy_(shard), rec)
+    work = _launch(_all_gather_flat, out, shard, group=group, async_op=async_op)
+    return Pending(work, lambda: out, rec, (shard,))
+
+
+def any_flag(flag: bool, *, group, counter: CommCounter, phase: str = "overflow") -> bool:
+    """Control: True on every rank if any rank passed True (one-element all-reduce MAX)."""
+    n = dist.get_world_size(group)
+    t = torch.tensor([1.0 if flag else 0.0])
+    rec = counter.add(
+        op="all_reduce_max",
+        phase=phase,
+        kind="control",
+        unit=None,
+        elements=n - 1,
+        padding=0,
+        nbytes=(n - 1) * 4,
+    )
+    if n > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    rec.end = time.perf_counter()
+    return bool(t.item())
+
+
+def gather_control(
+    values: torch.Tensor, *, group, counter: CommCounter, phase: str, unit=None
+) -> torch.Tensor:
+    """Control: all-gather a small tensor (equal sizes) from every rank; returns (N, *shape)."""
+    n = dist.get_world_size(group)
+    rec = counter.add(
+        op="all_gather",
+        phase=phase,
+        kind="control",
+        unit=unit,
+        elements=(n - 1) * values.numel(),
+        padding=0,
+        nbytes=(n - 1) * values.numel() * values.element_size(),
+    )
+    out = torch.empty((n, *values.shape), dtype=values.dtype, device=values.device)
+    if n == 1:
+        out[0].copy_(values)
+    else:
+        _all_gather_flat(out.view(-1), values.reshape(-1).contiguous(), group=group)
+    rec.end = time.perf_counter()
+    return out

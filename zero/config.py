@@ -1,0 +1,98 @@
+"""The engine's configuration: one keyword-only dataclass, validated on construction.
+
+Legend: N data-parallel world size, M micro-batches per step (over all ranks, so each rank runs
+M/N per step), S loss scale, Ψ parameters. The numerical meaning of every field is the
+reference's (reference/step.py); `step_config(N)` gives the reference configuration this engine
+must reproduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from reference.optim import Hyper
+from reference.precision import ScalerConfig
+from reference.step import StepConfig
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STAGES = (0, 1, 2)  # stage 3 arrives with its own module
+
+
+def decay_matrices_only(name: str, param: torch.Tensor) -> int:
+    """A common grouping: group 0 (weight decay) for matrices, group 1 for biases and norms."""
+    del name
+    return 0 if param.ndim >= 2 else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """How to train: the ZeRO stage, the numerics of a step, and the engine's structure."""
+
+    stage: int = 0
+    """0 baseline DP; 1 P_os (optimizer states partitioned); 2 P_os+g (+ gradients)."""
+    precision: str = "fp32"
+    """Compute dtype of the working copy and of the gradients: 'fp32', 'bf16' or 'fp16'."""
+    reduce_dtype: str | None = None
+    """Dtype gradients are summed in: 'fp32' (None means fp32) or the compute dtype (the paper's
+    configuration, which halves gradient memory and traffic in mixed precision)."""
+    deterministic: bool = True
+    """True: the reference's reduction tree, every micro-step (bitwise equal to reference/).
+    False: the backend's reduce-scatter/all-reduce, local accumulation where the stage allows it,
+    torch's optimizer kernels (within derived bounds, verify/bounds.py)."""
+    optimizer: str = "adamw"
+    """'sgd', 'adam' or 'adamw'."""
+    groups: tuple[Hyper, ...] = (Hyper(),)
+    """Hyper-parameters of each parameter group."""
+    group_of: Callable[[str, torch.Tensor], int] | None = None
+    """Maps (parameter name, parameter) to a group index; None puts everything in group 0."""
+    micro_batches: int = 1
+    """M: micro-batches per step over all ranks; a positive multiple of the world size."""
+    clip_norm: float | None = None
+    """Clip the global gradient L2 norm to this value; None disables clipping."""
+    scaler: ScalerConfig = field(default_factory=ScalerConfig)
+    """Dynamic loss scaling, used with precision='fp16'."""
+    nonfinite: str = "raise"
+    """fp32/bf16: 'raise' FloatingPointError on a non-finite gradient, or 'skip' the step."""
+    units: tuple[str, ...] = ()
+    """Qualified names of the submodules that are units (e.g. each transformer block); all
+    other parameters, and any parameter shared between units, form the root unit."""
+    overlap: bool = True
+    """Launch each unit's reduction asynchronously as soon as its gradients are ready."""
+    chunk: int = 4096
+    """Clipping-chunk size C in elements (a power of two >= 128); shards are multiples of it."""
+
+    def __post_init__(self):
+        if self.stage not in STAGES:
+            raise ValueError(f"stage={self.stage!r}: allowed are {STAGES}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic={self.deterministic!r}: must be True or False")
+        if self.chunk < 128 or self.chunk & (self.chunk - 1):
+            raise ValueError(f"chunk={self.chunk}: must be a power of two >= 128")
+        if len(set(self.units)) != len(self.units) or "" in self.units:
+            raise ValueError(f"units={self.units!r}: names must be distinct and non-empty")
+        self.step_config(1)  # the reference validates the numerical fields
+
+    def step_config(self, world_size: int) -> StepConfig:
+        """The reference configuration of one step of this engine at world size N."""
+        return StepConfig(
+            optimizer=self.optimizer,
+            groups=self.groups,
+            precision=self.precision,
+            reduce_dtype=self.reduce_dtype,
+            world_size=world_size,
+            micro_batches=self.micro_batches,
+            clip_norm=self.clip_norm,
+            scaler=self.scaler,
+            nonfinite=self.nonfinite,
+        )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.precision]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.reduce_dtype or "fp32"]

@@ -1,0 +1,354 @@
+"""ZeroEngine: ZeRO stages 0-2 around an unchanged nn.Module, one data-parallel group.
+
+    engine = ZeroEngine(model, ZeroConfig(stage=2, micro_batches=8, ...), group=dp_group)
+    for batch in my_micro_batches:            # M/N of them per step on each rank
+        _, loss = engine(*batch)               # forward, on the compute-dtype working copy
+        engine.backward(loss)                  # backward; reductions launch as units finish
+    result = engine.step()                     # global loss, global grad norm, skipped?
+
+Legend: N ranks in `group`, M micro-batches per step over all ranks, S loss scale, t optimizer
+steps taken, R the reduced gradient. A step is exactly reference/step.py's, computed on shards:
+  1. every micro-step, each unit's gradients are reduced as the stage says (zero/stage*.py);
+  2. overflow: any non-finite in R on any rank ([Note: overflow detection]);
+  3. g = fp32(R) · s(1/(S·M)); the global norm from chunk partials; clipping;
+  4. the optimizer on this rank's extent (zero/optim.py), then the new working copy.
+
+[Note: overflow detection] The reference checks every micro-batch gradient and R. Once a
+non-finite value enters an IEEE sum, the sum stays non-finite (inf + x is inf or NaN; NaN
+propagates), and casting to a wider dtype cannot overflow, so "some g_j is non-finite" implies "R
+is non-finite". Each rank checks the part of R it holds and one MAX all-reduce tells every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reference.optim import state_names
+from reference.precision import f32, scaler_init, scaler_update
+from reference.step import clip_coefficient
+from reference.tree import global_norm
+
+from . import collectives as C
+from .config import ZeroConfig
+from .optim import step_runs
+from .partition import UnitPartition
+from .stage0 import Stage0
+from .stage1 import Stage1
+from .stage2 import Stage2
+from .unit import FlatUnit
+
+STAGE_CLASSES = {0: Stage0, 1: Stage1, 2: Stage2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    loss: float  # mean loss over all M micro-batches of the step, on every rank
+    norm: float | None  # global gradient norm before clipping (None when skipped)
+    skipped: bool  # overflow: nothing but the loss scale changed
+    scale: float  # the loss scale S this step used
+
+
+def backward_scaled(loss: torch.Tensor, scale: float | None) -> None:
+    """Backward of S·loss (fp16) or of loss. Verification computes single-process micro-batch
+    gradients through this same function, so that they are the engine's bits."""
+    (loss if scale is None else loss.float() * scale).backward()
+
+
+def cast_inputs(args, dtype: torch.dtype) -> list:
+    """Floating tensors among the positional inputs, in the compute dtype (as FSDP's default
+    mixed precision does); verification applies the same cast to its single-process run."""
+    return [a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+
+
+def chunk_sumsq(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """reference.tree.chunk_sumsq in torch: float64 squares, pairwise halving per chunk."""
+    s = x.double().view(-1, chunk)
+    s = s * s
+    while s.shape[1] > 1:
+        h = s.shape[1] // 2
+        s = s[:, :h] + s[:, h:]
+    return s[:, 0]
+
+
+class ZeroEngine(nn.Module):
+    def __init__(self, module: nn.Module, config: ZeroConfig, *, group=None):
+        super().__init__()
+        self.module, self.config = module, config
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        n = self.world_size
+        if config.micro_batches % n:
+            raise ValueError(
+                f"micro_batches={config.micro_batches}: must be a multiple of the world size {n}"
+            )
+        self.counter = C.CommCounter()
+        self.step_config = config.step_config(n)
+        device = next(module.parameters()).device
+        named = self._collect_units()
+        self.group_index = self._group_index(named)
+        self._check_ranks_agree(named)
+        self.units: list[FlatUnit] = []
+        self.pad_rs, self.pad_ag, self.extra_partials = [], [], []
+        for i, (uname, params) in enumerate(named):
+            part = UnitPartition.build(
+                [(p_name, p.shape) for p_name, p in params],
+                world_size=n,
+                rank=self.rank,
+                groups=[self.group_index[p_name] for p_name, _ in params],
+                chunk=config.chunk,
+            )
+            u = FlatUnit(i, uname, params, part, config.compute_dtype, device)
+            real = [part.real_elements(r) for r in range(n)]
+            L = part.shard_numel
+            self.pad_rs.append(sum(L - real[r] for r in range(n) if r != self.rank))
+            self.pad_ag.append((n - 1) * (L - real[self.rank]))
+            self.extra_partials.append(0)
+            self.units.append(u)
+        self.impl = STAGE_CLASSES[config.stage](self)
+        for u in self.units:
+            self.impl.allocate(u)
+            u.initial = None  # the fp32 start values are now in the master
+        self.runs = [self.impl.runs(u) for u in self.units]
+        self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
+        self.t, self.data_step, self.microstep = 0, 0, 0
+        self.transient_peak = 0
+        self._losses: list[float] = []
+        for u in self.units:
+            for _, p in u.params:
+                p.register_post_accumulate_grad_hook(self._hook(u))
+
+    # -- construction helpers ----------------------------------------------------------------
+
+    def _collect_units(self) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+        """[(unit name, [(param name, param)])], root first; shared parameters go to the root."""
+        mods = dict(self.module.named_modules())
+        owner: dict[int, str] = {}
+        for uname in self.config.units:
+            if uname not in mods:
+                raise ValueError(f"units: {uname!r} is not a submodule of the model")
+            for p in mods[uname].parameters():
+                owner[id(p)] = "" if owner.get(id(p), uname) != uname else uname
+        named = {uname: [] for uname in ("", *self.config.units)}
+        for p_name, p in self.module.named_parameters():  # each Parameter once, tied ones too
+            named[owner.get(id(p), "")].append((p_name, p))
+        return [(k, v) for k, v in named.items() if v]
+
+    def _group_index(self, named) -> dict[str, int]:
+        fn, k = self.config.group_of, len(self.config.groups)
+        out = {pn: (fn(pn, p) if fn else 0) for _, ps in named for pn, p in ps}
+        for pn, g in out.items():
+            if not 0 <= g < k:
+                raise ValueError(f"group_of({pn!r})={g}: allowed are 0..{k - 1}")
+        return out
+
+    def _check_ranks_agree(self, named) -> None:
+        """Different models, unit orders, configs or initial values on different ranks would
+        hang or silently diverge: compare digests and name the first rank and unit that differ."""
+        cfg = {
+            f.name: repr(getattr(self.config, f.name))
+            for f in fields(self.config)
+            if f.name != "group_of"
+        }
+        rows = [("config", json.dumps(cfg, sort_keys=True))]
+        for uname, ps in named:
+            shape = [(pn, tuple(p.shape), str(p.dtype), self.group_index[pn]) for pn, p in ps]
+            rows.append((f"unit {uname or '<root>'} structure", repr(shape)))
+            vals = b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in ps)
+            rows.append((f"unit {uname or '<root>'} initial values", vals))
+        digests = [
+            int.from_bytes(
+                hashlib.blake2b(v if isinstance(v, bytes) else v.encode(), digest_size=7).digest(),
+                "little",
+            )
+            for _, v in rows
+        ]
+        mine = torch.tensor([len(rows), *digests], dtype=torch.int64)
+        counts = C.gather_control(mine[:1], group=self.group, counter=self.counter, phase="agree")
+        for r, c in enumerate(counts[:, 0].tolist()):
+            if c != len(rows):
+                raise ValueError(
+                    f"rank {r} has {c - 1} units, rank {self.rank} has "
+                    f"{len(rows) - 1}: the ranks built different models"
+                )
+        every = C.gather_control(mine, group=self.group, counter=self.counter, phase="agree")
+        for r in range(self.world_size):
+            for i, (what, _) in enumerate(rows):
+                if every[r, 1 + i] != every[0, 1 + i]:
+                    raise ValueError(f"rank {r} disagrees with rank 0 on {what}")
+
+    # -- the lifecycle hooks (no math here) ---------------------------------------------------
+
+    def _hook(self, u: FlatUnit):
+        def post_accumulate(_param) -> None:
+            u.ready += 1
+            if u.ready == len(u.params) and self.config.overlap:
+                u.fired = True
+                self.impl.post_backward(u)
+
+        return post_accumulate
+
+    def forward(self, *args, **kwargs):
+        """The wrapped module's forward; floating inputs are cast to the compute dtype."""
+        return self.module(*cast_inputs(args, self.config.compute_dtype), **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (mean over its samples), then finalize_backward."""
+        self._losses.append(float(loss.detach().float()))
+        backward_scaled(loss, None if self.scaler is None else self.scaler.scale)
+        self.finalize_backward()
+
+    def finalize_backward(self) -> None:
+        for u in reversed(self.units):  # units with unused parameters, or overlap off
+            if not u.fired:
+                self.impl.post_backward(u)
+        for u in self.units:
+            self.impl.end_microstep(u)
+            u.ready, u.fired = 0, False
+        self.microstep += 1
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        k = self.config.micro_batches // self.world_size
+        if self.microstep != k:
+            raise RuntimeError(
+                f"step() after {self.microstep} micro-steps on rank {self.rank}; "
+                f"micro_batches={self.config.micro_batches} at N="
+                f"{self.world_size} needs {k}"
+            )
+        held = [self.impl.finish_reduction(u) for u in self.units]
+        bad = any(not bool(torch.isfinite(h).all()) for h in held)
+        overflow = C.any_flag(bad, group=self.group, counter=self.counter)
+        loss, scale = self._global_loss(), 1.0 if self.scaler is None else self.scaler.scale
+        norm = None
+        if overflow:
+            if self.scaler is None and self.config.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"non-finite gradient at data step {self.data_step} "
+                    f"(rank {self.rank} saw it: {bad}) with precision="
+                    f"{self.config.precision!r}; nonfinite='skip' skips"
+                )
+        else:
+            c = torch.tensor(f32(1.0 / (scale * self.config.micro_batches)))
+            g = [h.float() * c for h in held]
+            norm = self._global_norm(g)
+            coef = clip_coefficient(norm, self.config.clip_norm)
+            if coef is not None:
+                g = [x * torch.tensor(coef) for x in g]
+            self.t += 1
+            for u, gu, runs in zip(self.units, g, self.runs, strict=True):
+                step_runs(
+                    self.config.optimizer,
+                    self.config.groups,
+                    runs,
+                    self.t,
+                    u.master,
+                    gu,
+                    u.opt,
+                    deterministic=self.config.deterministic,
+                )
+                self.impl.refresh_working(u)
+        if self.scaler is not None:
+            self.scaler = scaler_update(self.scaler, overflow, self.config.scaler)
+        self.data_step, self.microstep = self.data_step + 1, 0
+        self.counter.step += 1
+        return StepResult(
+            loss=loss, norm=None if norm is None else float(norm), skipped=overflow, scale=scale
+        )
+
+    def _global_norm(self, g: list[torch.Tensor]) -> np.float64:
+        """Chunk partials of what this rank holds, one all-gather (control), T in chunk order."""
+        mine = [chunk_sumsq(x, self.config.chunk) for x in g]
+        if self.impl.stage == 0:
+            per_unit = mine
+        else:
+            every = C.gather_control(
+                torch.cat(mine), group=self.group, counter=self.counter, phase="norm"
+            )
+            per_unit, at = [], 0
+            for x in mine:
+                per_unit.append(every[:, at : at + x.numel()].reshape(-1))
+                at += x.numel()
+        return global_norm(
+            [
+                p[: u.part.layout.num_chunks].cpu().numpy()
+                for p, u in zip(per_unit, self.units, strict=True)
+            ]
+        )
+
+    def _global_loss(self) -> float:
+        mine = torch.tensor([sum(self._losses), len(self._losses)], dtype=torch.float64)
+        every = C.gather_control(mine, group=self.group, counter=self.counter, phase="loss")
+        self._losses = []
+        return float(every[:, 0].sum() / every[:, 1].sum())
+
+    # -- bookkeeping used by the stages and by verification ------------------------------------
+
+    def state_names(self, group: int) -> tuple[str, ...]:
+        return state_names(self.config.optimizer, self.config.groups[group])
+
+    def note_partials(self, u: FlatUnit, peak: int) -> None:
+        self.extra_partials[u.index] = max(self.extra_partials[u.index], peak)
+
+    def note_transient(self, t: torch.Tensor) -> None:
+        self.transient_peak = max(self.transient_peak, 2 * t.nbytes)  # arrival + receive buffer
+
+    def memory_report(self) -> dict[str, int]:
+        """Resident bytes by category, each storage counted once (a view owns nothing new)."""
+        seen: set[int] = set()
+
+        def owned(tensors) -> int:
+            total = 0
+            for t in tensors:
+                s = t.untyped_storage()
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+            return total
+
+        extra = sum(
+            p * u.part.shard_numel * u.grad.element_size()
+            for p, u in zip(self.extra_partials, self.units, strict=True)
+        )
+        return {
+            "params": owned(u.working for u in self.units),
+            "grads": owned(u.grad for u in self.units) + extra,
+            "master": owned(u.master for u in self.units),
+            "optimizer": owned(t for u in self.units for t in u.opt.values()),
+            "comm_buffers": self.transient_peak,
+        }
+
+    def unit_specs(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """The units as the reference describes them: [[(param name, shape)], ...]."""
+        return [[(s.name, s.shape) for s in u.part.layout.slots] for u in self.units]
+
+    def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """The full fp32 master and optimizer states by parameter name, on every rank (an
+        all-gather of the shards, counted as control traffic)."""
+        master: dict[str, torch.Tensor] = {}
+        opt: dict[str, dict[str, torch.Tensor]] = {pn: {} for pn in self.group_index}
+        for u in self.units:
+            for key, t in {"master": u.master, **u.opt}.items():
+                full = self._full(u, t)
+                for s, (pn, _) in zip(u.part.layout.slots, u.params, strict=True):
+                    v = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+                    if key == "master":
+                        master[pn] = v
+                    elif key in self.state_names(self.group_index[pn]):
+                        opt[pn][key] = v
+        return master, opt
+
+    def _full(self, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == u.part.padded_numel:
+            return t
+        every = C.gather_control(
+            t.contiguous(), group=self.group, counter=self.counter, phase="gather_state"
+        )
+        return every.reshape(-1)

@@ -1,0 +1,127 @@
+"""SGD, Adam and AdamW on flat fp32 shards, run by parameter-group runs.
+
+Deterministic mode executes reference/optim.py's sequence ([Note: op-ordered optimizers] there)
+with primitive torch ops: tensor-tensor arithmetic, multiplication by float32 scalars computed
+once per step (reference.optim.step_scalars), no fused ops. On CPU, torch's float32 sqrt is not
+correctly rounded, so the sqrt goes through float64, whose rounding back to float32 is exact
+(a float64 sqrt of a float32 rounds correctly to float32). The result is the reference's bits.
+
+Fast mode hands the same shard to torch's own single-tensor kernels (fused where the device has
+them), whose bound against the reference is verify/bounds.optimizer_step_error.
+
+Padding elements are zeros with zero gradients and zero states; every optimizer here maps them
+to zeros again (0·x = 0, 0/eps = 0), so a run may include alignment gaps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference import optim as ref_optim
+from reference.optim import Hyper
+
+from .partition import Run
+
+STATE_NAMES = ref_optim.state_names
+
+
+def _scalars(kind: str, hp: Hyper, t: int, device) -> dict[str, torch.Tensor]:
+    # 0-dim float32 tensors on the device: a Python float would be rounded by the kernel's
+    # own rules; a 0-dim tensor of the same dtype is multiplied as it is.
+    return {
+        k: torch.tensor(float(v), dtype=torch.float32, device=device)
+        for k, v in ref_optim.step_scalars(kind, hp, t).items()
+    }
+
+
+def _sqrt(v: torch.Tensor) -> torch.Tensor:
+    if v.device.type == "cpu":  # MACHINE_NOTES: CPU float32 sqrt is off by 1 ulp on ~18%
+        return torch.sqrt(v.double()).float()
+    return torch.sqrt(v)  # CUDA's float32 sqrt is IEEE correctly rounded by default
+
+
+def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
+    """reference.optim.step, in place on tensors p (fp32 master), g and state (views allowed)."""
+    s = _scalars(kind, hp, t, p.device)
+    if kind == "sgd":
+        if hp.weight_decay:
+            g = g + s["wd"] * p
+        if hp.momentum:
+            buf = state["momentum_buffer"]
+            if t == 1:
+                buf.copy_(g)
+            else:
+                buf.copy_(buf * s["mom"] + g * s["one_minus_damp"])
+            g = g + s["mom"] * buf if hp.nesterov else buf
+        p.copy_(p - s["lr"] * g)
+        return
+    if kind == "adamw":
+        if hp.weight_decay:
+            p.copy_(p * s["decay"])
+    elif hp.weight_decay:
+        g = g + s["wd"] * p
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.copy_(m * s["b1"] + g * s["one_minus_b1"])
+    v.copy_(v * s["b2"] + (g * g) * s["one_minus_b2"])
+    d = _sqrt(v) * s["inv_sqrt_bc2"] + s["eps"]
+    p.copy_(p - s["step_size"] * (m / d))
+
+
+def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
+    """torch's own functional kernels on the same shard (not bitwise; bounded)."""
+    if kind == "sgd":
+        buf = state.get("momentum_buffer")
+        bufs = [None if t == 1 else buf]  # torch creates the buffer on the first step
+        torch.optim.sgd.sgd(
+            [p],
+            [g],
+            bufs,
+            weight_decay=hp.weight_decay,
+            momentum=hp.momentum,
+            lr=hp.lr,
+            dampening=hp.dampening,
+            nesterov=hp.nesterov,
+            maximize=False,
+            foreach=False,
+        )
+        if buf is not None and bufs[0] is not buf:
+            buf.copy_(bufs[0])
+        return
+    fn = torch.optim.adamw.adamw if kind == "adamw" else torch.optim.adam.adam
+    b1, b2 = hp.betas
+    fn(
+        [p],
+        [g],
+        [state["exp_avg"]],
+        [state["exp_avg_sq"]],
+        [],
+        [torch.tensor(float(t - 1))],
+        amsgrad=False,
+        beta1=b1,
+        beta2=b2,
+        lr=hp.lr,
+        weight_decay=hp.weight_decay,
+        eps=hp.eps,
+        maximize=False,
+        foreach=False,
+    )
+
+
+def step_runs(
+    kind: str,
+    groups: tuple[Hyper, ...],
+    runs: list[Run],
+    t: int,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    states: dict[str, torch.Tensor],
+    *,
+    deterministic: bool,
+) -> None:
+    """Update a flat master shard in place, one parameter-group run at a time."""
+    kernel = deterministic_step if deterministic else fast_step
+    for run in runs:
+        hp = groups[run.group]
+        sl = slice(run.start, run.stop)
+        st = {k: states[k][sl] for k in STATE_NAMES(kind, hp)}
+        kernel(kind, hp, t, master[sl], grad[sl].float(), st)

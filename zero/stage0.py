@@ -1,0 +1,142 @@
+"""Stage 0: baseline data parallelism. Every rank keeps every model state whole.
+
+Resident per rank (Ψ parameters; K = 12 for mixed-precision Adam; DESIGN.md §3):
+    working params  Ψ · compute bytes              (the fp32 master itself in pure fp32)
+    gradients       Ψ · reduction bytes            (+ floor(log2(M/N)) shards of partial sums)
+    master + states KΨ
+Traffic per step (elements per rank, × (N-1)/N; DESIGN.md §2):
+    deterministic   (M/N + 1)Ψ: a tree-ordered reduce-scatter every micro-step, then one
+                    all-gather of the reduced gradient, so every rank can run the whole optimizer
+    fast            2Ψ: local accumulation over micro-steps, then one all-reduce
+
+Stages 1 and 2 subclass this class and override only what they partition, so each reads as a
+diff of this one. The lifecycle (called by the engine, which does no stage-specific work):
+    allocate(u)          once: the unit's resident buffers
+    post_backward(u)     a micro-batch's gradients of u are ready (autograd hook)
+    end_microstep(u)     after backward: complete what post_backward launched
+    finish_reduction(u)  at step(): R, as far as this rank needs it
+    refresh_working(u)   after the optimizer: the new working copy
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import collectives as C
+from .unit import FlatUnit
+
+
+class Stage0:
+    stage = 0
+
+    def __init__(self, engine):
+        self.eng = engine
+        self.cfg = engine.config
+        self.group = engine.group
+        self.counter = engine.counter
+
+    # -- what stays resident -----------------------------------------------------------------
+
+    def allocate(self, u: FlatUnit) -> None:
+        u.master = self.own_master(u)
+        names = {
+            x
+            for g in {self.eng.group_index[n] for n, _ in u.params}
+            for x in self.eng.state_names(g)
+        }
+        u.opt = {x: torch.zeros_like(u.master) for x in sorted(names)}
+        u.grad = torch.zeros(
+            u.part.padded_numel, dtype=self.cfg.grad_dtype, device=u.working.device
+        )
+
+    def own_master(self, u: FlatUnit) -> torch.Tensor:
+        """The whole fp32 master (the working copy itself when training in fp32)."""
+        return u.initial
+
+    def master_extent(self, u: FlatUnit) -> slice:
+        """Which elements of the padded buffer this rank's optimizer updates."""
+        return slice(0, u.part.padded_numel)
+
+    def runs(self, u: FlatUnit):
+        """The parameter-group runs of the master's extent (zero/partition.py)."""
+        return u.part.runs(whole=True)
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def post_backward(self, u: FlatUnit) -> None:
+        """This micro-batch's gradient of u, in the reduction dtype, goes into u.grad: reduce it
+        now (deterministic), or add it to the local sum (fast; DDP's no_sync accumulation)."""
+        if not self.cfg.deterministic:
+            self.accumulate_locally(u)
+            return
+        u.part.flatten_into(u.grad, u.grads())  # exact upcast into the reduction dtype
+        u.clear_grads()
+        u.pending.append(self.reduce_scatter(u, u.grad))
+
+    def accumulate_locally(self, u: FlatUnit) -> None:
+        if self.eng.microstep == 0:
+            u.part.flatten_into(u.grad, u.grads())
+        else:
+            for slot, (_, p) in zip(u.part.layout.slots, u.params, strict=True):
+                if p.grad is not None:
+                    view = u.grad[slot.offset : slot.offset + slot.numel]
+                    view += p.grad.reshape(-1).to(view.dtype)
+        u.clear_grads()
+
+    def reduce_scatter(self, u: FlatUnit, flat: torch.Tensor) -> C.Pending:
+        fn = C.reduce_scatter_tree if self.cfg.deterministic else C.reduce_scatter_fast
+        return fn(
+            flat,
+            group=self.group,
+            counter=self.counter,
+            padding=self.eng.pad_rs[u.index],
+            tag=self.tag(u, "grad"),
+            async_op=self.cfg.overlap,
+        )
+
+    def all_gather(self, u: FlatUnit, out, shard, phase: str) -> C.Pending:
+        return C.all_gather(
+            out,
+            shard,
+            group=self.group,
+            counter=self.counter,
+            padding=self.eng.pad_ag[u.index],
+            tag=self.tag(u, phase),
+        )
+
+    def tag(self, u: FlatUnit, phase: str) -> dict:
+        return {"phase": phase, "unit": u.index, "kind": "model"}
+
+    def end_microstep(self, u: FlatUnit) -> None:
+        """Deterministic: each B_k shard joins the streaming tree ([Note: the tree T])."""
+        for pending in u.pending:
+            u.stream.push(pending.wait())
+        u.pending.clear()
+
+    # -- step --------------------------------------------------------------------------------
+
+    def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
+        """R over the whole unit: every rank runs the whole optimizer at stage 0."""
+        if self.cfg.deterministic:
+            shard = self.take_stream(u)
+            self.all_gather(u, u.grad, shard, "grad_gather").wait()
+        else:
+            C.all_reduce_sum(
+                u.grad,
+                group=self.group,
+                counter=self.counter,
+                padding=self.eng.pad_rs[u.index] + self.eng.pad_ag[u.index],
+                tag=self.tag(u, "grad"),
+            ).wait()
+        return u.grad
+
+    def take_stream(self, u: FlatUnit) -> torch.Tensor:
+        """The streaming tree's result, this rank's shard of R; the tree restarts."""
+        shard = u.stream.result()
+        self.eng.note_partials(u, u.stream.peak_partials)
+        u.stream = type(u.stream)()
+        return shard
+
+    def refresh_working(self, u: FlatUnit) -> None:
+        if u.master is not u.working:
+            u.working.copy_(u.master)  # round to nearest even, into the compute dtype

@@ -1,0 +1,47 @@
+"""Stage 1, P_os: the fp32 master and the optimizer states are partitioned (ZeRO paper §5.1).
+
+A diff of stage 0 (zero/stage0.py). Rank r keeps only its shard of the fp32 master and of the
+optimizer states, so it updates only its shard; after the update it all-gathers the new working
+parameters. Resident per rank: working params Ψ·compute bytes, gradients Ψ·reduction bytes,
+master + states KΨ/N. Traffic per step (× (N-1)/N): deterministic (M/N + 1)Ψ (reduce-scatter
+every micro-step, all-gather of parameters); fast 2Ψ (local accumulation, one reduce-scatter,
+one all-gather), the same as baseline DP, as the paper says.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .stage0 import Stage0
+from .unit import FlatUnit
+
+
+class Stage1(Stage0):
+    stage = 1
+
+    def own_master(self, u: FlatUnit) -> torch.Tensor:
+        """Only this rank's shard (a view of the working copy when training in fp32)."""
+        own = u.initial[u.part.own]
+        return own if u.initial is u.working else own.clone()
+
+    def master_extent(self, u: FlatUnit) -> slice:
+        return u.part.own
+
+    def runs(self, u: FlatUnit):
+        return u.part.runs()
+
+    def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
+        """R's shard r, which lands in the rank's own slice of the full gradient buffer."""
+        own = u.grad[u.part.own]
+        if self.cfg.deterministic:
+            own.copy_(self.take_stream(u))
+        else:
+            own.copy_(self.reduce_scatter(u, u.grad).wait())
+        return own
+
+    def refresh_working(self, u: FlatUnit) -> None:
+        own = u.working[u.part.own]
+        if u.master.data_ptr() != own.data_ptr():
+            own.copy_(u.master)  # round to nearest even, into the compute dtype
+        # a separate send buffer: the output's own slice must not be the input on every backend
+        self.all_gather(u, u.working, own.clone(), "param_update").wait()

@@ -1,0 +1,51 @@
+"""Stage 2, P_os+g: the reduced gradients are partitioned too (ZeRO paper §5.2).
+
+A diff of stage 1 (zero/stage1.py). Rank r keeps only its shard of the reduced gradient: each
+unit's gradients are reduce-scattered as soon as backward produces them (asynchronously when
+overlap is on), and the full-size buffer they arrive in is freed when the reduce-scatter
+completes. So gradients are reduced every micro-step in both modes: local accumulation would need
+the full-size buffer that this stage exists to remove. Resident per rank: working params
+Ψ·compute bytes, gradients Ψ·reduction bytes / N (+ the streaming tree's partial sums),
+master + states KΨ/N. Traffic per step: (M/N + 1)Ψ × (N-1)/N in both modes (2Ψ at M = N).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .stage1 import Stage1
+from .unit import FlatUnit
+
+
+class Stage2(Stage1):
+    stage = 2
+
+    def allocate(self, u: FlatUnit) -> None:
+        super().allocate(u)
+        u.grad = torch.zeros(u.part.shard_numel, dtype=self.cfg.grad_dtype, device=u.working.device)
+
+    def post_backward(self, u: FlatUnit) -> None:
+        arrival = torch.zeros(
+            u.part.padded_numel, dtype=self.cfg.grad_dtype, device=u.working.device
+        )  # 1D, reduction dtype, N·L, transient
+        u.part.flatten_into(arrival, u.grads())
+        u.clear_grads()
+        u.pending.append(self.reduce_scatter(u, arrival))
+        self.eng.note_transient(arrival)
+
+    def end_microstep(self, u: FlatUnit) -> None:
+        if self.cfg.deterministic:
+            super().end_microstep(u)
+            return
+        for pending in u.pending:  # fast: a running sum of the reduced shards
+            shard = pending.wait()
+            if self.eng.microstep == 0:
+                u.grad.copy_(shard)
+            else:
+                u.grad += shard
+        u.pending.clear()
+
+    def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
+        if self.cfg.deterministic:
+            u.grad.copy_(self.take_stream(u))
+        return u.grad

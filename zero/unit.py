@@ -1,0 +1,63 @@
+"""A unit at runtime: its parameters, its flat buffers, and what is in flight.
+
+Legend: N world size, L shard length, so a full flat buffer has N·L elements (UnitPartition).
+Tensor comments give rank (1D), dtype and extent. Which of these a rank keeps full, keeps as a
+shard, or never allocates is the stage's choice (zero/stage0.py, stage1.py, stage2.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from reference.tree import StreamingTree
+
+from .collectives import Pending
+from .partition import UnitPartition
+
+
+class FlatUnit:
+    """One unit's parameters, flattened into a working buffer that they become views of."""
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        params: list[tuple[str, nn.Parameter]],
+        part: UnitPartition,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.index, self.name, self.part = index, name, part
+        self.params = params
+        # [Note: params as views] Each parameter's data becomes a view into `working`, at its
+        # 256-byte-aligned offset (reference/layout.py), so that forward reads the flat buffer
+        # that the all-gather writes, with no copy, and layouts are the same on every device.
+        # the fp32 start values (1D, N·L); the stage takes the master from them, then drops them
+        self.initial: torch.Tensor | None = torch.zeros(part.padded_numel, device=device)
+        part.flatten_into(self.initial, {n: p.detach().float() for n, p in params})
+        # 1D, compute dtype, N·L: the fp32 values rounded to nearest even (the same tensor in fp32)
+        self.working = self.initial if dtype == torch.float32 else self.initial.to(dtype)
+        with torch.no_grad():
+            views = part.views(self.working)
+            for pname, p in params:
+                p.data = views[pname]
+        self.master: torch.Tensor  # 1D, fp32, N·L (stage 0) or L; a view of working in fp32
+        self.opt: dict[str, torch.Tensor] = {}  # 1D, fp32, the master's extent
+        self.grad: torch.Tensor  # 1D, reduction dtype, N·L (stages 0-1) or L (stage 2)
+        self.stream = StreamingTree()  # deterministic mode: B_k partial sums of this step
+        self.pending: list[Pending] = []  # launched reductions of the current micro-step
+        self.ready = 0  # parameters whose gradient arrived in the current backward
+        self.fired = False  # post_backward already ran in the current backward
+
+    @property
+    def numel(self) -> int:
+        return self.part.layout.numel
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """This backward's gradients by parameter name (zeros for unused parameters)."""
+        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.params}
+
+    def clear_grads(self) -> None:
+        for _, p in self.params:
+            p.grad = None
