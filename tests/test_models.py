@@ -83,6 +83,20 @@ def test_init_is_the_same_bits_whatever_the_construction_route():
     assert_same_state(reference, state(model))
 
 
+def test_init_does_not_depend_on_the_thread_count():
+    # A forked rank runs on 1 thread; the single-process model it must match may not.
+    cfg = GPTConfig(vocab_size=4096, block_size=16, n_layer=1, n_head=2, n_embd=64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = state(GPT(cfg, seed=9))
+        torch.set_num_threads(1)
+        one = state(GPT(cfg, seed=9))
+    finally:
+        torch.set_num_threads(before)
+    assert_same_state(one, two)
+
+
 def test_construction_does_not_touch_the_global_rng():
     torch.manual_seed(3)
     before = torch.random.get_rng_state()

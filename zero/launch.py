@@ -1,0 +1,493 @@
+"""Starting ranks: join a torchrun world, or fork a local one.
+
+Legend:
+    N        world_size, the data-parallel degree N_d
+    rank     this process's index in [0, N)
+    world    N processes in one default process group (``dist.group.WORLD``)
+
+Three ways in, one per situation (DESIGN.md §5):
+- ``init_from_env()``: under ``torchrun`` (GPUs, multi-node). torchrun starts the processes and
+  sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; this joins that world.
+- ``spawn(fn, N, *args)``: a throwaway local world: fork N processes, run ``fn`` once, return
+  every rank's result. No launcher of our own beyond this convenience.
+- ``WorkerPool(N)`` / ``get_pool(N)``: N long-lived forked workers holding one process group,
+  reused by many calls, so that tests do not pay for starting a world each (DESIGN.md §4).
+
+In ``spawn`` and ``WorkerPool`` the function runs as ``fn(rank, world_size, *args)`` in a world
+whose default group is the whole world: pass ``group=None`` (or ``dist.group.WORLD``) to the APIs
+that take the data-parallel group.
+
+[Note: fork] Forked children start in 0.02 s per rank where spawned ones re-import torch
+(MACHINE_NOTES.md: 0.16 s vs 6 s at N=8). Two costs come with it:
+- a child of a parent that has run a multithreaded torch op hangs in libgomp as soon as it uses
+  more than one thread, so every child calls ``torch.set_num_threads(1)`` before anything else
+  (one thread per rank is also what bitwise determinism wants, DESIGN.md §2);
+- CUDA cannot be used in a child of a parent that has initialised it, so backend="nccl" is
+  refused once the parent has touched CUDA (use torchrun there).
+
+Rendezvous goes through a ``FileStore`` in a fresh temporary directory: no port is chosen, so
+none can collide or leak; gloo's own sockets use ephemeral ports and close with the process.
+
+Failure (DESIGN.md §3, "not left to hang"): a rank that raises makes the parent raise
+``RankError`` with that rank's traceback, after killing the other ranks, which may be blocked in
+a collective that will never complete. Ranks that do not report within ``timeout_s`` are killed
+and named in a ``TimeoutError``. Every child is reaped, so none is left a zombie.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+import warnings
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+
+_STOP = b"stop"
+"""Sent to a worker instead of a pickled task: leave the loop (a pickle never equals it)."""
+
+_GRACE_S = 5.0
+"""How long a finished child may take to leave (destroy its group, flush) before it is killed."""
+
+
+class RankError(RuntimeError):
+    """A rank raised, or died without reporting. ``rank`` is the first rank that reported an
+    error, ``child_traceback`` its formatted traceback (the message includes it too)."""
+
+    def __init__(self, rank: int, child_traceback: str, *, also: tuple[int, ...] = ()):
+        self.rank = rank
+        self.child_traceback = child_traceback
+        others = f" (ranks {list(also)} failed too)" if also else ""
+        super().__init__(f"rank {rank} failed{others}:\n{child_traceback}")
+
+
+class PoolBrokenError(RuntimeError):
+    """A WorkerPool was used after an error, a timeout or ``close()``."""
+
+
+def _fail(name: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
+
+
+def _check(world_size: object, timeout_s: object, backend: object) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise _fail("world_size", world_size, "an integer >= 1")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise _fail("timeout_s", timeout_s, "a number of seconds > 0")
+    if backend not in BACKENDS:
+        raise _fail("backend", backend, f"one of {BACKENDS}")
+    if backend == "nccl" and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "backend='nccl' with forked ranks needs a parent that has not initialised CUDA; "
+            "launch with torchrun and init_from_env() instead"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets RANK and
+    WORLD_SIZE)."""
+    env = os.environ
+    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
+
+
+def init_from_env(*, timeout_s: float = 300) -> tuple[int, int, torch.device]:
+    """Join the world torchrun set up; return (rank, world_size, device).
+
+    Backend "nccl" with device cuda:LOCAL_RANK (made current) when CUDA is available, else "gloo"
+    on CPU. Collectives that do not complete within ``timeout_s`` raise instead of hanging. If a
+    default group already exists it is reused.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise _fail("timeout_s", timeout_s, "a number of seconds > 0")
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing and not dist.is_initialized():
+        raise RuntimeError(
+            f"init_from_env: {', '.join(missing)} not set; launch with torchrun "
+            "(e.g. torchrun --standalone --nproc-per-node N -m ...) or use zero.launch.spawn"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+# ---------------------------------------------------------------------------------------------
+# Forked children
+
+
+def _child_setup(rank: int, world_size: int, store_dir: str, backend: str, timeout_s: float):
+    torch.set_num_threads(1)  # first: see [Note: fork]
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # refused once inter-op work has started (possibly in the parent); harmless
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _leave() -> None:
+    # fn may have destroyed the group itself, or broken it; leaving must not raise either way.
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _send(conn: Connection, message: tuple) -> None:
+    try:
+        conn.send(message)  # pickles first, so a failure here has written nothing
+    except Exception:
+        try:
+            conn.send(("error", traceback.format_exc()))  # e.g. an unpicklable result
+        except OSError:
+            pass  # the parent is gone
+
+
+def _run_one(fn, rank: int, world_size: int, args: tuple) -> tuple:
+    try:
+        return ("ok", fn(rank, world_size, *args))
+    except BaseException:
+        return ("error", traceback.format_exc())
+
+
+def _run_task(data: bytes, rank: int, world_size: int) -> tuple:
+    try:
+        fn, args = pickle.loads(data)  # inside the try: a function may not import here
+    except BaseException:
+        return ("error", traceback.format_exc())
+    return _run_one(fn, rank, world_size, args)
+
+
+def _close_inherited(keep: Connection, conns: list[Connection]) -> None:
+    # A child holding another process's pipe ends would keep that pipe open after its owner
+    # dies, so a worker would never see its parent vanish (EOF); close every end but our own.
+    for c in conns:
+        if c is not keep:
+            c.close()
+    for pool in list(_LIVE_POOLS):
+        pool._forget_in_child()
+
+
+def _spawn_child(fn, rank, world_size, args, store_dir, backend, timeout_s, conn, all_conns):
+    _close_inherited(conn, all_conns)
+    try:
+        _child_setup(rank, world_size, store_dir, backend, timeout_s)
+    except BaseException:
+        _send(conn, ("error", traceback.format_exc()))
+        return
+    message = _run_one(fn, rank, world_size, args)
+    _send(conn, message)
+    conn.close()
+    if message[0] == "ok":
+        try:
+            # Nobody leaves while a peer may still be reading its last collective's data.
+            dist.barrier()
+        except Exception:
+            pass
+    _leave()
+
+
+def _worker_loop(rank, world_size, store_dir, backend, timeout_s, conn, all_conns):
+    _close_inherited(conn, all_conns)
+    try:
+        _child_setup(rank, world_size, store_dir, backend, timeout_s)
+        _send(conn, ("ok", None))
+    except BaseException:
+        _send(conn, ("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if data == _STOP:
+            break
+        _send(conn, _run_task(data, rank, world_size))
+    _leave()
+
+
+def _start(ctx, target, world_size: int, make_args) -> tuple[list, list[Connection]]:
+    pipes = [ctx.Pipe(duplex=True) for _ in range(world_size)]
+    all_conns = [c for pair in pipes for c in pair]
+    procs = []
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns when forking a multithreaded process (torch's thread pools);
+        # [Note: fork] is how the children cope with it.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for rank, (_, child_end) in enumerate(pipes):
+            # Not daemonic: a daemonic rank could not start processes of its own (a DataLoader's
+            # workers, say); every exit path here reaps the ranks instead.
+            p = ctx.Process(target=target, args=make_args(rank, child_end, all_conns))
+            p.start()
+            procs.append(p)
+    for _, child_end in pipes:
+        child_end.close()
+    return procs, [parent_end for parent_end, _ in pipes]
+
+
+def _silent_exit(proc) -> str:
+    return f"the process exited (code {proc.exitcode}) without reporting"
+
+
+def _collect(procs, conns, ranks, timeout_s: float, *, what: str) -> list:
+    """Wait for one message from each of ``ranks``; return the payloads in rank order.
+
+    Raises RankError on the first error (or on a rank that died without a word) and TimeoutError
+    naming the silent ranks once ``timeout_s`` has passed. The caller cleans up either way.
+    """
+    results: dict[int, object] = {}
+    pending = set(ranks)
+    deadline = time.monotonic() + timeout_s
+    by_conn = {conns[r]: r for r in ranks}
+    by_sentinel = {procs[r].sentinel: r for r in ranks}
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"{what}: ranks {sorted(pending)} of {len(procs)} did not report within "
+                f"{timeout_s:g} s; all ranks were killed"
+            )
+        waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
+        ready = wait(waitables, timeout=remaining)
+        errors: dict[int, str] = {}
+        for obj in ready:
+            rank = by_conn.get(obj) if isinstance(obj, Connection) else by_sentinel.get(obj)
+            if rank is None or rank not in pending:
+                continue
+            conn, proc = conns[rank], procs[rank]
+            if conn.poll():  # a message, or EOF
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    proc.join(1.0)  # closed its end: it is exiting; learn the code
+                    status, payload = "error", _silent_exit(proc)
+                except Exception:  # a result that does not unpickle here
+                    status, payload = "error", traceback.format_exc()
+            elif not proc.is_alive():
+                status, payload = "error", _silent_exit(proc)
+            else:
+                continue
+            pending.discard(rank)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+        if errors:
+            first = min(errors)
+            raise RankError(first, errors[first], also=tuple(sorted(set(errors) - {first})))
+    return [results[r] for r in ranks]
+
+
+def _stop(procs, *, grace_s: float) -> None:
+    """Reap every process: wait up to ``grace_s`` in total, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def spawn(fn, world_size: int, *args, timeout_s: float = 120, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; return the results.
+
+    Each rank joins one process group (gloo by default; collectives time out after
+    ``timeout_s``), runs ``fn`` once, sends its return value (which must pickle) to the parent,
+    and leaves. ``fn`` itself is not pickled: a lambda or closure is fine. Results come back in
+    rank order. Raises RankError if a rank raises, TimeoutError if some rank has not finished
+    within ``timeout_s`` of the start; the other ranks are killed in both cases.
+    """
+    _check(world_size, timeout_s, backend)
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="zero-spawn-") as store_dir:
+        procs, conns = _start(
+            ctx,
+            _spawn_child,
+            world_size,
+            lambda r, c, cs: (fn, r, world_size, args, store_dir, backend, timeout_s, c, cs),
+        )
+        ok = False
+        try:
+            results = _collect(procs, conns, range(world_size), timeout_s, what="spawn")
+            ok = True
+        finally:
+            _stop(procs, grace_s=_GRACE_S if ok else 0.0)
+            for c in conns:
+                c.close()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Long-lived workers
+
+
+class WorkerPool:
+    """``world_size`` forked workers that hold one process group for their whole life.
+
+    ``pool.run(fn, *args)`` runs ``fn(rank, world_size, *args)`` on every worker and returns the
+    results in rank order. ``fn`` and ``args`` are pickled, so ``fn`` must be a module-level
+    function (one in a test module pickles by reference and is found in the forked worker).
+    Module-level state in the workers persists between runs, as does the process group; the
+    default group is the world (pass ``group=None`` or ``dist.group.WORLD``).
+
+    After a RankError or TimeoutError the group may be stuck mid-collective, so the pool kills its
+    workers and is *broken*: later runs raise PoolBrokenError. ``close()`` (or leaving a ``with``
+    block) always cleans up, and may be called any number of times.
+    """
+
+    def __init__(self, world_size: int, *, timeout_s: float = 120, backend: str = "gloo"):
+        _check(world_size, timeout_s, backend)
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.backend = backend
+        self._owner = os.getpid()
+        self._broken: str | None = None
+        # mkdtemp, not TemporaryDirectory: the latter's finalizer may run at exit before
+        # _close_pools and pull the store from under live workers.
+        self._store_dir = store = tempfile.mkdtemp(prefix="zero-pool-")
+        ctx = mp.get_context("fork")
+        self._procs, self._conns = _start(
+            ctx,
+            _worker_loop,
+            world_size,
+            lambda r, c, cs: (r, world_size, store, backend, timeout_s, c, cs),
+        )
+        _LIVE_POOLS.add(self)
+        try:
+            _collect(self._procs, self._conns, range(world_size), timeout_s, what=repr(self))
+        except BaseException as exc:
+            self._break(f"starting failed: {exc}")
+            raise
+
+    def __repr__(self) -> str:
+        return f"WorkerPool(world_size={self.world_size}, backend={self.backend!r})"
+
+    @property
+    def broken(self) -> bool:
+        """True once an error, a timeout or close() has ended the workers."""
+        return self._broken is not None
+
+    def run(self, fn, *args, timeout_s: float | None = None) -> list:
+        """``fn(rank, world_size, *args)`` on every worker; the results in rank order.
+
+        ``timeout_s`` defaults to the pool's. Errors and timeouts as for ``spawn``; either one
+        breaks the pool.
+        """
+        if self._broken is not None:
+            raise PoolBrokenError(f"{self!r} is broken ({self._broken}); make a new pool")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        _check(self.world_size, timeout_s, self.backend)
+        # Pickled once, here: an unpicklable fn (a lambda, a closure) fails in the caller and
+        # leaves the pool intact.
+        task = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(task)
+            ranks = range(self.world_size)
+            return _collect(self._procs, self._conns, ranks, timeout_s, what=repr(self))
+        except BaseException as exc:
+            self._break(f"{type(exc).__name__} in {getattr(fn, '__name__', fn)!s}")
+            raise
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force) and remove the rendezvous directory."""
+        if os.getpid() != self._owner:
+            return
+        if self._broken is None:
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(_STOP)
+                except OSError:
+                    pass
+            self._broken = "closed"
+        self._shutdown(grace_s=_GRACE_S)
+
+    def _break(self, reason: str) -> None:
+        self._broken = reason
+        self._shutdown(grace_s=0.0)
+
+    def _shutdown(self, *, grace_s: float) -> None:
+        if self not in _LIVE_POOLS:
+            return  # already shut down (a broken pool, closed later)
+        _stop(self._procs, grace_s=grace_s)
+        for conn in self._conns:
+            conn.close()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+        _LIVE_POOLS.discard(self)
+
+    def _forget_in_child(self) -> None:
+        # In a forked child, this pool's pipes and processes belong to the parent.
+        for conn in self._conns:
+            conn.close()
+        self._owner = -1
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_LIVE_POOLS: set[WorkerPool] = set()
+_POOLS: dict[tuple[int, str], WorkerPool] = {}
+
+
+def get_pool(world_size: int, *, backend: str = "gloo", timeout_s: float = 120) -> WorkerPool:
+    """A cached pool per (world_size, backend), for tests; closed at exit.
+
+    A broken or closed pool is replaced by a fresh one, so one failed test does not fail the
+    next. ``timeout_s`` applies when a pool is created; ``run`` takes its own.
+    """
+    pool = _POOLS.get((world_size, backend))
+    if pool is None or pool.broken:
+        pool = _POOLS[(world_size, backend)] = WorkerPool(
+            world_size, timeout_s=timeout_s, backend=backend
+        )
+    return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in list(_LIVE_POOLS):
+        pool.close()
