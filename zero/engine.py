@@ -88,7 +88,7 @@ class ZeroEngine(nn.Module):
             raise ValueError(
                 f"micro_batches={config.micro_batches}: must be a multiple of the world size {n}"
             )
-        self.counter = C.CommCounter()
+        self.counter = C.CommCounter(step=-1)  # construction's checks are "step -1"
         self.step_config = config.step_config(n)
         device = next(module.parameters()).device
         named = self._collect_units()
@@ -116,6 +116,7 @@ class ZeroEngine(nn.Module):
             self.impl.allocate(u)
             u.initial = None  # the fp32 start values are now in the master
         self.runs = [self.impl.runs(u) for u in self.units]
+        self.counter.step = 0
         self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
         self.t, self.data_step, self.microstep = 0, 0, 0
         self.transient_peak = 0
@@ -169,13 +170,13 @@ class ZeroEngine(nn.Module):
             )
             for _, v in rows
         ]
-        mine = torch.tensor([len(rows), *digests], dtype=torch.int64)
+        mine = torch.tensor([len(named), *digests], dtype=torch.int64)
         counts = C.gather_control(mine[:1], group=self.group, counter=self.counter, phase="agree")
         for r, c in enumerate(counts[:, 0].tolist()):
-            if c != len(rows):
+            if c != counts[0, 0]:
                 raise ValueError(
-                    f"rank {r} has {c - 1} units, rank {self.rank} has "
-                    f"{len(rows) - 1}: the ranks built different models"
+                    f"rank {r} has {c} units, rank 0 has {int(counts[0, 0])}: the ranks built "
+                    "different models or unit lists"
                 )
         every = C.gather_control(mine, group=self.group, counter=self.counter, phase="agree")
         for r in range(self.world_size):
@@ -237,6 +238,7 @@ class ZeroEngine(nn.Module):
                 )
         else:
             c = torch.tensor(f32(1.0 / (scale * self.config.micro_batches)))
+            self.last_reduced = held  # R as this rank holds it (valid until the next backward)
             g = [h.float() * c for h in held]
             norm = self._global_norm(g)
             coef = clip_coefficient(norm, self.config.clip_norm)
@@ -344,6 +346,28 @@ class ZeroEngine(nn.Module):
                     elif key in self.state_names(self.group_index[pn]):
                         opt[pn][key] = v
         return master, opt
+
+    def load_full_state(self, master, opt, *, t: int, data_step: int, scaler=None) -> None:
+        """Set every model state from full fp32 arrays by parameter name. No communication:
+        each rank takes its own extent. Verification runs fast mode in lock-step with it."""
+
+        def padded(u: FlatUnit, arrays) -> torch.Tensor:
+            full = torch.zeros(u.part.padded_numel, device=u.working.device)
+            u.part.flatten_into(
+                full, {k: torch.as_tensor(np.asarray(v)) for k, v in arrays.items()}
+            )
+            return full
+
+        for u in self.units:
+            ext = self.impl.master_extent(u)
+            full = padded(u, {k: master[k] for k, _ in u.params})
+            u.working.copy_(full)  # the master rounded to the compute dtype
+            if u.master.untyped_storage().data_ptr() != u.working.untyped_storage().data_ptr():
+                u.master.copy_(full[ext])
+            for x, state in u.opt.items():
+                zeros = {k: np.zeros(tuple(p.shape), np.float32) for k, p in u.params}
+                state.copy_(padded(u, {k: opt[k].get(x, zeros[k]) for k, _ in u.params})[ext])
+        self.t, self.data_step, self.scaler = t, data_step, scaler
 
     def _full(self, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
         if t.numel() == u.part.padded_numel:

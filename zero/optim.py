@@ -16,6 +16,9 @@ to zeros again (0·x = 0, 0/eps = 0), so a run may include alignment gaps.
 from __future__ import annotations
 
 import torch
+from torch.optim import adam as torch_adam
+from torch.optim import adamw as torch_adamw
+from torch.optim import sgd as torch_sgd
 
 from reference import optim as ref_optim
 from reference.optim import Hyper
@@ -72,7 +75,7 @@ def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> 
     if kind == "sgd":
         buf = state.get("momentum_buffer")
         bufs = [None if t == 1 else buf]  # torch creates the buffer on the first step
-        torch.optim.sgd.sgd(
+        torch_sgd.sgd(
             [p],
             [g],
             bufs,
@@ -87,7 +90,7 @@ def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> 
         if buf is not None and bufs[0] is not buf:
             buf.copy_(bufs[0])
         return
-    fn = torch.optim.adamw.adamw if kind == "adamw" else torch.optim.adam.adam
+    fn = torch_adamw.adamw if kind == "adamw" else torch_adam.adam
     b1, b2 = hp.betas
     fn(
         [p],
