@@ -24,6 +24,7 @@ from reference.precision import DTYPES
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
 from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches, mlp_microbatches
+from zero.train import train_steps
 
 from .compare import bitwise_equal, max_abs_diff, max_ulp, to_numpy
 from .lockstep import check_fast_step
@@ -151,7 +152,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
         "skipped_steps": 0,
         "ratios": {},
     }
-    m, n = cell.micro_batches, world_size
+    m = cell.micro_batches
     for step in range(cell.steps):
         batches = data(
             model.cfg, seed=cell.seed, data_step=step, count=m, batch_size=cell.batch_size
@@ -169,10 +170,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
                 data_step=before.data_step,
                 scaler=before.scaler,
             )
-        for k in range(m // n):
-            _, loss = eng(*batches[k * n + rank])
-            eng.backward(loss)
-        res = eng.step()
+        (res,) = train_steps(eng, lambda s, j, b=batches: b[j], 1, start_step=step)
         verdict["skipped_steps"] += int(info.skipped)
         if res.skipped != info.skipped:
             verdict["bitwise"] = False
