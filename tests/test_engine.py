@@ -319,8 +319,8 @@ def test_ranks_that_disagree_are_named():
         get_pool(2).run(build_with_different_units)
 
 
-def nonfinite_step(rank, n):
-    model, eng = mlp_engine(1, n, 1)
+def nonfinite_step(rank, n, precision):
+    model, eng = mlp_engine(1, n, 1, precision=precision)
     _, loss = eng(*mlp_microbatches(model.cfg, seed=0, data_step=0, count=n, batch_size=4)[rank])
     eng.backward(loss * (float("inf") if rank == 1 else 1.0))
     eng.step()
@@ -332,9 +332,12 @@ def early_step(rank, n):
 
 
 @pytest.mark.dist
-def test_nonfinite_gradient_in_fp32_raises_on_every_rank():
-    with pytest.raises(RankError, match="non-finite gradient at data step 0"):
-        get_pool(2).run(nonfinite_step)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nonfinite_gradient_without_loss_scaling_raises_on_every_rank(precision):
+    """Only rank 1 sees inf, but the MAX all-reduce tells rank 0 too: both raise, none hangs."""
+    with pytest.raises(RankError, match="non-finite gradient at data step 0") as err:
+        get_pool(2).run(nonfinite_step, precision)
+    assert f"precision='{precision}'" in str(err.value)
 
 
 @pytest.mark.dist

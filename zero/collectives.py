@@ -193,10 +193,13 @@ def all_gather(
     return Pending(work, lambda: out, rec, (shard,))
 
 
-def any_flag(flag: bool, *, group, counter: CommCounter, phase: str = "overflow") -> bool:
-    """Control: True on every rank if any rank passed True (one-element all-reduce MAX)."""
+def any_flag(
+    flag: bool, *, group, counter: CommCounter, device=None, phase: str = "overflow"
+) -> bool:
+    """Control: True on every rank if any rank passed True (one-element all-reduce MAX).
+    device: where the backend wants its tensors (CUDA for NCCL)."""
     n = dist.get_world_size(group)
-    t = torch.tensor([1.0 if flag else 0.0])
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
     rec = counter.add(
         op="all_reduce_max",
         phase=phase,

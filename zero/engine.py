@@ -90,7 +90,8 @@ class ZeroEngine(nn.Module):
             )
         self.counter = C.CommCounter(step=-1)  # construction's checks are "step -1"
         self.step_config = config.step_config(n)
-        device = next(module.parameters()).device
+        # control tensors live here too: NCCL takes only CUDA tensors
+        self.device = device = next(module.parameters()).device
         named = self._collect_units()
         self.group_index = self._group_index(named)
         self._check_ranks_agree(named)
@@ -170,7 +171,7 @@ class ZeroEngine(nn.Module):
             )
             for _, v in rows
         ]
-        mine = torch.tensor([len(named), *digests], dtype=torch.int64)
+        mine = torch.tensor([len(named), *digests], dtype=torch.int64, device=self.device)
         counts = C.gather_control(mine[:1], group=self.group, counter=self.counter, phase="agree")
         for r, c in enumerate(counts[:, 0].tolist()):
             if c != counts[0, 0]:
@@ -226,7 +227,7 @@ class ZeroEngine(nn.Module):
             )
         held = [self.impl.finish_reduction(u) for u in self.units]
         bad = any(not bool(torch.isfinite(h).all()) for h in held)
-        overflow = C.any_flag(bad, group=self.group, counter=self.counter)
+        overflow = C.any_flag(bad, group=self.group, counter=self.counter, device=self.device)
         loss, scale = self._global_loss(), 1.0 if self.scaler is None else self.scaler.scale
         norm = None
         if overflow:
@@ -237,13 +238,13 @@ class ZeroEngine(nn.Module):
                     f"{self.config.precision!r}; nonfinite='skip' skips"
                 )
         else:
-            c = torch.tensor(f32(1.0 / (scale * self.config.micro_batches)))
+            c = torch.tensor(f32(1.0 / (scale * self.config.micro_batches)), device=self.device)
             self.last_reduced = held  # R as this rank holds it (valid until the next backward)
             g = [h.float() * c for h in held]
             norm = self._global_norm(g)
             coef = clip_coefficient(norm, self.config.clip_norm)
             if coef is not None:
-                g = [x * torch.tensor(coef) for x in g]
+                g = [x * torch.tensor(coef, device=self.device) for x in g]
             self.t += 1
             for u, gu, runs in zip(self.units, g, self.runs, strict=True):
                 step_runs(
@@ -286,7 +287,9 @@ class ZeroEngine(nn.Module):
         )
 
     def _global_loss(self) -> float:
-        mine = torch.tensor([sum(self._losses), len(self._losses)], dtype=torch.float64)
+        mine = torch.tensor(
+            [sum(self._losses), len(self._losses)], dtype=torch.float64, device=self.device
+        )
         every = C.gather_control(mine, group=self.group, counter=self.counter, phase="loss")
         self._losses = []
         return float(every[:, 0].sum() / every[:, 1].sum())
