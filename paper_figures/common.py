@@ -65,6 +65,29 @@ class Section:
     """One line for ``--help``."""
 
 
+def compute_then_render(name: str, compute, render, *, profile: str, out: Outputs):
+    """Every section's shape: records to JSON first, then its output drawn from that JSON alone.
+
+    compute(profile) -> payload; render(payload, out) -> (path written, match summary).
+    """
+    from zero.results import read_json, write_json
+
+    result_path = write_json(out.result(name), compute(profile))
+    path, matches = render(read_json(result_path), out)
+    return [
+        SummaryRow(section=name, wrote=(out.show(result_path), out.show(path)), matches=matches)
+    ]
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
 def count_line(matched: int, total: int, what: str) -> str:
     """A match count as the tables print it and the tests read it, e.g. "54/54 cells ..."."""
     return f"{matched}/{total} {what}"

@@ -18,9 +18,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from paper_figures import paper
-from paper_figures.common import Outputs, SummaryRow, count_line
+from paper_figures.common import Outputs, SummaryRow, compute_then_render, count_line
 from zero.memory import GB, model_state_breakdown
-from zero.results import make_record, provenance, read_json, write_atomic, write_json
+from zero.results import make_record, provenance, write_atomic
 
 NAME = "fig1_memory"
 SERIES = (("memory.analytic", "ours, analytic"), ("memory.measured", "ours, measured"))
@@ -171,10 +171,4 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
-    result_path = write_json(out.result(NAME), compute(profile))
-    figure_path, matches = render(read_json(result_path), out)
-    return [
-        SummaryRow(
-            section=NAME, wrote=(out.show(result_path), out.show(figure_path)), matches=matches
-        )
-    ]
+    return compute_then_render(NAME, compute, render, profile=profile, out=out)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from paper_figures.common import Outputs, SummaryRow, count_line
+from paper_figures.common import Outputs, SummaryRow, compute_then_render, count_line
 from reference import Hyper, ModelSpec, StepConfig, cast
 from reference.simulate import World
 from zero.memory import STAGE_LABELS, model_state_bytes
-from zero.results import make_record, provenance, read_json, write_atomic, write_json
+from zero.results import make_record, provenance, write_atomic
 
 NAME = "sim_check"
 PAPER_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}  # ×Ψ·(N-1)/N, the paper's §7 (PAPER.md §1.4)
@@ -136,10 +136,4 @@ def render(payload: dict, out: Outputs):
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
-    result_path = write_json(out.result(NAME), compute(profile))
-    table_path, matches = render(read_json(result_path), out)
-    return [
-        SummaryRow(
-            section=NAME, wrote=(out.show(result_path), out.show(table_path)), matches=matches
-        )
-    ]
+    return compute_then_render(NAME, compute, render, profile=profile, out=out)

@@ -14,9 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from paper_figures import paper
-from paper_figures.common import Outputs, SummaryRow, count_line
+from paper_figures.common import (
+    Outputs,
+    SummaryRow,
+    compute_then_render,
+    count_line,
+    markdown_table,
+)
 from zero.memory import GB, STAGE_LABELS, model_state_bytes
-from zero.results import make_record, provenance, read_json, write_atomic, write_json
+from zero.results import make_record, provenance, write_atomic
 
 NAME = "table1_memory"
 PREFERENCE = ("memory.measured", "memory.analytic")
@@ -119,9 +125,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "≠ marks a cell that differs. The source column says whether a row's cells are analytic or",
         "measured: every cell is analytic for now.",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
+        *markdown_table(header, rows),
         "",
         match_line + ".",
         bold_line + ".",
@@ -136,10 +140,4 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
-    result_path = write_json(out.result(NAME), compute(profile))
-    table_path, matches = render(read_json(result_path), out)
-    return [
-        SummaryRow(
-            section=NAME, wrote=(out.show(result_path), out.show(table_path)), matches=matches
-        )
-    ]
+    return compute_then_render(NAME, compute, render, profile=profile, out=out)

@@ -14,9 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from paper_figures import paper
-from paper_figures.common import Outputs, SummaryRow, count_line
+from paper_figures.common import (
+    Outputs,
+    SummaryRow,
+    compute_then_render,
+    count_line,
+    markdown_table,
+)
 from zero.memory import STAGE_LABELS, max_model_params
-from zero.results import make_record, provenance, read_json, write_atomic, write_json
+from zero.results import make_record, provenance, write_atomic
 
 NAME = "table2_max_model"
 
@@ -94,9 +100,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "measured columns are its own (we have no measurement to set beside them yet). Bold and",
         "italics are the paper's. ≠ marks a cell that differs.",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
+        *markdown_table(header, rows),
         "",
         match_line + ".",
         "",
@@ -111,10 +115,4 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
-    result_path = write_json(out.result(NAME), compute(profile))
-    table_path, matches = render(read_json(result_path), out)
-    return [
-        SummaryRow(
-            section=NAME, wrote=(out.show(result_path), out.show(table_path)), matches=matches
-        )
-    ]
+    return compute_then_render(NAME, compute, render, profile=profile, out=out)

@@ -97,6 +97,13 @@ class Pending:
         return self._result
 
 
+def _record(counter: CommCounter, op: str, elements: int, padding: int, like, **tag) -> CommRecord:
+    """Count one call: `elements` this rank sends (padding included), in like's dtype."""
+    return counter.add(
+        op=op, elements=elements, padding=padding, nbytes=elements * like.element_size(), **tag
+    )
+
+
 def _launch(fn, *args, group, async_op, **kwargs):
     work = fn(*args, group=group, async_op=async_op, **kwargs)
     return work if async_op else None
@@ -112,13 +119,7 @@ def reduce_scatter_tree(
     """
     n = dist.get_world_size(group)
     shard = flat.numel() // n
-    rec = counter.add(
-        op="reduce_scatter",
-        elements=(n - 1) * shard,
-        padding=padding,
-        nbytes=(n - 1) * shard * flat.element_size(),
-        **tag,
-    )
+    rec = _record(counter, "reduce_scatter", (n - 1) * shard, padding, flat, **tag)
     if n == 1:
         return Pending(None, lambda: flat.clone(), rec)
     recv = torch.empty_like(flat)
@@ -132,13 +133,7 @@ def reduce_scatter_fast(
     """The backend's reduce-scatter (SUM, its own order). Sends (N-1)/N·Ψ per rank."""
     n = dist.get_world_size(group)
     shard = flat.numel() // n
-    rec = counter.add(
-        op="reduce_scatter",
-        elements=(n - 1) * shard,
-        padding=padding,
-        nbytes=(n - 1) * shard * flat.element_size(),
-        **tag,
-    )
+    rec = _record(counter, "reduce_scatter", (n - 1) * shard, padding, flat, **tag)
     out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
     if n == 1:
         return Pending(None, lambda: out.copy_(flat), rec)
@@ -152,13 +147,7 @@ def all_reduce_sum(
     """In-place backend all-reduce (SUM). Sends 2(N-1)/N·Ψ per rank (ring cost)."""
     n = dist.get_world_size(group)
     shard = flat.numel() // n
-    rec = counter.add(
-        op="all_reduce",
-        elements=2 * (n - 1) * shard,
-        padding=padding,
-        nbytes=2 * (n - 1) * shard * flat.element_size(),
-        **tag,
-    )
+    rec = _record(counter, "all_reduce", 2 * (n - 1) * shard, padding, flat, **tag)
     if n == 1:
         return Pending(None, lambda: flat, rec)
     work = _launch(dist.all_reduce, flat, group=group, async_op=async_op)
@@ -180,13 +169,7 @@ def all_gather(
     padding: padding elements this rank sends, i.e. (N-1) times those in its own shard.
     """
     n = dist.get_world_size(group)
-    rec = counter.add(
-        op="all_gather",
-        elements=(n - 1) * shard.numel(),
-        padding=padding,
-        nbytes=(n - 1) * shard.numel() * shard.element_size(),
-        **tag,
-    )
+    rec = _record(counter, "all_gather", (n - 1) * shard.numel(), padding, shard, **tag)
     if n == 1:
         return Pending(None, lambda: out.copy_(shard), rec)
     work = _launch(_all_gather_flat, out, shard, group=group, async_op=async_op)
@@ -200,15 +183,7 @@ def any_flag(
     device: where the backend wants its tensors (CUDA for NCCL)."""
     n = dist.get_world_size(group)
     t = torch.tensor([1.0 if flag else 0.0], device=device)
-    rec = counter.add(
-        op="all_reduce_max",
-        phase=phase,
-        kind="control",
-        unit=None,
-        elements=n - 1,
-        padding=0,
-        nbytes=(n - 1) * 4,
-    )
+    rec = _record(counter, "all_reduce_max", n - 1, 0, t, phase=phase, kind="control", unit=None)
     if n > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     rec.end = time.perf_counter()
@@ -220,14 +195,9 @@ def gather_control(
 ) -> torch.Tensor:
     """Control: all-gather a small tensor (equal sizes) from every rank; returns (N, *shape)."""
     n = dist.get_world_size(group)
-    rec = counter.add(
-        op="all_gather",
-        phase=phase,
-        kind="control",
-        unit=unit,
-        elements=(n - 1) * values.numel(),
-        padding=0,
-        nbytes=(n - 1) * values.numel() * values.element_size(),
+    elements = (n - 1) * values.numel()
+    rec = _record(
+        counter, "all_gather", elements, 0, values, phase=phase, kind="control", unit=unit
     )
     out = torch.empty((n, *values.shape), dtype=values.dtype, device=values.device)
     if n == 1:
