@@ -70,16 +70,10 @@ def reduce_scatter(bufs, shard: int, padding, log, **tag):
 def all_gather(shards, padding, log, **tag):
     """Every rank gets the concatenation of all shards; each sends its shard to N-1 ranks."""
     n = len(shards)
-    full = np.concatenate(shards)
     for r in range(n):
-        log[r].append(
-            Sent(
-                op="all_gather",
-                elements=(n - 1) * shards[r].size,
-                padding=(n - 1) * padding[r],
-                **tag,
-            )
-        )
+        el, pad = (n - 1) * shards[r].size, (n - 1) * padding[r]
+        log[r].append(Sent(op="all_gather", elements=el, padding=pad, **tag))
+    full = np.concatenate(shards)
     return [full.copy() for _ in range(n)]
 
 
@@ -89,31 +83,17 @@ def all_reduce(bufs, shard: int, padding, log, **tag):
     inner: list[list[Sent]] = [[] for _ in range(n)]
     full = all_gather(reduce_scatter(bufs, shard, padding, inner, **tag), padding, inner, **tag)
     for r in range(n):
-        log[r].append(
-            Sent(
-                op="all_reduce",
-                elements=sum(s.elements for s in inner[r]),
-                padding=sum(s.padding for s in inner[r]),
-                **tag,
-            )
-        )
+        el, pad = sum(s.elements for s in inner[r]), sum(s.padding for s in inner[r])
+        log[r].append(Sent(op="all_reduce", elements=el, padding=pad, **tag))
     return full
 
 
 def all_reduce_max(flags, log):
     """Control: every rank learns whether any rank saw an overflow; a one-element all-reduce,
     counted as N-1 elements per rank."""
+    tag = {"phase": "overflow", "unit": None, "kind": "control", "padding": 0}
     for r in range(len(flags)):
-        log[r].append(
-            Sent(
-                op="all_reduce_max",
-                phase="overflow",
-                unit=None,
-                elements=len(flags) - 1,
-                padding=0,
-                kind="control",
-            )
-        )
+        log[r].append(Sent(op="all_reduce_max", elements=len(flags) - 1, **tag))
     return any(flags)
 
 
@@ -309,17 +289,7 @@ class World:
                 per_unit = chunk_sumsq(g[u][0], lay.chunk)
             else:
                 mine = [chunk_sumsq(x, lay.chunk) for x in g[u]]
-                for r in range(self.n):
-                    self.log[r].append(
-                        Sent(
-                            op="all_gather",
-                            phase="norm",
-                            unit=u,
-                            elements=(self.n - 1) * mine[r].size,
-                            padding=0,
-                            kind="control",
-                        )
-                    )
+                all_gather(mine, [0] * self.n, self.log, phase="norm", unit=u, kind="control")
                 per_unit = np.concatenate(mine)
             partials.append(per_unit[: lay.num_chunks])
         return global_norm(partials)

@@ -448,3 +448,27 @@ def test_fast_checks_catch_planted_bugs(bug, stage):
     assert not all(r[0]["passed"] for r in per_rank)
     key = "reduced" if bug == "reduce" else "master"
     assert max(r[0]["ratios"][key] for r in per_rank) > 10
+
+
+@pytest.mark.full
+@pytest.mark.dist
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["deterministic", "fast"])
+def test_release_matrix_on_the_gpt(n, mode):
+    """Release tier: every stage x precision x optimizer on the GPT, M = 4N, 4 steps."""
+    todo = [
+        Cell(
+            stage=s,
+            world_size=n,
+            precision=p,
+            optimizer=o,
+            mode=mode,
+            model="gpt",
+            accumulation=4,
+            steps=4,
+        )
+        for s in (0, 1, 2)
+        for p in ("fp32", "bf16", "fp16")
+        for o in ("sgd", "adam", "adamw")
+    ]
+    assert failures(n, todo) == []
