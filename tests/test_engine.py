@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(600)
 def cells(n, **kw):
     return [
         Cell(stage=s, world_size=n, precision=p, optimizer=o, mode="deterministic", **kw)
-        for s in (0, 1, 2)
+        for s in (0, 1, 2, 3)
         for p in ("fp32", "bf16", "fp16")
         for o in ("sgd", "adam", "adamw")
     ]
@@ -48,7 +48,7 @@ def failures(n, todo):
 @pytest.mark.dist
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_deterministic_cells_are_bitwise_equal_to_the_reference(n):
-    """Stages 0-2 x fp32/bf16/fp16 x SGD/Adam/AdamW, M = 2N, on the MLP; on the GPT (tied
+    """Stages 0-3 x fp32/bf16/fp16 x SGD/Adam/AdamW, M = 2N, on the MLP; on the GPT (tied
     embedding and head in the root unit) for AdamW. Every rank, every step, every extent."""
     todo = cells(n, model="mlp") + [c for c in cells(n, model="gpt") if c.optimizer == "adamw"]
     assert failures(n, todo) == []
@@ -237,8 +237,75 @@ def bits_with_delays(rank, n, stage, delayed):
         collectives._launch = original
 
 
+def stage3_traffic(rank, n, k, overlap):
+    model, eng = mlp_engine(3, n, k, overlap=overlap)
+    one_step(eng, model, rank, n, k)
+    step = eng.counter.step - 1
+    root = [u.part.shard_numel for u in eng.units if not u.name]
+    rest = [u.part.shard_numel for u in eng.units if u.name]
+    bits = [u.master.clone().view(torch.int32) for u in eng.units]
+    return eng.counter.volume(step), eng.counter.counts(step), root, rest, eng.impl.peak_live, bits
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("n, k", [(2, 1), (4, 1), (4, 4), (3, 2)])
+def test_stage3_counted_volume_and_calls(n, k):
+    """Per micro-step: 2 all-gathers (forward, backward) and 1 reduce-scatter per unit, so
+    3Ψ·(N-1)/N·M/N; the root stays gathered from forward to backward: 1 all-gather + 1
+    reduce-scatter. Prefetch (overlap on) changes neither the counts nor the bits."""
+    on = get_pool(n).run(stage3_traffic, k, True)
+    off = get_pool(n).run(stage3_traffic, k, False)
+    for (vol, counts, root, rest, live, bits), (vol2, counts2, *_, live2, bits2) in zip(on, off):
+        assert vol[0] == k * (n - 1) * (3 * sum(rest) + 2 * sum(root))
+        assert counts == {
+            "all_gather": k * (2 * len(rest) + len(root)),
+            "reduce_scatter": k * (len(rest) + len(root)),
+        }
+        assert (vol, counts) == (vol2, counts2)
+        assert all(torch.equal(a, b) for a, b in zip(bits, bits2, strict=True))
+        assert live <= 2 and live2 == 1  # the prefetch bound (max_live = 2), and none without
+
+
+def stage3_gpt_probe(rank, n):
+    from zero.models import GPT, GPTConfig, gpt_microbatches
+    from zero.train import train_steps
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    eng = ZeroEngine(
+        model, ZeroConfig(stage=3, micro_batches=2 * n, chunk=128, units=tuple(model.unit_names()))
+    )
+    with eng.gathered_params():
+        exact = all(
+            torch.equal(p.detach().view(torch.int32), init[k].view(torch.int32))
+            for k, p in model.named_parameters()
+        )
+
+    def mb(s, j):
+        return gpt_microbatches(model.cfg, seed=0, data_step=s, count=j + 1, batch_size=2)[j]
+
+    train_steps(eng, mb, 2)
+    weight = model.transformer.h[1].attn.c_attn.weight
+    try:
+        float(weight.sum())
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    return exact, tuple(weight.shape), error, eng.impl.peak_live
+
+
+@pytest.mark.dist
+def test_stage3_parameters_outside_a_gather():
+    """Reading a sharded parameter raises an error naming it and its unit (shape stays
+    readable); engine.gathered_params() shows the full values; 4 blocks, prefetch bound 2."""
+    for exact, shape, error, live in get_pool(2).run(stage3_gpt_probe):
+        assert exact and shape == (96, 32)
+        assert "'transformer.h.1.attn.c_attn.weight' of unit transformer.h.1 is sharded" in error
+        assert live <= 2
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_injected_delays_do_not_change_the_bits(stage):
     calm = get_pool(4).run(bits_with_delays, stage, False)
     late = get_pool(4).run(bits_with_delays, stage, True)
@@ -399,7 +466,7 @@ def fast_cells(n, model="mlp"):
             model=model,
             reduce_dtype=rd,
         )
-        for s in (0, 1, 2)
+        for s in (0, 1, 2, 3)
         for p, o, rd in (("fp32", "adamw", None), ("bf16", "sgd", "bf16"), ("fp16", "adam", None))
     ]
 

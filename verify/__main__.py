@@ -29,7 +29,7 @@ MODES = ("deterministic", "fast")
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m verify", description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2])
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument(
         "--precisions",

@@ -121,7 +121,8 @@ def compare_rank(eng: ZeroEngine, ref, rcfg) -> tuple[bool, float, int, str]:
                 s.name: ref.opt[s.name].get(x, np.zeros(s.shape, np.float32)) for s in lay.slots
             }
             pairs.append((x, t, flat(lay, states, n)[ext]))
-        pairs.append(("working", u.working, lay.flatten(work, n, DTYPES[rcfg.precision])))
+        resident, held = eng.impl.working_extent(u)
+        pairs.append(("working", resident, lay.flatten(work, n, DTYPES[rcfg.precision])[held]))
         for what, ours, theirs in pairs:
             ours = to_numpy(ours)
             if not bitwise_equal(ours, theirs):

@@ -112,9 +112,10 @@ def check_fast_step(eng, spec, rcfg, before, after, info, grads) -> dict:
             bound = _flat(lay, {k: err_state[k].get(x, zeros[k]) for k in zeros}, n)[ext]
             diff = np.abs(to_numpy(t).astype(np.float64) - want)
             ratios["optimizer"] = max(ratios["optimizer"], _ratio(diff, bound))
-        full_p = _flat(lay, err_p, n)
-        master_abs = np.abs(_flat(lay, after.master, n))
-        diff = np.abs(to_numpy(u.working).astype(np.float64) - _flat(lay, work_ref, n))
+        resident, held = eng.impl.working_extent(u)
+        full_p = _flat(lay, err_p, n)[held]
+        master_abs = np.abs(_flat(lay, after.master, n))[held]
+        diff = np.abs(to_numpy(resident).astype(np.float64) - _flat(lay, work_ref, n)[held])
         bound = (1 + u_c) * full_p + 2 * u_c * master_abs + SMALLEST_SUBNORMAL[rcfg.precision]
         ratios["working"] = max(ratios["working"], _ratio(diff, bound))
     return ratios

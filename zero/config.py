@@ -18,7 +18,7 @@ from reference.precision import ScalerConfig
 from reference.step import StepConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STAGES = (0, 1, 2)  # stage 3 arrives with its own module
+STAGES = (0, 1, 2, 3)
 
 
 def decay_matrices_only(name: str, param: torch.Tensor) -> int:
@@ -32,7 +32,8 @@ class ZeroConfig:
     """How to train: the ZeRO stage, the numerics of a step, and the engine's structure."""
 
     stage: int = 0
-    """0 baseline DP; 1 P_os (optimizer states partitioned); 2 P_os+g (+ gradients)."""
+    """0 baseline DP; 1 P_os (optimizer states partitioned); 2 P_os+g (+ gradients);
+    3 P_os+g+p (+ working parameters, gathered per unit around its forward and backward)."""
     precision: str = "fp32"
     """Compute dtype of the working copy and of the gradients: 'fp32', 'bf16' or 'fp16'."""
     reduce_dtype: str | None = None
@@ -60,7 +61,9 @@ class ZeroConfig:
     """Qualified names of the submodules that are units (e.g. each transformer block); all
     other parameters, and any parameter shared between units, form the root unit."""
     overlap: bool = True
-    """Launch each unit's reduction asynchronously as soon as its gradients are ready."""
+    """Run collectives asynchronously: each unit's reduction overlaps the rest of backward, and
+    stage 3 prefetches the next unit's parameters. Off: the same collectives, in the same order,
+    each completed before compute goes on (the bits are the same either way)."""
     chunk: int = 4096
     """Clipping-chunk size C in elements (a power of two >= 128); shards are multiples of it."""
 

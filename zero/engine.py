@@ -42,9 +42,10 @@ from .partition import UnitPartition
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
+from .stage3 import Stage3
 from .unit import FlatUnit
 
-STAGE_CLASSES = {0: Stage0, 1: Stage1, 2: Stage2}
+STAGE_CLASSES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +126,8 @@ class ZeroEngine(nn.Module):
         for u in self.units:
             for _, p in u.params:
                 p.register_post_accumulate_grad_hook(self._hook(u))
+        mods = dict(self.module.named_modules())
+        self.impl.register_hooks({u.name: mods[u.name] for u in self.units} | {"": self.module})
 
     # -- construction helpers ----------------------------------------------------------------
 
@@ -190,7 +193,7 @@ class ZeroEngine(nn.Module):
     def _hook(self, u: FlatUnit):
         def post_accumulate(_param) -> None:
             u.ready += 1
-            if u.ready == len(u.params) and self.config.overlap:
+            if u.ready == len(u.params):  # overlap only decides whether it runs asynchronously
                 u.fired = True
                 self.impl.post_backward(u)
 
@@ -207,7 +210,7 @@ class ZeroEngine(nn.Module):
         self.finalize_backward()
 
     def finalize_backward(self) -> None:
-        for u in reversed(self.units):  # units with unused parameters, or overlap off
+        for u in reversed(self.units):  # units with parameters that got no gradient
             if not u.fired:
                 self.impl.post_backward(u)
         for u in self.units:
@@ -296,6 +299,11 @@ class ZeroEngine(nn.Module):
 
     # -- bookkeeping used by the stages and by verification ------------------------------------
 
+    def gathered_params(self):
+        """Context manager: the module's full working parameters are readable inside (stage 3
+        all-gathers every unit and frees them on exit; stages 0-2 hold them anyway)."""
+        return self.impl.gathered()
+
     def state_names(self, group: int) -> tuple[str, ...]:
         return state_names(self.config.optimizer, self.config.groups[group])
 
@@ -323,7 +331,7 @@ class ZeroEngine(nn.Module):
             for p, u in zip(self.extra_partials, self.units, strict=True)
         )
         return {
-            "params": owned(u.working for u in self.units),
+            "params": owned(self.impl.working_extent(u)[0] for u in self.units),
             "grads": owned(u.grad for u in self.units) + extra,
             "master": owned(u.master for u in self.units),
             "optimizer": owned(t for u in self.units for t in u.opt.values()),
@@ -364,8 +372,9 @@ class ZeroEngine(nn.Module):
         for u in self.units:
             ext = self.impl.master_extent(u)
             full = padded(u, {k: master[k] for k, _ in u.params})
-            u.working.copy_(full)  # the master rounded to the compute dtype
-            if u.master.untyped_storage().data_ptr() != u.working.untyped_storage().data_ptr():
+            resident, held = self.impl.working_extent(u)
+            resident.copy_(full[held])  # the master rounded to the compute dtype
+            if u.master.untyped_storage().data_ptr() != resident.untyped_storage().data_ptr():
                 u.master.copy_(full[ext])
             for x, state in u.opt.items():
                 zeros = {k: np.zeros(tuple(p.shape), np.float32) for k, p in u.params}

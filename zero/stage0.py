@@ -20,6 +20,8 @@ diff of this one. The lifecycle (called by the engine, which does no stage-speci
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import collectives as C
@@ -56,6 +58,17 @@ class Stage0:
     def master_extent(self, u: FlatUnit) -> slice:
         """Which elements of the padded buffer this rank's optimizer updates."""
         return slice(0, u.part.padded_numel)
+
+    def working_extent(self, u: FlatUnit):
+        """The resident working copy and which elements of the padded buffer it holds."""
+        return u.working, slice(0, u.part.padded_numel)
+
+    def gathered(self):
+        """Stages 0-2 keep the working parameters whole: nothing to gather."""
+        return contextlib.nullcontext()
+
+    def register_hooks(self, modules) -> None:
+        """Module hooks (stage 3 gathers around each unit's forward and backward)."""
 
     def runs(self, u: FlatUnit):
         """The parameter-group runs of the master's extent (zero/partition.py)."""

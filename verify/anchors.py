@@ -1,0 +1,421 @@
+"""External anchors: the reference against training code that nobody here wrote (DESIGN.md §2).
+
+The reference and the engine agree bit for bit, so a semantics mistake they share (how the loss
+is averaged over micro-batches, where clipping happens, how weight decay couples, Adam's bias
+corrections) would never show between them. So the *reference* is compared, on the same GPT and
+the same data, with two textbook recipes:
+
+  plain  one process: for each of the M micro-batches, (loss_j / M).backward() accumulating
+         into .grad; then torch.nn.utils.clip_grad_norm_; then torch.optim.AdamW, with the same
+         parameter groups (decay on matrices, none on biases and norms);
+  ddp    torch DistributedDataParallel on N gloo ranks: rank r runs micro-batches j = r mod N,
+         under no_sync() for all but its last, with loss_j / (M/N); DDP averages over the
+         ranks; then clip_grad_norm_ and AdamW on every rank.
+
+Lock-step, as in verify/lockstep.py and for the same reason (errors feed back through the model
+and Adam's 1/sqrt(v) amplifies them, so a K-step trajectory has no derivable bound): every step
+starts the peer from the reference's state (the parameters, and AdamW's opt.state[p] = {"step":
+t, "exp_avg", "exp_avg_sq"}), runs one peer step on that step's micro-batches, and checks five
+things against the reference's step, each within a bound derived here. Notation: fp32
+throughout, u = 2^-24, γ_k = k·u/(1 - k·u) (verify/bounds.py); g_j is micro-batch j's gradient
+of its *mean* loss, as verify.harness.microbatch_grads computes it on the reference's working
+copy (the reference's own input); ν a global L2 norm; ε = 1e-6 clip_grad_norm_'s epsilon.
+
+What is assumed about torch (torch 2.13 source read; A1 and A2 are also tested directly):
+  A1  The peer's backward of micro-batch j on the same parameter bits gives g_j's bits: the
+      same kernels on the same machine, one thread (DESIGN.md §2 asks this of every rank).
+  A2  Backward is linear in its seed: every backward formula here (cross-entropy, LayerNorm,
+      GELU, attention, matmul, embedding) is a sum of products with the incoming gradient as a
+      factor. Scaling by a power of two commutes with every rounding (barring underflow, i.e.
+      no intermediate within 2^3 of the subnormal range), so seeding backward with 2^-k, which
+      (loss / 2^k).backward() does, gives exactly 2^-k·g_j; DDP's division by N is likewise
+      exact. Hence M and N must be powers of two here.
+  A3  torch.linalg.vector_norm of n float32 values (what clip_grad_norm_ uses per tensor via
+      torch._foreach_norm, and once more over the stack of per-tensor norms) sums the n squares
+      in *some* order in a float32 or wider accumulator, then takes a square root that may be
+      1 ulp off: ATen's NormTwoOps (SharedReduceOps.h) is acc + x·x, partial accumulators
+      (SIMD lanes, threads) combined by +, sqrt at the end; no rescaling as in LAPACK's nrm2.
+  A4  torch.optim.AdamW on CPU runs _single_tensor_adam (foreach and fused default to off for
+      CPU tensors; foreach=False pins it): p *= 1 - lr·wd; m.lerp_(g, 1 - b1);
+      v.mul_(b2).addcmul_(g, g, 1 - b2); d = v.sqrt() / sqrt(bc2) + eps;
+      p.addcdiv_(m, d, -lr/bc1). Each line rounds at most LINE_ROUNDINGS times per term (its
+      scalars once to float32; a lerp with weight w = 1 - b1 < 1/2 computes self + w·(end -
+      self), and w <= b1 in both groups, so its roundings stay within the per-line charge),
+      which is what verify/bounds.py charges each of the two implementations per line.
+
+1. grad: the averaged gradient before clipping. The peer accumulates (plain: sequentially into
+   .grad; ddp: sequentially per rank, then gloo's all-reduce, each element some order of the N
+   partials); by A2 its result is S(g_0 .. g_{M-1}) / M exactly, with S *some* summation order
+   of the M terms. The reference's is T(g_0 .. g_{M-1})·s(1/M), T the tree, the product exact
+   (1/M a power of two). Every summation order is within γ_{M-1}·Σ|g_j| of the exact sum
+   (Higham eq. 4.4), so
+       |G_peer - g0_ref| <= e_g0 := 2·γ_{M-1}·Σ_j|g_j| / M        (elementwise).
+
+2. norm. By A3, with n_i the size of parameter i and k the number of parameters: the sum of
+   n_i squares has relative error <= γ_{n_i} (Higham eq. 3.5 for xᵀx, any order, a fused or a
+   rounded square alike), the sqrt of s·(1 + δ) is sqrt(s)·(1 + δ') with |δ'| <= |δ| (for
+   |δ| < 1), and the sqrt adds 2u: ν̂_i = ν_i·(1 + θ_i), |θ_i| <= ρ_i := (1 + γ_{n_i})(1 + 2u)
+   - 1. The norm of the k values ν̂_i adds γ_k and another sqrt, so ν̂ = ‖G_peer‖₂·(1 + θ) with
+       |θ| <= ρ := (1 + max_i ρ_i)(1 + γ_k)(1 + 2u) - 1.
+   The reference's float64 norm is a pairwise tree (chunks of C, then T over the chunks) of
+   depth < 40 for fewer than 2^40 elements: relative error <= ρ64 := γ_42(2^-53) (the squares,
+   the adds, the sqrt). The triangle inequality moves ‖·‖₂ by at most ‖e_g0‖₂, so
+       |ν̂_peer - ν_ref| <= Δν := ‖e_g0‖₂ + ρ·(ν_ref·(1 + ρ64) + ‖e_g0‖₂) + ρ64·ν_ref.
+   ρ is dominated by γ_{n_i} of the largest tensor (γ_4096 = 2.4e-4 for the GPT's MLP
+   matrices): a worst case over all orders, far above the √n·u a real sum shows, but it is what
+   can be derived without assuming torch's exact order.
+
+3. Clip coefficient. Peer: min(1, fl(max / fl(ν̂ + fl(ε)))) in float32, 4 roundings (the
+   scalars max and ε, the add, the divide), then *always* a multiply (by exactly 1 when not
+   clipping). Reference: s(max / (ν_ref + ε)) from float64, one rounding, applied when < 1.
+   min(1, ·) is 1-Lipschitz and |c(a) - c(b)| <= max·|a - b| / ((min(a, b) + ε)(b + ε)) for
+   c(x) = max / (x + ε); clipped coefficients are <= 1, so the 5 roundings cost <= γ_5:
+       Δcoef := max·Δν / ((max(ν_ref - Δν, 0) + ε)(ν_ref + ε)) + γ_5.
+   Where even the largest norm the peer may compute leaves its coefficient >= 1 after its
+   roundings (its quotient is >= c(ν̂)·(1 - γ_4)), that is where c(ν_ref + Δν)·(1 - γ_4) >= 1,
+   both coefficients are exactly 1 (the peer's clamp gives 1, a multiply by 1 is exact, the
+   reference skips the multiply): Δcoef = 0 and no product rounds.
+
+4. The clipped gradient: |G_p·coef_p - g0·coef_r| <= (coef_r + Δcoef)·e_g0 + |g0|·Δcoef, plus
+   one rounding of each product (none when neither side clips):
+       e_g := (coef_r + Δcoef)·e_g0 + |g0_ref|·Δcoef + 2u·|g_ref|.
+
+5. master, exp_avg, exp_avg_sq: verify.bounds.optimizer_step_error("adamw", ..., {"g": e_g})
+   from the same state (zero error in p, m, v), with both implementations' roundings per line
+   (A4). Each new parameter and moment must lie within its bound.
+
+Each check reports its worst ratio diff/bound; the anchor holds when every ratio is <= 1.
+
+What the checks catch. A missing 1/M fails check 1 by ~1e6 (a gradient M times too large
+against a bound ~1e-6 relative), whatever clipping does afterwards. Check 1 is needed for that:
+clipping and then Adam are nearly scale-invariant, so where both sides clip the extra factor M
+is divided out again, and only a step that does not clip shows it in the parameters. Coupled
+weight decay (torch.optim.Adam in place of AdamW) passes checks 1-2 and fails check 5.
+
+DeepSpeed ZeRO-1/2 is not anchored in lock-step: in DeepSpeed 0.19.8 its public state setter
+(deepspeed.utils.safe_set_full_optimizer_state) fails for every parameter outside the first
+parameter group, because the optimizer-state fragments are linked once, right after the first
+group's step and before torch has created the other groups' state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from reference import ModelSpec, StepConfig, init_state, train_step, working_copy
+from reference.precision import UNIT_ROUNDOFF
+from reference.step import CLIP_EPS, StepInfo, TrainState
+from zero.config import decay_matrices_only
+
+from .bounds import gamma, optimizer_step_error
+from .harness import GROUPS, MODELS, microbatch_grads
+
+U = UNIT_ROUNDOFF["fp32"]
+U64 = 2.0**-53
+REF_NORM_DEPTH = 40  # pairwise depth of the reference norm's tree for < 2^40 elements
+STATES = ("exp_avg", "exp_avg_sq")
+CHECKS = ("grad", "norm", "master", *STATES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Anchor:
+    """One lock-step anchor run: the model, the data and the step, as the reference sees them."""
+
+    model: str = "gpt"
+    """A key of verify.harness.MODELS."""
+    micro_batches: int = 8
+    """M, a power of two (A2): the peers scale by 1/M and 1/N exactly only then."""
+    steps: int = 4
+    """Lock-steps to run."""
+    clip_norm: float | None = 0.5
+    """Clip the global norm to this (None: no clipping). The default clips some GPT steps."""
+    batch_size: int = 4
+    """Sequences per micro-batch."""
+    seed: int = 0
+    """Data seed (the model's initial values have their own, fixed seed)."""
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r}: allowed are {sorted(MODELS)}")
+        m = self.micro_batches
+        if m < 1 or m & (m - 1):
+            raise ValueError(f"micro_batches={m}: must be a power of two (exact 1/M scaling)")
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: must be >= 1")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm={self.clip_norm}: must be > 0 or None")
+
+    def groups(self):
+        return GROUPS["adamw"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """How the peer trains. The defaults are the correct textbook recipe; the other values
+    exist to plant semantics bugs that the anchors must catch."""
+
+    divide_loss: bool = True
+    """Divide each micro-batch's loss by the micro-batches per process (False: a missing 1/M)."""
+    torch_optimizer: str = "AdamW"
+    """The torch.optim class ("Adam": L2 weight decay coupled into the gradient)."""
+
+
+@dataclass(frozen=True)
+class RefStep:
+    """One reference step and everything a peer needs to repeat it."""
+
+    before: TrainState
+    after: TrainState
+    info: StepInfo
+    grads: list[dict[str, np.ndarray]]  # g_j, fp32, by parameter name
+    batches: list  # the M micro-batches (idx, targets)
+
+
+@dataclass(frozen=True)
+class PeerStep:
+    """What a peer holds after one step from the reference's state."""
+
+    grad: dict[str, np.ndarray]  # the averaged gradient before clipping, fp32
+    norm: float  # clip_grad_norm_'s total norm (before clipping)
+    master: dict[str, np.ndarray]  # new parameters, fp32
+    opt: dict[str, dict[str, np.ndarray]]  # new exp_avg, exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Elementwise (by parameter name) and scalar bounds of one lock-step; module docstring."""
+
+    grad: dict[str, np.ndarray]
+    norm: float
+    state: dict[str, dict[str, np.ndarray]]  # name -> {"p", "exp_avg", "exp_avg_sq"}
+    terms: dict[str, float] = field(default_factory=dict)  # ρ, Δν, Δcoef, for reports
+
+
+@contextlib.contextmanager
+def one_thread():
+    """A1 needs the same kernels everywhere: forked ranks run one thread, so the reference's
+    g_j are computed with one thread too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def model_spec(model, chunk: int = 128) -> ModelSpec:
+    """The reference's view of the model: the root unit first (everything outside the model's
+    units, the tied head included), then one unit each, as zero.engine arranges them."""
+    units = model.unit_names()
+    named = list(model.named_parameters())  # a tied parameter appears once
+    owner = {n: next((u for u in units if n.startswith(u + ".")), "") for n, _ in named}
+    layout = [[(n, tuple(p.shape)) for n, p in named if owner[n] == u] for u in ("", *units)]
+    group_of = {n: decay_matrices_only(n, p) for n, p in named}
+    return ModelSpec.build([u for u in layout if u], group_of, chunk=chunk)
+
+
+def reference_run(a: Anchor) -> tuple[ModelSpec, StepConfig, list[RefStep]]:
+    """The reference's trajectory over a.steps steps (its own, never the peer's)."""
+    build, data = MODELS[a.model]
+    model = build()
+    spec = model_spec(model)
+    rcfg = StepConfig(
+        optimizer="adamw",
+        groups=a.groups(),
+        micro_batches=a.micro_batches,
+        clip_norm=a.clip_norm,
+    )
+    init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
+    state, out = init_state(init, spec, rcfg), []
+    with one_thread():
+        for step in range(a.steps):
+            batches = data(
+                model.cfg,
+                seed=a.seed,
+                data_step=step,
+                count=a.micro_batches,
+                batch_size=a.batch_size,
+            )
+            work = working_copy(state, rcfg)
+            grads = [microbatch_grads(model, work, b, torch.float32, None) for b in batches]
+            after, info = train_step(state, grads, spec, rcfg)
+            out.append(RefStep(state, after, info, grads, batches))
+            state = after
+    return spec, rcfg, out
+
+
+# -- the peers ----------------------------------------------------------------------------------
+
+
+def torch_optimizer(model, a: Anchor, recipe: Recipe) -> torch.optim.Optimizer:
+    """torch.optim with the reference's groups, every hyper-parameter spelled out (torch's AdamW
+    defaults to weight_decay=0.01, which group 1 must not get)."""
+    hps = a.groups()
+    members = [[] for _ in hps]
+    for name, p in model.named_parameters():
+        members[decay_matrices_only(name, p)].append(p)
+    groups = [
+        dict(params=ps, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
+        for ps, hp in zip(members, hps)
+        if ps
+    ]
+    cls = getattr(torch.optim, recipe.torch_optimizer)
+    return cls(groups, foreach=False)  # A4: the single-tensor kernel
+
+
+def load_state(model, opt, master, opt_state, t: int) -> None:
+    """Lock-step: the reference's parameters and AdamW state, t steps taken so far."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(master[name]))
+            p.grad = None
+            opt.state[p] = {
+                "step": torch.tensor(float(t)),
+                **{k: torch.from_numpy(opt_state[name][k].copy()) for k in STATES},
+            }
+
+
+def clip_and_step(model, opt, a: Anchor) -> PeerStep:
+    """clip_grad_norm_ then opt.step(), recording the gradient before clipping."""
+    named = list(model.named_parameters())
+    grad = {n: p.grad.detach().numpy().copy() for n, p in named}
+    # Without clipping, max_norm = inf makes the coefficient min(1, inf) = 1: the same call
+    # still reports the norm.
+    max_norm = math.inf if a.clip_norm is None else a.clip_norm
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    opt.step()
+    master = {n: p.detach().numpy().copy() for n, p in named}
+    state = {n: {k: opt.state[p][k].numpy().copy() for k in STATES} for n, p in named}
+    return PeerStep(grad, norm, master, state)
+
+
+def plain_run(a: Anchor, steps: list[RefStep], recipe: Recipe = Recipe()) -> list[PeerStep]:
+    """The single-process peer, one lock-step per reference step."""
+    build, _ = MODELS[a.model]
+    model = build()
+    opt = torch_optimizer(model, a, recipe)
+    out = []
+    with one_thread():
+        for s in steps:
+            load_state(model, opt, s.before.master, s.before.opt, s.before.t)
+            for x, y in s.batches:
+                _, loss = model(x, y)
+                (loss / len(s.batches) if recipe.divide_loss else loss).backward()
+            out.append(clip_and_step(model, opt, a))
+    return out
+
+
+def ddp_payload(steps: list[RefStep]) -> list[tuple]:
+    """What the DDP ranks need of each reference step (pickled to the workers)."""
+    return [(s.before.master, s.before.opt, s.before.t, s.batches) for s in steps]
+
+
+def ddp_run(rank: int, n: int, a: Anchor, payload: list[tuple], recipe: Recipe) -> list[PeerStep]:
+    """The DDP peer on one rank (run it with zero.launch.get_pool(n).run)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    m = a.micro_batches
+    if n & (n - 1) or m % n:
+        raise ValueError(f"world size {n}: must be a power of two dividing M={m} (A2)")
+    torch.set_num_threads(1)
+    build, _ = MODELS[a.model]
+    model = build()
+    ddp = DDP(model)
+    opt = torch_optimizer(model, a, recipe)
+    out = []
+    for master, opt_state, t, batches in payload:
+        load_state(model, opt, master, opt_state, t)
+        mine = batches[rank::n]  # micro-batch j runs on rank j mod N
+        for i, (x, y) in enumerate(mine):
+            last = i == len(mine) - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                _, loss = ddp(x, y)
+                (loss / len(mine) if recipe.divide_loss else loss).backward()
+        out.append(clip_and_step(model, opt, a))
+    return out
+
+
+# -- the bounds and the check -------------------------------------------------------------------
+
+
+def norm_rel_error(sizes: list[int]) -> float:
+    """ρ of the module docstring (check 2): clip_grad_norm_'s relative error in float32."""
+    rho_i = max((1 + gamma(n, U)) * (1 + 2 * U) - 1 for n in sizes)
+    return (1 + rho_i) * (1 + gamma(len(sizes), U)) * (1 + 2 * U) - 1
+
+
+def step_bounds(spec: ModelSpec, rcfg: StepConfig, step: RefStep) -> Bounds:
+    """The bounds of checks 1-5 of the module docstring for one lock-step."""
+    m, before, info = rcfg.micro_batches, step.before, step.info
+    c = 1.0 / m  # s(1/M) is exact: M is a power of two
+    g0, e_g0 = {}, {}
+    for name in spec.names:
+        abs_sum = sum(np.abs(g[name].astype(np.float64)) for g in step.grads)
+        e_g0[name] = 2 * gamma(m - 1, U) * abs_sum * c
+        g0[name] = np.abs(info.reduced[name].astype(np.float64)) * c
+    e_norm = math.sqrt(sum(float((e * e).sum()) for e in e_g0.values()))
+    rho = norm_rel_error([step.grads[0][n].size for n in spec.names])
+    rho64 = gamma(REF_NORM_DEPTH + 2, U64)
+    nu = float(info.norm)
+    d_norm = e_norm + rho * (nu * (1 + rho64) + e_norm) + rho64 * nu
+    coef = 1.0 if info.clip_coef is None else float(info.clip_coef)
+    never_clips = rcfg.clip_norm is None or (
+        rcfg.clip_norm / (nu + d_norm + CLIP_EPS) * (1 - gamma(4, U)) >= 1
+    )
+    if never_clips:  # both coefficients are exactly 1 (check 3): nothing to charge
+        d_coef, rounding = 0.0, 0.0
+    else:
+        low = max(nu - d_norm, 0.0) + CLIP_EPS
+        d_coef = rcfg.clip_norm * d_norm / (low * (nu + CLIP_EPS)) + gamma(5, U)
+        rounding = 2 * U
+    state = {}
+    for name in spec.names:
+        hp = rcfg.groups[spec.group_of[name]]
+        g_ref = info.reduced[name].astype(np.float32) * np.float32(c)
+        if info.clip_coef is not None:
+            g_ref = g_ref * info.clip_coef
+        e_g = (coef + d_coef) * e_g0[name] + g0[name] * d_coef + rounding * np.abs(g_ref)
+        args = (before.t + 1, before.master[name], g_ref, before.opt[name], {"g": e_g})
+        err, _, _ = optimizer_step_error(rcfg.optimizer, hp, *args)
+        state[name] = {k: err[k] for k in ("p", *STATES)}
+    terms = {"rho": rho, "d_norm": d_norm, "d_coef": d_coef, "norm": nu, "coef": coef}
+    return Bounds(grad=e_g0, norm=d_norm, state=state, terms=terms)
+
+
+def ratio(diff: np.ndarray, bound: np.ndarray) -> float:
+    """Worst diff/bound; a zero bound admits only a zero difference."""
+    diff, bound = np.broadcast_arrays(np.asarray(diff, np.float64), np.asarray(bound, np.float64))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(bound > 0, diff / bound, np.where(diff > 0, np.inf, 0.0))
+    return float(r.max()) if r.size else 0.0
+
+
+def check_step(step: RefStep, peer: PeerStep, b: Bounds) -> dict[str, float]:
+    """Worst diff/bound of each check (module docstring) for one lock-step."""
+    f = np.float64
+    ref_g0 = {n: r.astype(f) / len(step.grads) for n, r in step.info.reduced.items()}
+    out = dict.fromkeys(CHECKS, 0.0)
+    for name, want in ref_g0.items():
+        out["grad"] = max(out["grad"], ratio(np.abs(peer.grad[name] - want), b.grad[name]))
+        diff = np.abs(peer.master[name].astype(f) - step.after.master[name])
+        out["master"] = max(out["master"], ratio(diff, b.state[name]["p"]))
+        for k in STATES:
+            diff = np.abs(peer.opt[name][k].astype(f) - step.after.opt[name][k])
+            out[k] = max(out[k], ratio(diff, b.state[name][k]))
+    out["norm"] = ratio(abs(peer.norm - float(step.info.norm)), b.norm)
+    return out
+
+
+def check_run(spec, rcfg, steps: list[RefStep], peers: list[PeerStep]) -> list[dict[str, float]]:
+    """check_step for every lock-step of a run."""
+    return [check_step(s, p, step_bounds(spec, rcfg, s)) for s, p in zip(steps, peers)]
+
+
+def worst(ratios: list[dict[str, float]]) -> dict[str, float]:
+    """The worst ratio of each check over the steps of a run."""
+    return {k: max(r[k] for r in ratios) for k in CHECKS}

@@ -1,0 +1,258 @@
+"""Stage 3, P_os+g+p: the working parameters are partitioned too (ZeRO paper §5.3).
+
+A diff of stage 2 (zero/stage2.py). Between uses, rank r holds only its shard of each unit's
+working parameters (compute dtype, L elements); the unit's full flat buffer exists only while the
+unit runs:
+    pre_forward(u)    all-gather u (or wait for its prefetch), then prefetch the next unit
+    post_forward(u)   free u, and mark its outputs so that its backward gathers it again
+    pre_backward(u)   all-gather u again, then prefetch the unit before it
+    post_backward(u)  reduce-scatter u's gradients (stage 2), then free u
+The root unit (embeddings, the tied head, final norm) is used first and last, so it stays
+gathered from its first use in forward to the end of backward (DESIGN.md §3).
+
+[Note: freeing by storage resize] Autograd saves views of the parameters for backward. Freeing
+resizes the flat buffer's storage to 0 bytes and gathering resizes it back, so every saved view
+keeps pointing at the same storage object and sees the re-gathered values. A kernel reading a
+storage of 0 bytes would crash, so the parameters become Stage3Parameter, whose every use of
+values while its unit is sharded raises an error naming the parameter and the unit (shape, dtype
+and grad stay readable). To read full parameters between steps: `with engine.gathered_params():`.
+
+Resident per rank: working params Ψ·compute bytes / N, gradients Ψ·reduction bytes / N, master +
+states KΨ/N, plus the units gathered at the moment (at most `max_live` besides the root).
+Traffic per micro-step (× (N-1)/N): 3Ψ (all-gather in forward, again in backward, reduce-scatter);
+the root costs 2Ψ_root (one all-gather, one reduce-scatter). At M = N that is the paper's 3Ψ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .stage2 import Stage2
+from .unit import FlatUnit
+
+
+class PartitionState(enum.Enum):
+    """Where a unit's working parameters are. Memory per rank, for a unit of Ψ_u elements:"""
+
+    SHARDED = "sharded"
+    """Only this rank's shard: Ψ_u/N elements of the compute dtype."""
+    GATHERING = "gathering"
+    """An all-gather is in flight into the full buffer: Ψ_u elements already allocated."""
+    GATHERED = "gathered"
+    """The full unit is present: Ψ_u elements (the shard is kept as well: Ψ_u/N more)."""
+
+
+_METADATA = frozenset(
+    {
+        "size",
+        "numel",
+        "dim",
+        "stride",
+        "element_size",
+        "nelement",
+        "__len__",
+        "__hash__",
+        "requires_grad_",
+    }
+)
+
+
+def _reads_values(func) -> bool:
+    """Whether a torch function needs the tensor's values (tensor properties do not, but
+    `.data` hands out a plain tensor over the same storage, so it counts)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        return getattr(getattr(func, "__self__", None), "__name__", "") == "data"
+    return name not in _METADATA and not name.startswith("register_")  # hooks touch no values
+
+
+class Stage3Parameter(nn.Parameter):
+    """A stage-3 unit's parameter: its values exist only while the unit is gathered."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _reads_values(func):
+            for a in itertools.chain(args, kwargs.values()):
+                for t in a if isinstance(a, list | tuple) else (a,):
+                    if isinstance(t, Stage3Parameter) and t._zero_unit.state is not (
+                        PartitionState.GATHERED
+                    ):
+                        raise RuntimeError(
+                            f"parameter {t._zero_name!r} of unit {t._zero_unit.name or '<root>'} "
+                            "is sharded (ZeRO stage 3): its values exist only while its unit runs. "
+                            "Read it inside the model's forward, or within "
+                            "`with engine.gathered_params():`"
+                        )
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity in forward; in backward it gathers the unit before the unit's own backward."""
+
+    @staticmethod
+    def forward(ctx, stage, unit, *tensors):
+        ctx.stage, ctx.unit = stage, unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.stage.pre_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+class Stage3(Stage2):
+    stage = 3
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.order: list[FlatUnit] = []  # units in forward execution order, this pass
+        self.last_order: list[FlatUnit] = []  # ... and the previous pass's: forward prefetch
+        self.max_live = 2  # gathered non-root units at once: the running one and one prefetched
+        self.peak_live = 0
+        self.gathering: dict[int, object] = {}  # unit index -> Pending all-gather
+
+    # -- resident state ----------------------------------------------------------------------
+
+    def allocate(self, u: FlatUnit) -> None:
+        super().allocate(u)
+        u.shard = u.working[u.part.own].clone()  # 1D, compute dtype, L: the resident part
+        if u.shard.dtype == torch.float32:  # pure fp32: the shard is the master itself
+            u.master = u.shard
+        u.state = PartitionState.GATHERED
+        for name, p in u.params:  # in place: identity, hooks and tied references survive
+            p.__class__ = Stage3Parameter
+            p._zero_unit, p._zero_name = u, name
+        self.transition(u, PartitionState.SHARDED)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit gathered (full working parameters readable), then sharded again. It is a
+        deliberate exception to the live-unit bound, so it does not count in peak_live."""
+        peak = self.peak_live
+        for u in self.eng.units:
+            self.gather(u, "gathered_params")
+        try:
+            yield
+        finally:
+            for u in self.eng.units:
+                self.transition(u, PartitionState.SHARDED)
+            self.peak_live = peak
+
+    def working_extent(self, u: FlatUnit):
+        return u.shard, u.part.own
+
+    def refresh_working(self, u: FlatUnit) -> None:
+        if u.master is not u.shard:
+            u.shard.copy_(u.master)  # round to nearest even; no traffic: it stays sharded
+
+    # -- the one place where a unit changes state ---------------------------------------------
+
+    def transition(self, u: FlatUnit, to: PartitionState, phase: str = "") -> None:
+        storage = u.working.untyped_storage()
+        if to is PartitionState.SHARDED:  # [Note: freeing by storage resize]
+            storage.resize_(0)
+        elif to is PartitionState.GATHERING:
+            storage.resize_(u.part.padded_numel * u.working.element_size())
+            self.gathering[u.index] = self.all_gather(u, u.working, u.shard, phase, async_op=True)
+        elif to is PartitionState.GATHERED:
+            if u.state is PartitionState.SHARDED:
+                storage.resize_(u.part.padded_numel * u.working.element_size())
+                self.all_gather(u, u.working, u.shard, phase).wait()
+            else:
+                self.gathering.pop(u.index).wait()
+        u.state = to
+        self.peak_live = max(self.peak_live, self._live())
+
+    def _live(self) -> int:
+        """Gathered or gathering units, the root excepted (it is accounted apart)."""
+        sharded = PartitionState.SHARDED
+        return sum(getattr(x, "state", sharded) is not sharded for x in self.eng.units if x.name)
+
+    def all_gather(self, u, out, shard, phase, async_op=False):
+        from . import collectives as C
+
+        return C.all_gather(
+            out,
+            shard,
+            group=self.group,
+            counter=self.counter,
+            padding=self.eng.pad_ag[u.index],
+            tag=self.tag(u, phase),
+            async_op=async_op,
+        )
+
+    def gather(self, u: FlatUnit, phase: str) -> None:
+        if u.state is not PartitionState.GATHERED:
+            self.transition(u, PartitionState.GATHERED, phase)
+
+    def prefetch(self, u: FlatUnit | None, phase: str) -> None:
+        """Start gathering u in the background if the live-unit bound allows it."""
+        if u is None or not self.cfg.overlap or u.state is not PartitionState.SHARDED:
+            return
+        if self._live() < self.max_live:
+            self.transition(u, PartitionState.GATHERING, phase)
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def register_hooks(self, modules: dict[str, torch.nn.Module]) -> None:
+        root = modules[""]
+        for u in self.eng.units:
+            if u.name:
+                m = modules[u.name]
+                m.register_forward_pre_hook(lambda _m, _a, u=u: self.pre_forward(u))
+                m.register_forward_hook(lambda _m, _a, out, u=u: self.post_forward(u, out))
+        root_unit = next((u for u in self.eng.units if not u.name), None)
+        if root_unit is not None:
+            root.register_forward_pre_hook(lambda _m, _a: self.gather(root_unit, "param_fwd"))
+
+    def pre_forward(self, u: FlatUnit) -> None:
+        if u not in self.order:
+            self.order.append(u)
+        self.gather(u, "param_fwd")
+        self.prefetch(self._neighbour(self.last_order, u, +1), "param_fwd")
+
+    def post_forward(self, u: FlatUnit, output):
+        self.transition(u, PartitionState.SHARDED)
+        if not torch.is_grad_enabled():
+            return output
+        flat, spec = pytree.tree_flatten(output)
+        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not idx:
+            return output
+        marked = _PreBackward.apply(self, u, *(flat[i] for i in idx))
+        for i, t in zip(idx, marked, strict=True):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, spec)
+
+    def pre_backward(self, u: FlatUnit) -> None:
+        self.gather(u, "param_bwd")
+        self.prefetch(self._neighbour(self.order, u, -1), "param_bwd")
+
+    @staticmethod
+    def _neighbour(order, u: FlatUnit, step: int) -> FlatUnit | None:
+        """The unit after (+1) or before (-1) u in a recorded forward order."""
+        if u not in order:
+            return None
+        i = order.index(u) + step
+        return order[i] if 0 <= i < len(order) else None
+
+    def post_backward(self, u: FlatUnit) -> None:
+        super().post_backward(u)  # copy the gradients out, launch the reduce-scatter
+        self.transition(u, PartitionState.SHARDED)
+
+    def end_microstep(self, u: FlatUnit) -> None:
+        super().end_microstep(u)
+        if u.state is not PartitionState.SHARDED:  # the root, or a unit unused in backward
+            if u.index in self.gathering:
+                self.gathering.pop(u.index).wait()
+            self.transition(u, PartitionState.SHARDED)
+        if u is self.eng.units[-1]:  # the order is relearned every pass: it may depend on data
+            self.last_order, self.order = self.order, []
