@@ -79,7 +79,12 @@ def chunk_sumsq(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 class ZeroEngine(nn.Module):
-    def __init__(self, module: nn.Module, config: ZeroConfig, *, group=None):
+    def __init__(
+        self, module: nn.Module, config: ZeroConfig, *, group=None, device=None, init_seed=0
+    ):
+        """module may live on the meta device: each unit is then materialised on `device`
+        alone, with zero.models' counter-based values for `init_seed` (None: zeros, for a
+        simulated rank whose values do not matter), so the whole model never exists at once."""
         super().__init__()
         self.module, self.config = module, config
         self.group = group if group is not None else dist.group.WORLD
@@ -92,12 +97,20 @@ class ZeroEngine(nn.Module):
         self.counter = C.CommCounter(step=-1)  # construction's checks are "step -1"
         self.step_config = config.step_config(n)
         # control tensors live here too: NCCL takes only CUDA tensors
-        self.device = device = next(module.parameters()).device
+        first = next(module.parameters()).device
+        meta = first.type == "meta"
+        self.device = device = torch.device(device) if device is not None else first
+        if meta and device.type == "meta":
+            raise ValueError("device='meta': a meta-device model needs a real device to build on")
+        values = self._start_values(init_seed) if meta else None
         named = self._collect_units()
         self.group_index = self._group_index(named)
-        self._check_ranks_agree(named)
+        self.fake = dist.get_backend(self.group) == "fake"  # a simulated rank: no real peers
+        if not self.fake:
+            self._check_ranks_agree(named)
         self.units: list[FlatUnit] = []
         self.pad_rs, self.pad_ag, self.extra_partials = [], [], []
+        self.impl = STAGE_CLASSES[config.stage](self)
         for i, (uname, params) in enumerate(named):
             part = UnitPartition.build(
                 [(p_name, p.shape) for p_name, p in params],
@@ -106,15 +119,16 @@ class ZeroEngine(nn.Module):
                 groups=[self.group_index[p_name] for p_name, _ in params],
                 chunk=config.chunk,
             )
-            u = FlatUnit(i, uname, params, part, config.compute_dtype, device)
+            u = FlatUnit(i, uname, params, part, config.compute_dtype, device, values)
+            if u.replaced:
+                self._rebind(u.replaced)
             real = [part.real_elements(r) for r in range(n)]
             L = part.shard_numel
             self.pad_rs.append(sum(L - real[r] for r in range(n) if r != self.rank))
             self.pad_ag.append((n - 1) * (L - real[self.rank]))
             self.extra_partials.append(0)
             self.units.append(u)
-        self.impl = STAGE_CLASSES[config.stage](self)
-        for u in self.units:
+            # allocate now, unit by unit: at stage 3 a rank never holds more than one full unit
             self.impl.allocate(u)
             u.initial = None  # the fp32 start values are now in the master
         self.runs = [self.impl.runs(u) for u in self.units]
@@ -145,6 +159,26 @@ class ZeroEngine(nn.Module):
             named[owner.get(id(p), "")].append((p_name, p))
         return [(k, v) for k, v in named.items() if v]
 
+    def _start_values(self, seed):
+        """Start values of a meta model's parameters, by name (zero.models' counter-based rule)."""
+        from .models import init_value, param_init
+
+        def value(name: str, shape) -> torch.Tensor:
+            if seed is None:
+                return torch.zeros(shape)
+            rule = param_init(self.module, name)
+            return init_value(seed, name, shape, rule.kind, std=rule.std)
+
+        return value
+
+    def _rebind(self, replaced: dict[int, nn.Parameter]) -> None:
+        """Put materialised parameters in place of their meta originals in every module that
+        holds them (so a tied weight stays one Parameter)."""
+        for mod in self.module.modules():
+            for key, p in list(mod._parameters.items()):
+                if p is not None and id(p) in replaced:
+                    mod._parameters[key] = replaced[id(p)]
+
     def _group_index(self, named) -> dict[str, int]:
         fn, k = self.config.group_of, len(self.config.groups)
         out = {pn: (fn(pn, p) if fn else 0) for _, ps in named for pn, p in ps}
@@ -165,8 +199,9 @@ class ZeroEngine(nn.Module):
         for uname, ps in named:
             shape = [(pn, tuple(p.shape), str(p.dtype), self.group_index[pn]) for pn, p in ps]
             rows.append((f"unit {uname or '<root>'} structure", repr(shape)))
-            vals = b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in ps)
-            rows.append((f"unit {uname or '<root>'} initial values", vals))
+            if not any(p.is_meta for _, p in ps):  # meta values come from (seed, name) alone
+                vals = b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in ps)
+                rows.append((f"unit {uname or '<root>'} initial values", vals))
         digests = [
             int.from_bytes(
                 hashlib.blake2b(v if isinstance(v, bytes) else v.encode(), digest_size=7).digest(),

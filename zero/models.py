@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -470,3 +470,62 @@ def mlp_microbatches(
             y = y + xd[:, i : i + 1] * teacher[i]
         out.append((x, y.float()))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT configurations of a requested size, in the paper's shapes
+
+# (largest size in parameters, hidden, heads) from the paper's configurations (PAPER.md §1.9):
+# GPT-2 1.5B uses 1600/16; 4B 2304/24; 8B 3072/24; 10-20B 4096/32; 40-60B 6144/32; larger 8192/64.
+PAPER_SHAPES = (
+    (2.0e9, 1600, 16),
+    (5.0e9, 2304, 24),
+    (9.0e9, 3072, 24),
+    (2.5e10, 4096, 32),
+    (7.0e10, 6144, 32),
+    (float("inf"), 8192, 64),
+)
+
+
+def gpt_num_params(cfg: GPTConfig) -> int:
+    """Exact parameter count of GPT(cfg), embeddings included, the tied head counted once:
+    per block 12h² + 13h (attention 4h² + 4h, MLP 8h² + 5h, two LayerNorms 4h), plus the token
+    and position embeddings (V + S)·h and the final LayerNorm 2h (biases as cfg.bias says)."""
+    h, b = cfg.n_embd, 1 if cfg.bias else 0
+    block = 12 * h * h + b * 9 * h + (2 + 2 * b) * h
+    return cfg.n_layer * block + (cfg.vocab_size + cfg.block_size) * h + (1 + b) * h
+
+
+def gpt_config_for(
+    num_params: float, *, vocab_size: int = 50257, block_size: int = 1024
+) -> tuple[GPTConfig, int]:
+    """A GPT of about `num_params` parameters in the paper's shapes: hidden size and heads from
+    the paper's configuration of that size (PAPER_SHAPES; below 1B, a GPT-2-like aspect of about
+    hidden/64 layers with 64-wide heads), layers chosen to hit the count.
+    Returns (config, exact parameter count)."""
+    if not num_params >= 1e6:
+        raise ValueError(f"num_params={num_params}: must be >= 1e6")
+    if num_params < 1e9:  # GPT-2-like aspect: about hidden/64 layers, 64-wide heads
+        fits = [
+            h
+            for h in (64, 128, 256, 384, 512, 768, 1024, 1280, 1536)
+            if (vocab_size + block_size + 2) * h < num_params
+        ]
+        if not fits:
+            raise ValueError(
+                f"num_params={num_params:g}: smaller than the embeddings of vocab_size="
+                f"{vocab_size}, block_size={block_size} at hidden 64; pass a smaller vocab_size"
+            )
+        fixed_of = lambda h: (vocab_size + block_size + 2) * h  # noqa: E731
+        hidden = min(fits, key=lambda h: abs((num_params - fixed_of(h)) / (12 * h * h) - h / 64))
+        heads = max(1, hidden // 64)
+    else:
+        _, hidden, heads = next(s for s in PAPER_SHAPES if num_params <= s[0])
+    base = GPTConfig(
+        vocab_size=vocab_size, block_size=block_size, n_layer=1, n_head=heads, n_embd=hidden
+    )
+    fixed = (vocab_size + block_size) * hidden + 2 * hidden
+    per_block = gpt_num_params(base) - fixed
+    layers = max(1, round((num_params - fixed) / per_block))
+    cfg = replace(base, n_layer=layers)
+    return cfg, gpt_num_params(cfg)

@@ -156,6 +156,22 @@ class Stage3(Stage2):
     # -- the one place where a unit changes state ---------------------------------------------
 
     def transition(self, u: FlatUnit, to: PartitionState, phase: str = "") -> None:
+        # [Note: re-gathering under saved views] Forward saved views of these parameters for
+        # backward; the backward all-gather writes the same values again into their storage.
+        # Autograd would take that write for an in-place modification (backends bump the
+        # version counter, gloo even from its own thread when an asynchronous gather completes),
+        # so the counter is put back to its value from before the gather was launched.
+        if to is PartitionState.GATHERED and u.state is PartitionState.GATHERING:
+            keep = u.keep_version  # captured when the prefetch was launched
+        else:
+            keep = torch.autograd._unsafe_preserve_version_counter(u.working)
+        with keep:
+            self._transition(u, to, phase)
+        if to is PartitionState.GATHERING:
+            u.keep_version = keep
+        self.peak_live = max(self.peak_live, self._live())
+
+    def _transition(self, u: FlatUnit, to: PartitionState, phase: str) -> None:
         storage = u.working.untyped_storage()
         if to is PartitionState.SHARDED:  # [Note: freeing by storage resize]
             storage.resize_(0)
@@ -169,7 +185,6 @@ class Stage3(Stage2):
             else:
                 self.gathering.pop(u.index).wait()
         u.state = to
-        self.peak_live = max(self.peak_live, self._live())
 
     def _live(self) -> int:
         """Gathered or gathering units, the root excepted (it is accounted apart)."""

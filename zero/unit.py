@@ -27,21 +27,37 @@ class FlatUnit:
         part: UnitPartition,
         dtype: torch.dtype,
         device: torch.device,
+        values=None,
     ):
+        """values(name, shape) -> fp32 tensor: the start value of each parameter, for a model
+        built on the meta device (one unit is materialised at a time); otherwise the parameters'
+        own values are used."""
         self.index, self.name, self.part = index, name, part
-        self.params = params
         # [Note: params as views] Each parameter's data becomes a view into `working`, at its
         # 256-byte-aligned offset (reference/layout.py), so that forward reads the flat buffer
         # that the all-gather writes, with no copy, and layouts are the same on every device.
         # the fp32 start values (1D, N·L); the stage takes the master from them, then drops them
         self.initial: torch.Tensor | None = torch.zeros(part.padded_numel, device=device)
-        part.flatten_into(self.initial, {n: p.detach().float() for n, p in params})
+        if values is None:
+            start = {n: p.detach().float() for n, p in params}
+        else:
+            start = {n: values(n, tuple(p.shape)) for n, p in params}
+        part.flatten_into(self.initial, start)
+        del start
         # 1D, compute dtype, N·L: the fp32 values rounded to nearest even (the same tensor in fp32)
         self.working = self.initial if dtype == torch.float32 else self.initial.to(dtype)
+        self.params: list[tuple[str, nn.Parameter]] = []
+        self.replaced: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its real successor
         with torch.no_grad():
             views = part.views(self.working)
             for pname, p in params:
-                p.data = views[pname]
+                if p.is_meta:  # a meta tensor cannot take a CPU/CUDA view as its data
+                    new = nn.Parameter(views[pname], requires_grad=p.requires_grad)
+                    self.replaced[id(p)] = new
+                    p = new
+                else:
+                    p.data = views[pname]
+                self.params.append((pname, p))
         self.master: torch.Tensor  # 1D, fp32, N·L (stage 0) or L; a view of working in fp32
         self.opt: dict[str, torch.Tensor] = {}  # 1D, fp32, the master's extent
         self.grad: torch.Tensor  # 1D, reduction dtype, N·L (stages 0-1) or L (stage 2)
