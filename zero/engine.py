@@ -248,6 +248,7 @@ class ZeroEngine(nn.Module):
         for u in reversed(self.units):  # units with parameters that got no gradient
             if not u.fired:
                 self.impl.post_backward(u)
+        self.impl.drain()
         for u in self.units:
             self.impl.end_microstep(u)
             u.ready, u.fired = 0, False
@@ -346,7 +347,9 @@ class ZeroEngine(nn.Module):
         self.extra_partials[u.index] = max(self.extra_partials[u.index], peak)
 
     def note_transient(self, t: torch.Tensor) -> None:
-        self.transient_peak = max(self.transient_peak, 2 * t.nbytes)  # arrival + receive buffer
+        """Reductions in flight each hold an arrival and a receive buffer of t's size."""
+        held = 2 * t.nbytes * min(len(self.impl.inflight), self.impl.max_inflight)
+        self.transient_peak = max(self.transient_peak, held)
 
     def memory_report(self) -> dict[str, int]:
         """Resident bytes by category, each storage counted once (a view owns nothing new)."""

@@ -20,6 +20,7 @@ diff of this one. The lifecycle (called by the engine, which does no stage-speci
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -31,11 +32,18 @@ from .unit import FlatUnit
 class Stage0:
     stage = 0
 
+    max_inflight = 2
+    """[Note: bounded reductions in flight] Each launched reduction keeps its full-size input
+    and receive buffers alive until it completes. Left to the end of the micro-step, that is
+    every unit at once (for a 7.5B GPT, tens of GB); so when more than max_inflight reductions
+    are outstanding, the oldest is completed first (ZeRO-R's constant-size buffers, §6.2)."""
+
     def __init__(self, engine):
         self.eng = engine
         self.cfg = engine.config
         self.group = engine.group
         self.counter = engine.counter
+        self.inflight: collections.deque = collections.deque()  # (unit, Pending), oldest first
 
     # -- what stays resident -----------------------------------------------------------------
 
@@ -84,7 +92,22 @@ class Stage0:
             return
         u.part.flatten_into(u.grad, u.grads())  # exact upcast into the reduction dtype
         u.clear_grads()
-        u.pending.append(self.reduce_scatter(u, u.grad))
+        self.launched(u, self.reduce_scatter(u, u.grad))
+
+    def launched(self, u: FlatUnit, pending: C.Pending) -> None:
+        """Track a launched reduction; complete the oldest beyond the in-flight bound."""
+        self.inflight.append((u, pending))
+        while len(self.inflight) > self.max_inflight:
+            self.complete(*self.inflight.popleft())
+
+    def complete(self, u: FlatUnit, pending: C.Pending) -> None:
+        """Deterministic: each B_k shard joins the unit's streaming tree ([Note: the tree T])."""
+        u.stream.push(pending.wait())
+
+    def drain(self) -> None:
+        """Complete every outstanding reduction, oldest first (end of a micro-step)."""
+        while self.inflight:
+            self.complete(*self.inflight.popleft())
 
     def accumulate_locally(self, u: FlatUnit) -> None:
         if self.eng.microstep == 0:
@@ -121,10 +144,7 @@ class Stage0:
         return {"phase": phase, "unit": u.index, "kind": "model"}
 
     def end_microstep(self, u: FlatUnit) -> None:
-        """Deterministic: each B_k shard joins the streaming tree ([Note: the tree T])."""
-        for pending in u.pending:
-            u.stream.push(pending.wait())
-        u.pending.clear()
+        """After drain(): anything a stage does per unit at the end of a micro-step."""
 
     # -- step --------------------------------------------------------------------------------
 

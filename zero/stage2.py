@@ -30,20 +30,16 @@ class Stage2(Stage1):
         )  # 1D, reduction dtype, N·L, transient
         u.part.flatten_into(arrival, u.grads())
         u.clear_grads()
-        u.pending.append(self.reduce_scatter(u, arrival))
+        self.launched(u, self.reduce_scatter(u, arrival))
         self.eng.note_transient(arrival)
 
-    def end_microstep(self, u: FlatUnit) -> None:
+    def complete(self, u: FlatUnit, pending) -> None:
         if self.cfg.deterministic:
-            super().end_microstep(u)
-            return
-        for pending in u.pending:  # fast: a running sum of the reduced shards
-            shard = pending.wait()
-            if self.eng.microstep == 0:
-                u.grad.copy_(shard)
-            else:
-                u.grad += shard
-        u.pending.clear()
+            super().complete(u, pending)
+        elif self.eng.microstep == 0:  # fast: a running sum of the reduced shards
+            u.grad.copy_(pending.wait())
+        else:
+            u.grad += pending.wait()
 
     def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
         if self.cfg.deterministic:
