@@ -539,3 +539,46 @@ def test_release_matrix_on_the_gpt(n, mode):
         for o in ("sgd", "adam", "adamw")
     ]
     assert failures(n, todo) == []
+
+
+def persistent_traffic(rank, n, k, deterministic):
+    model, eng = mlp_engine(3, n, k, deterministic=deterministic, persist_below=1000)
+    one_step(eng, model, rank, n, k)
+    step = eng.counter.step - 1
+    by_unit = {}
+    for r in eng.counter.of_step(step):
+        by_unit.setdefault(eng.units[r.unit].name, {}).setdefault(r.op, 0)
+        by_unit[eng.units[r.unit].name][r.op] += 1
+    return by_unit, {u.name: u.numel for u in eng.units}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_stage3_persistent_units(deterministic):
+    """Units of at most persist_below parameters stay whole: no all-gathers of parameters, their
+    gradients reduced as at stage 0 (2Ψ_unit: reduce-scatter per micro-step + all-gather of the
+    reduced gradient, or one all-reduce in fast mode); the rest gather per use."""
+    k, n = 2, 2
+    todo = [
+        Cell(
+            stage=3,
+            world_size=n,
+            precision=p,
+            optimizer="adam",
+            mode=m,
+            model=mdl,
+            persist_below=pb,
+        )
+        for p in ("fp32", "bf16")
+        for m in ("deterministic", "fast")
+        for mdl, pb in (("mlp", 1000), ("gpt", 3000))
+    ]
+    assert failures(n, todo) == []
+    by_unit, numel = get_pool(n).run(persistent_traffic, k, deterministic)[0]
+    for name, ops in by_unit.items():
+        if numel[name] <= 1000:
+            want = {"reduce_scatter": k, "all_gather": 1} if deterministic else {"all_reduce": 1}
+        else:
+            want = {"reduce_scatter": k, "all_gather": 2 * k}
+        assert ops == want, name
+    assert any(v <= 1000 for v in numel.values()) and any(v > 1000 for v in numel.values())

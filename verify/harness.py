@@ -63,6 +63,7 @@ class Cell:
     reduce_dtype: str | None = None
     batch_size: int = 4
     seed: int = 0
+    persist_below: int = 0  # stage 3: units this small stay whole
 
     @property
     def micro_batches(self) -> int:
@@ -82,6 +83,7 @@ class Cell:
             units=tuple(units),
             overlap=self.overlap,
             chunk=128,
+            persist_below=self.persist_below,
         )
 
     def as_dict(self) -> dict:

@@ -64,6 +64,10 @@ class ZeroConfig:
     """Run collectives asynchronously: each unit's reduction overlaps the rest of backward, and
     stage 3 prefetches the next unit's parameters. Off: the same collectives, in the same order,
     each completed before compute goes on (the bits are the same either way)."""
+    persist_below: int = 0
+    """Stage 3: units of at most this many parameters stay whole on every rank, as at stage 0
+    (no all-gathers; their gradients cost 2Ψ_unit per step, their master and states are
+    replicated). Worth it for units so small that a gather costs more in latency than in bytes."""
     chunk: int = 4096
     """Clipping-chunk size C in elements (a power of two >= 128); shards are multiples of it."""
 
@@ -72,6 +76,8 @@ class ZeroConfig:
             raise ValueError(f"stage={self.stage!r}: allowed are {STAGES}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic={self.deterministic!r}: must be True or False")
+        if self.persist_below < 0:
+            raise ValueError(f"persist_below={self.persist_below}: must be >= 0")
         if self.chunk < 128 or self.chunk & (self.chunk - 1):
             raise ValueError(f"chunk={self.chunk}: must be a power of two >= 128")
         if len(set(self.units)) != len(self.units) or "" in self.units:

@@ -17,6 +17,9 @@ storage of 0 bytes would crash, so the parameters become Stage3Parameter, whose 
 values while its unit is sharded raises an error naming the parameter and the unit (shape, dtype
 and grad stay readable). To read full parameters between steps: `with engine.gathered_params():`.
 
+Units of at most `persist_below` parameters are persistent: they keep the stage-0 policy (whole
+on every rank, no parameter traffic, gradients reduced to every rank: 2Ψ_unit per step).
+
 Resident per rank: working params Ψ·compute bytes / N, gradients Ψ·reduction bytes / N, master +
 states KΨ/N, plus the units gathered at the moment (at most `max_live` besides the root).
 Traffic per micro-step (× (N-1)/N): 3Ψ (all-gather in forward, again in backward, reduce-scatter);
@@ -33,6 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .stage0 import Stage0
 from .stage2 import Stage2
 from .unit import FlatUnit
 
@@ -121,7 +125,46 @@ class Stage3(Stage2):
 
     # -- resident state ----------------------------------------------------------------------
 
+    # -- persistent units: stage 0 inside stage 3 ----------------------------------------------
+    # A unit of at most cfg.persist_below parameters is kept whole, with the stage-0 policy:
+    # each method below hands it to Stage0 (replicated master and states, gradients reduced to
+    # every rank, no parameter traffic).
+
+    def persistent(self, u: FlatUnit) -> bool:
+        return u.numel <= self.cfg.persist_below
+
+    def master_extent(self, u: FlatUnit) -> slice:
+        return Stage0.master_extent(self, u) if self.persistent(u) else super().master_extent(u)
+
+    def own_master(self, u: FlatUnit) -> torch.Tensor:
+        return Stage0.own_master(self, u) if self.persistent(u) else super().own_master(u)
+
+    def runs(self, u: FlatUnit):
+        return Stage0.runs(self, u) if self.persistent(u) else super().runs(u)
+
+    def post_backward(self, u: FlatUnit) -> None:
+        if self.persistent(u):
+            return Stage0.post_backward(self, u)
+        super().post_backward(u)  # copy the gradients out, launch the reduce-scatter
+        self.transition(u, PartitionState.SHARDED)
+
+    def complete(self, u: FlatUnit, pending) -> None:
+        if self.persistent(u):
+            return Stage0.complete(self, u, pending)
+        super().complete(u, pending)
+
+    def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
+        if self.persistent(u):
+            return Stage0.finish_reduction(self, u)
+        return super().finish_reduction(u)
+
+    # -- resident state ----------------------------------------------------------------------
+
     def allocate(self, u: FlatUnit) -> None:
+        if self.persistent(u):
+            Stage0.allocate(self, u)
+            u.state = PartitionState.GATHERED
+            return
         super().allocate(u)
         u.shard = u.working[u.part.own].clone()  # 1D, compute dtype, L: the resident part
         if u.shard.dtype == torch.float32:  # pure fp32: the shard is the master itself
@@ -137,19 +180,22 @@ class Stage3(Stage2):
         """Every unit gathered (full working parameters readable), then sharded again. It is a
         deliberate exception to the live-unit bound, so it does not count in peak_live."""
         peak = self.peak_live
-        for u in self.eng.units:
+        units = [u for u in self.eng.units if not self.persistent(u)]
+        for u in units:
             self.gather(u, "gathered_params")
         try:
             yield
         finally:
-            for u in self.eng.units:
+            for u in units:
                 self.transition(u, PartitionState.SHARDED)
             self.peak_live = peak
 
     def working_extent(self, u: FlatUnit):
-        return u.shard, u.part.own
+        return Stage0.working_extent(self, u) if self.persistent(u) else (u.shard, u.part.own)
 
     def refresh_working(self, u: FlatUnit) -> None:
+        if self.persistent(u):
+            return Stage0.refresh_working(self, u)
         if u.master is not u.shard:
             u.shard.copy_(u.master)  # round to nearest even; no traffic: it stays sharded
 
@@ -189,7 +235,11 @@ class Stage3(Stage2):
     def _live(self) -> int:
         """Gathered or gathering units, the root excepted (it is accounted apart)."""
         sharded = PartitionState.SHARDED
-        return sum(getattr(x, "state", sharded) is not sharded for x in self.eng.units if x.name)
+        return sum(
+            getattr(x, "state", sharded) is not sharded
+            for x in self.eng.units
+            if x.name and not self.persistent(x)
+        )
 
     def all_gather(self, u, out, shard, phase, async_op=False):
         from . import collectives as C
@@ -220,12 +270,12 @@ class Stage3(Stage2):
     def register_hooks(self, modules: dict[str, torch.nn.Module]) -> None:
         root = modules[""]
         for u in self.eng.units:
-            if u.name:
+            if u.name and not self.persistent(u):
                 m = modules[u.name]
                 m.register_forward_pre_hook(lambda _m, _a, u=u: self.pre_forward(u))
                 m.register_forward_hook(lambda _m, _a, out, u=u: self.post_forward(u, out))
         root_unit = next((u for u in self.eng.units if not u.name), None)
-        if root_unit is not None:
+        if root_unit is not None and not self.persistent(root_unit):
             root.register_forward_pre_hook(lambda _m, _a: self.gather(root_unit, "param_fwd"))
 
     def pre_forward(self, u: FlatUnit) -> None:
@@ -259,13 +309,11 @@ class Stage3(Stage2):
         i = order.index(u) + step
         return order[i] if 0 <= i < len(order) else None
 
-    def post_backward(self, u: FlatUnit) -> None:
-        super().post_backward(u)  # copy the gradients out, launch the reduce-scatter
-        self.transition(u, PartitionState.SHARDED)
-
     def end_microstep(self, u: FlatUnit) -> None:
         super().end_microstep(u)
-        if u.state is not PartitionState.SHARDED:  # the root, or a unit unused in backward
+        if u.state is not PartitionState.SHARDED and not self.persistent(
+            u
+        ):  # the root, or a unit unused in backward
             if u.index in self.gathering:
                 self.gathering.pop(u.index).wait()
             self.transition(u, PartitionState.SHARDED)
