@@ -1,0 +1,143 @@
+"""zero.bench's plumbing: records, provenance, ratios and the table, at N = 2 on the small GPT.
+
+Speed is never asserted: a step time on two shared cores says nothing about correctness, and
+the benchmark's targets are goals reported in the README, not tests (DESIGN.md §4).
+"""
+
+import math
+
+import pytest
+
+from zero import bench
+from zero.bench import BenchConfig, format_table, run_bench
+from zero.launch import get_pool
+from zero.results import SCHEMA_VERSION, read_json, write_json
+
+SMALL = BenchConfig(
+    model="small",
+    systems=("zero-s0", "ddp"),
+    world_sizes=(2,),
+    repeats=1,
+    steps=2,
+    warmup=1,
+    profile=True,
+    retries=0,  # a test neither waits for a quiet machine nor re-times anything
+    quiet_wait_s=0.0,
+)
+
+
+@pytest.fixture(scope="module")
+def records():
+    return run_bench(SMALL, pools=get_pool, say=lambda *a: None)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_records_have_the_full_config_and_provenance(records):
+    assert [r["config"]["system"] for r in records] == ["zero-s0", "ddp"]
+    for rec in records:
+        assert rec["schema"] == SCHEMA_VERSION and rec["kind"] == bench.KIND
+        c = rec["config"]
+        assert c["world_size"] == c["micro_batches"] == 2  # M = N
+        assert (c["precision"], c["reduce_dtype"], c["optimizer"]) == ("fp32", "fp32", "adamw")
+        assert (c["lr"], c["weight_decay"], c["model"]) == (1e-3, 0.1, "small")
+        assert c["gpt"]["n_layer"] == 2 and c["batch_size"] == 4 and c["seq_len"] == 64
+        assert c["num_params"] == 120_576
+        assert c["threads_per_rank"] == 1 and c["backend"] == "gloo" and c["device"] == "cpu"
+        assert (c["repeats"], c["steps"], c["warmup"]) == (1, 2, 1)
+        assert c["options"]
+        p = rec["provenance"]
+        for key in ("git_commit", "torch", "cpu", "cpu_count", "date_utc"):
+            assert p[key] is not None, key
+    ours = records[0]["config"]
+    assert (ours["stage"], ours["mode"], ours["family"]) == (0, "fast", "ours")
+    assert ours["options"]["deterministic"] is False
+    assert ours["options"]["units"] == ["transformer.h.0", "transformer.h.1"]
+    assert records[1]["config"]["family"] == "peer"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_timings_are_positive_and_complete(records):
+    for rec in records:
+        res = rec["result"]
+        assert res["status"] == "ok"
+        assert len(res["step_ms"]) == 1 and len(res["step_ms"][0]) == 2  # repeats × steps
+        assert len(res["rank_step_ms"][0]) == 2  # one list per rank
+        # a step's time is the slowest rank's
+        for step, col in zip(res["step_ms"][0], zip(*res["rank_step_ms"][0])):
+            assert step == max(col) > 0
+        assert 0 < res["min_ms"] <= res["p25_ms"] <= res["median_ms"] <= res["p75_ms"]
+        assert res["p75_ms"] <= res["max_ms"]
+        assert all(math.isfinite(x) and x > 0 for x in res["losses"][0])
+    ours, ddp = (r["result"] for r in records)
+    assert ddp["ratio_vs_ddp"] == 1.0
+    assert ours["ratio_vs_ddp"] == pytest.approx(ours["median_ms"] / ddp["median_ms"])
+    # the same model and data from the same seeds: both train the same thing
+    assert len(ours["build_losses"]) == 2
+    assert ours["max_abs_loss_diff_vs_ddp"] < 1e-4
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_table_has_a_ratio_column_and_rebuilds_from_json(records, tmp_path, capsys):
+    table = format_table(records)
+    head, *rows = table.splitlines()
+    assert "×DDP" in head.split() and "ms/step" in head.split()
+    col = head.split().index("×DDP")
+    assert [r.split()[col] for r in rows] == [
+        f"{records[0]['result']['ratio_vs_ddp']:.2f}",
+        "1.00",
+    ]
+    path = write_json(tmp_path / "bench.json", {"section": bench.KIND, "records": records})
+    assert read_json(path)["records"] == records
+    assert bench.main(["--from-json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(table + "\n")  # then the profile table
+    assert bench.format_profile(records) in printed
+    md = format_table(records, markdown=True).splitlines()
+    assert md[0].startswith("| system | N |") and md[1].startswith("|---|")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_profile_splits_the_step_into_phases(records):
+    ours, ddp = (r["result"]["profile_ms"] for r in records)
+    assert set(ddp) == {"step", "forward", "backward", "update"}
+    assert {"update.reduce", "update.optimizer", "update.norm", "backward.hooks"} <= set(ours)
+    for prof in (ours, ddp):
+        assert all(v >= 0 for v in prof.values())
+        assert prof["forward"] + prof["backward"] + prof["update"] <= prof["step"]
+    head, *rows = bench.format_profile(records).splitlines()
+    assert head.split()[:3] == ["system", "N", "step"] and "other" in head.split()
+    assert [r.split()[0] for r in rows] == ["zero-s0", "ddp"]
+
+
+def test_unavailable_system_is_reported_not_fatal():
+    """A peer that cannot run (DeepSpeed not installed) gets a record and a table row saying so."""
+    built = [{"status": "not installed"}, {"status": "not installed"}]
+    rec = bench._record("deepspeed-s2", 2, SMALL, built, None, None, {"date_utc": "x"}, {})
+    assert rec["result"] == {"status": "not installed"}
+    assert rec["config"]["stage"] == 2 and rec["config"]["family"] == "peer"
+    bench.add_ratios([rec])
+    row = format_table([rec]).splitlines()[1].split()
+    assert row[:2] == ["deepspeed-s2", "2"] and "not installed" in " ".join(row)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"model": "huge"}, "model"),
+        ({"systems": ("ddp", "megatron")}, "systems"),
+        ({"systems": ("ddp", "ddp")}, "systems"),
+        ({"world_sizes": (1,)}, "world_sizes"),
+        ({"repeats": 0}, "repeats"),
+        ({"steps": 0}, "steps"),
+        ({"warmup": -1}, "warmup"),
+        ({"lr": 0.0}, "lr"),
+        ({"timeout_s": 0}, "timeout_s"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        BenchConfig(**kwargs)

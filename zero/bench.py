@@ -1,0 +1,996 @@
+"""python -m zero.bench: the step time of our ZeRO stages beside torch DDP, ZeroRedundancyOptimizer,
+FSDP2 and DeepSpeed, on the same GPT, the same data and the same world size, in one run.
+
+    python -m zero.bench --model anchor --world-sizes 2 4 --repeats 8 --steps 6 --json bench.json
+    python -m zero.bench --model small --systems zero-s0 ddp --world-sizes 2 --repeats 1
+    python -m zero.bench --from-json bench.json --markdown      # the table again, from the records
+    torchrun --standalone --nproc-per-node 4 -m zero.bench      # the world it was given (N = 4)
+
+Legend:
+    N          data-parallel world size (ranks)
+    M          micro-batches per step over all ranks; here M = N, one micro-batch per rank per step
+    Ψ          parameters of the model, counted once (the tied head is the token embedding)
+    B          sequences per micro-batch (per rank)
+    step       forward + backward + optimizer step of one micro-batch on every rank
+    ms/step    one step's time on the slowest rank (max over ranks: the slowest rank sets the pace)
+    median     over every timed step of every repeat; IQR, its 25th-75th percentiles, is the spread
+    ×DDP       median / DDP's median at the same N (below 1 is faster than DDP)
+    ×fast      a deterministic stage's median / the same stage's fast-mode median
+    ×<peer>    our median / that peer's median at the same N
+    Δloss      largest |loss - DDP's loss| over the steps both ran (same data step, same data):
+               evidence that the systems train the same model on the same data, not a target
+
+Systems (SYSTEMS), all fp32, AdamW (lr 1e-3; weight decay 0.1 on matrices, none on biases and
+norms), gloo on CPU, one thread per rank, the model's parameters built from the same seed:
+    zero-s{0,1,2}        ZeroEngine at stage 0/1/2, fast mode (deterministic=False), one unit per
+                         transformer block plus the root, overlap on
+    zero-s{0,1,2}-det    the same, deterministic mode (the reference's reduction tree, bitwise)
+    ddp                  torch DistributedDataParallel + torch.optim.AdamW, torch's defaults
+    zero-redundancy      torch ZeroRedundancyOptimizer(AdamW) + DDP
+    fsdp2                fully_shard(reshard_after_forward=False) on every block and on the root
+    deepspeed-s{1,2}     DeepSpeed ZeRO stage 1/2, a torch AdamW client optimizer, no gradient
+                         clipping (DeepSpeed's default clips to 1.0; nothing else here clips),
+                         DeepSpeed's defaults otherwise; "not installed" where it does not import
+
+[Note: alternating repeats] Machine noise (another process, a frequency change) comes in bursts
+of seconds. Timing all of one system and then all of the next would charge a burst to whichever
+system was running, so repeats go round-robin: repeat 1 of every system, then repeat 2, ..., and
+each round starts one system further along, so that no system always follows the same one. Every
+system lives in the same worker processes (one pool per N), built once, so the switch between
+systems costs nothing but caches. A barrier before each timed step lines the ranks up, and the
+step's time is the slowest rank's. Speed is reported, never asserted: tests check the records.
+
+[Note: disturbed repeats] The development machines are shared: another process taking a core
+for a few seconds doubles a step time at N = 2 on 2 cores. So, with local ranks on Linux, the
+driver measures how many cores *other* processes used while each repeat ran (the machine's busy
+CPU time from /proc/stat, minus our ranks' and our own process times, over the wall time). A
+repeat during which they used more than quiet_cores is timed again, up to `retries` times, and
+before every repeat the driver waits (at most quiet_wait_s) until the machine is quiet. Every
+kept repeat's figure is in its record ("other_cores"), as are those of the repeats timed again.
+This drops disturbed samples; it never selects fast ones.
+
+Profiling (--profile): after the timed repeats, each system runs --steps more steps with timers
+around its phases (forward, backward, optimizer update; for ours also the reduction hooks, the
+reduction at step(), the overflow flag, the global loss and norm, the optimizer kernels and the
+parameter all-gather). The timers are installed on the objects of this process only, and only
+then; the timed repeats run without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import sys
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from reference.optim import Hyper
+
+from . import collectives as C
+from . import engine as engine_module
+from .config import ZeroConfig, decay_matrices_only
+from .models import GPT, GPTConfig, gpt_microbatches
+from .results import make_record, provenance, read_json, write_json
+from .train import train_steps
+
+OURS = ("zero-s0", "zero-s1", "zero-s2", "zero-s0-det", "zero-s1-det", "zero-s2-det")
+PEERS = ("ddp", "zero-redundancy", "fsdp2", "deepspeed-s1", "deepspeed-s2")
+SYSTEMS = OURS + PEERS
+PEER_LABELS = {
+    "zero-redundancy": "ZeRO-R",
+    "fsdp2": "FSDP2",
+    "deepspeed-s1": "DS-1",
+    "deepspeed-s2": "DS-2",
+}
+"""Short column headings of the ×<peer> ratios."""
+
+KIND = "bench.step_time"
+"""The results-record kind (zero.results) of one (system, N) measurement."""
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchModel:
+    """A workload: the GPT and its micro-batch size."""
+
+    gpt: GPTConfig
+    """The model (zero.models.GPT); sequences are gpt.block_size tokens long."""
+    batch_size: int
+    """B: sequences per micro-batch; each rank runs one micro-batch per step (M = N)."""
+
+
+MODELS = {
+    # The default GPTConfig, ~0.12M parameters: a step takes milliseconds, for tests.
+    "small": BenchModel(gpt=GPTConfig(), batch_size=4),
+    # MACHINE_NOTES' anchor, whose DDP timings the issue's targets were measured against:
+    # 4 layers, d 256, seq 128, B 8; vocabulary 2048 makes Ψ = 3,716,608 (3.72M).
+    "anchor": BenchModel(
+        gpt=GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=256),
+        batch_size=8,
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What to time, and how often."""
+
+    model: str = "anchor"
+    """A key of MODELS: 'small' (seconds, for tests) or 'anchor' (the 3.72M-parameter GPT)."""
+    systems: tuple[str, ...] = SYSTEMS
+    """Which of SYSTEMS to time; the ratios need 'ddp' (×DDP) and the fast stage (×fast)."""
+    world_sizes: tuple[int, ...] = (2, 4)
+    """N values, each >= 2; one pool of N ranks each, all systems built in it."""
+    repeats: int = 5
+    """Rounds of [Note: alternating repeats]; the spread is over repeats × steps samples."""
+    steps: int = 6
+    """Timed steps per repeat (each system, each round)."""
+    warmup: int = 1
+    """Untimed steps at the start of every repeat (two more after building each system)."""
+    lr: float = 1e-3
+    """AdamW learning rate, every parameter."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (ndim >= 2); biases and norms get none."""
+    seed: int = 0
+    """Seed of the parameters (zero.models init) and of the data (gpt_microbatches)."""
+    quiet_cores: float = 0.3
+    """Cores that other processes may use during a repeat before it counts as disturbed and is
+    timed again ([Note: disturbed repeats]); before each repeat the driver also waits until
+    they use at most this much. Measured on Linux with local ranks; elsewhere never applied."""
+    retries: int = 3
+    """Times a disturbed repeat is timed again; the last attempt is kept whatever its noise."""
+    quiet_wait_s: float = 120.0
+    """Longest wait for a quiet machine before a repeat (it then runs anyway, recorded)."""
+    profile: bool = False
+    """After timing, time each system's phases over `steps` more steps (module docstring)."""
+    timeout_s: float = 900.0
+    """Seconds one call into the ranks may take before they are killed (a hang is an error)."""
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r}: allowed are {tuple(MODELS)}")
+        bad = [s for s in self.systems if s not in SYSTEMS]
+        if bad or not self.systems or len(set(self.systems)) != len(self.systems):
+            raise ValueError(f"systems={self.systems!r}: allowed are distinct names from {SYSTEMS}")
+        if not self.world_sizes or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.world_sizes
+        ):
+            raise ValueError(f"world_sizes={self.world_sizes!r}: allowed are integers >= 2")
+        for name, low in (("repeats", 1), ("steps", 1), ("warmup", 0), ("retries", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r}: allowed are integers >= {low}")
+        if not (self.lr > 0 and self.weight_decay >= 0):
+            raise ValueError(
+                f"lr={self.lr!r}, weight_decay={self.weight_decay!r}: allowed are lr > 0 and "
+                "weight_decay >= 0"
+            )
+        if not (self.quiet_cores >= 0 and self.quiet_wait_s >= 0):
+            raise ValueError(
+                f"quiet_cores={self.quiet_cores!r}, quiet_wait_s={self.quiet_wait_s!r}: "
+                "allowed are values >= 0"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r}: allowed are seconds > 0")
+
+    @property
+    def workload(self) -> BenchModel:
+        return MODELS[self.model]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside a rank: the systems
+
+
+def _device() -> torch.device:
+    # Forked local ranks are gloo on CPU; under torchrun with CUDA the group is NCCL and
+    # zero.launch.init_from_env has made this rank's GPU current.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CUDA returns before the kernels finish
+
+
+def torch_param_groups(model: torch.nn.Module, cfg: BenchConfig) -> list[dict]:
+    """torch.optim's parameter groups for the same split as our ZeroConfig: decay on matrices."""
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        (decay if decay_matrices_only(name, p) == 0 else plain).append(p)
+    return [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": plain, "weight_decay": 0.0},
+    ]
+
+
+def zero_config(stage: int, deterministic: bool, n: int, cfg: BenchConfig) -> ZeroConfig:
+    """Our engine's configuration for one of OURS at world size n (M = N, fp32, AdamW)."""
+    return ZeroConfig(
+        stage=stage,
+        precision="fp32",
+        deterministic=deterministic,
+        optimizer="adamw",
+        groups=(Hyper(lr=cfg.lr, weight_decay=cfg.weight_decay), Hyper(lr=cfg.lr)),
+        group_of=decay_matrices_only,
+        micro_batches=n,
+        units=tuple(f"transformer.h.{i}" for i in range(cfg.workload.gpt.n_layer)),
+        overlap=True,
+    )
+
+
+class _Phases:
+    """Seconds per named phase, summed over the calls of one step (profiling only)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.device = torch.device("cpu")
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _sync(self.device)
+                self.seconds[name] += time.perf_counter() - t0
+
+        return timed
+
+
+class _Trainer:
+    """One system on one rank: step() = forward + backward + optimizer update of this rank's
+    micro-batch of the next data step. forward/backward/update are attributes, not methods, so
+    that profiling can wrap them on the instance."""
+
+    def __init__(self, name: str, rank: int, n: int, cfg: BenchConfig):
+        self.name, self.rank, self.n, self.cfg = name, rank, n, cfg
+        self.device = _device()
+        self.data_step = 0  # every system walks the same data steps in the same order
+
+    def model(self) -> GPT:
+        return GPT(self.cfg.workload.gpt, device=self.device, seed=self.cfg.seed)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.cfg.workload
+        # micro-batch j = rank of the step (M = N, one micro-step): the rank's own, as in train
+        x, y = gpt_microbatches(
+            w.gpt,
+            seed=self.cfg.seed,
+            data_step=self.data_step,
+            count=self.n,
+            batch_size=w.batch_size,
+        )[self.rank]
+        return x.to(self.device), y.to(self.device)
+
+    def step(self, batch) -> float:
+        _, loss = self.forward(*batch)
+        self.backward(loss)
+        self.update()
+        self.data_step += 1
+        return float(loss.detach())  # this rank's loss; the caller averages over ranks
+
+    def instrument(self, ph: _Phases) -> contextlib.AbstractContextManager:
+        """Wrap the phases in timers for the duration of the context."""
+        return _patched([(self, k, ph.wrap(k, getattr(self, k))) for k in _PEER_PHASES])
+
+    def options(self) -> dict:
+        """The system's own settings, for the record's config."""
+        return {}
+
+
+_PEER_PHASES = ("forward", "backward", "update")
+
+
+@contextlib.contextmanager
+def _patched(patches):
+    """Set (object, attribute, value) for the duration, then restore (or delete) each one."""
+    saved = [(obj, k, obj.__dict__.get(k, _MISSING)) for obj, k, _ in patches]
+    try:
+        for obj, k, value in patches:
+            setattr(obj, k, value)
+        yield
+    finally:
+        for obj, k, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, k)
+            else:
+                setattr(obj, k, old)
+
+
+_MISSING = object()
+
+
+class _Ours(_Trainer):
+    def __init__(self, name, rank, n, cfg):
+        super().__init__(name, rank, n, cfg)
+        self.stage, self.deterministic = int(name[6]), name.endswith("-det")
+        from .engine import ZeroEngine
+
+        self.config = zero_config(self.stage, self.deterministic, n, cfg)
+        self.engine = ZeroEngine(self.model(), self.config)
+
+    def step(self, batch) -> float:
+        # The one training loop (zero.train), one step; M = N makes micro-batch j = rank ours.
+        (result,) = train_steps(self.engine, lambda step, j: batch, 1, start_step=self.data_step)
+        self.data_step += 1
+        return result.loss  # already the global mean; averaging over ranks keeps it
+
+    def instrument(self, ph: _Phases) -> contextlib.AbstractContextManager:
+        eng, impl = self.engine, self.engine.impl
+        # Engine methods are looked up on the instance at call time (the autograd hooks call
+        # self.impl.post_backward), so instance attributes intercept them; step_runs and
+        # any_flag are module globals of zero.engine / zero.collectives.
+        return _patched(
+            [
+                (eng, "forward", ph.wrap("forward", eng.forward)),
+                (eng, "backward", ph.wrap("backward", eng.backward)),
+                (eng, "finalize_backward", ph.wrap("backward.finalize", eng.finalize_backward)),
+                (impl, "post_backward", ph.wrap("backward.hooks", impl.post_backward)),
+                (eng, "step", ph.wrap("update", eng.step)),
+                (impl, "finish_reduction", ph.wrap("update.reduce", impl.finish_reduction)),
+                (C, "any_flag", ph.wrap("update.flag", C.any_flag)),
+                (eng, "_global_loss", ph.wrap("update.loss", eng._global_loss)),
+                (eng, "_global_norm", ph.wrap("update.norm", eng._global_norm)),
+                (
+                    engine_module,
+                    "step_runs",
+                    ph.wrap("update.optimizer", engine_module.step_runs),
+                ),
+                (impl, "refresh_working", ph.wrap("update.refresh", impl.refresh_working)),
+            ]
+        )
+
+    def options(self) -> dict:
+        c = self.config
+        return {
+            "stage": c.stage,
+            "deterministic": c.deterministic,
+            "units": list(c.units),
+            "overlap": c.overlap,
+            "chunk": c.chunk,
+            "clip_norm": c.clip_norm,
+        }
+
+
+class _TorchPeer(_Trainer):
+    """DDP, ZeroRedundancyOptimizer + DDP, or FSDP2, each with torch.optim.AdamW's defaults."""
+
+    def __init__(self, name, rank, n, cfg):
+        super().__init__(name, rank, n, cfg)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = self.model()
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        if name == "ddp":
+            self.module = DDP(model, device_ids=ids)
+            self.opt = torch.optim.AdamW(torch_param_groups(model, cfg), lr=cfg.lr)
+        elif name == "zero-redundancy":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.module = DDP(model, device_ids=ids)
+            self.opt = ZeroRedundancyOptimizer(
+                torch_param_groups(model, cfg), optimizer_class=torch.optim.AdamW, lr=cfg.lr
+            )
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = _mesh(self.device, n)
+            for block in model.transformer.h:
+                fully_shard(block, mesh=mesh, reshard_after_forward=False)
+            fully_shard(model, mesh=mesh, reshard_after_forward=False)
+            self.module = model
+            # after fully_shard: the parameters are DTensor shards, ndim as before
+            self.opt = torch.optim.AdamW(torch_param_groups(model, cfg), lr=cfg.lr)
+        self.forward = self.module
+        self.backward = lambda loss: loss.backward()
+        self.update = self._update
+
+    def _update(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def options(self) -> dict:
+        if self.name == "fsdp2":
+            return {"fully_shard": "every block and the root", "reshard_after_forward": False}
+        out = {"ddp": "torch defaults (bucket_cap_mb 25)"}
+        if self.name == "zero-redundancy":
+            out["optimizer_class"] = "torch.optim.AdamW"
+        return out
+
+
+_MESHES: dict = {}
+
+
+def _mesh(device: torch.device, n: int):
+    # One mesh per worker: init_device_mesh would otherwise make a new group per FSDP2 build.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device.type, n)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device.type, (n,))
+    return _MESHES[key]
+
+
+class _DeepSpeed(_Trainer):
+    def __init__(self, name, rank, n, cfg):
+        super().__init__(name, rank, n, cfg)
+        import deepspeed  # imported by _prepare_deepspeed on every rank already
+
+        model = self.model()
+        opt = torch.optim.AdamW(torch_param_groups(model, cfg), lr=cfg.lr)
+        self.ds_config = {
+            "train_micro_batch_size_per_gpu": cfg.workload.batch_size,
+            "train_batch_size": cfg.workload.batch_size * n,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": int(name[-1])},
+            "zero_allow_untested_optimizer": True,
+            # DeepSpeed clips the global norm to 1.0 by default, which every other system here
+            # does not: on the anchor model it scaled the first step's gradient by 0.64.
+            "gradient_clipping": 0.0,
+            "steps_per_print": 1 << 30,  # its progress lines would land inside timed steps
+        }
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=self.ds_config)
+        self.forward, self.backward, self.update = (
+            self.engine,
+            self.engine.backward,
+            self.engine.step,
+        )
+
+    def options(self) -> dict:
+        import deepspeed
+
+        return {"deepspeed": deepspeed.__version__, "ds_config": self.ds_config}
+
+
+BUILD_WARMUP = 2
+"""Untimed steps right after building a system (data steps 0 and 1)."""
+
+_LIVE: dict[str, _Trainer] = {}
+"""The systems built in this rank, by name: they persist between pool calls."""
+
+
+def _prepare_deepspeed(rank: int, n: int) -> str | None:
+    """Import DeepSpeed and join its communication layer to the existing group, one rank at a
+    time: the first import JIT-compiles a small C++ op, and ranks compiling into the same
+    directory at once race. Returns None, or why DeepSpeed cannot run here."""
+    device = _device()
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # Kept between runs (the build is ~30 s); .cache/ is in the ignored build area.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO_ROOT / ".cache" / "torch_extensions"))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    why = None
+    for turn in range(n):
+        if turn == rank:
+            try:
+                import deepspeed
+
+                deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+                import logging
+
+                logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+            except ModuleNotFoundError as e:
+                why = "not installed" if e.name == "deepspeed" else f"unavailable: {e}"
+            except Exception as e:  # a broken install must not take the other systems down
+                why = f"unavailable: {type(e).__name__}: {e}"
+        dist.barrier()
+    return why
+
+
+def _build(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
+    """Build one system in this rank (and warm it up), or say why it cannot run."""
+    if name.startswith("deepspeed"):
+        why = _prepare_deepspeed(rank, n)
+        if why is not None:
+            return {"status": why}
+    try:
+        kind = _Ours if name in OURS else _DeepSpeed if name.startswith("deep") else _TorchPeer
+        trainer = kind(name, rank, n, cfg)
+        # DDP rebuilds its buckets, and allocators settle, in the first steps
+        losses = [trainer.step(trainer.batch()) for _ in range(BUILD_WARMUP)]
+    except Exception:
+        # A rank that fails half-way through a collective leaves its peers waiting; the pool's
+        # timeout names them. A failure on every rank (a version mismatch) is reported here.
+        return {"status": "failed", "error": traceback.format_exc(limit=8)}
+    _LIVE[name] = trainer
+    return {
+        "status": "ok",
+        "options": trainer.options(),
+        "threads": torch.get_num_threads(),
+        "device": str(trainer.device),
+        "num_params": GPT(cfg.workload.gpt, device="meta").num_params(),
+        "build_losses": losses,  # data steps 0, 1: the same for every system, always
+    }
+
+
+def _repeat(rank: int, n: int, name: str, steps: int, warmup: int) -> dict:
+    """One repeat of one system: warm-up steps, then `steps` timed steps. Per-step seconds."""
+    trainer = _LIVE[name]
+    cpu0 = time.process_time()
+    for _ in range(warmup):
+        trainer.step(trainer.batch())
+    seconds, losses = [], []
+    gc.collect()
+    gc.disable()  # a collection pause would be charged to whichever system ran into it
+    try:
+        for _ in range(steps):
+            batch = trainer.batch()  # data is made outside the timed region
+            _sync(trainer.device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = trainer.step(batch)
+            _sync(trainer.device)
+            seconds.append(time.perf_counter() - t0)
+            losses.append(loss)
+    finally:
+        gc.enable()
+    return {
+        "seconds": seconds,
+        "losses": losses,
+        "first_step": trainer.data_step - steps,
+        "cpu_s": time.process_time() - cpu0,  # every thread of this rank
+    }
+
+
+def _profile(rank: int, n: int, name: str, steps: int) -> list[dict[str, float]]:
+    """`steps` steps with phase timers; per step, seconds by phase (plus 'step', the total)."""
+    trainer = _LIVE[name]
+    out = []
+    for _ in range(steps):
+        batch = trainer.batch()
+        ph = _Phases()
+        ph.device = trainer.device
+        with trainer.instrument(ph):
+            _sync(trainer.device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            trainer.step(batch)
+            _sync(trainer.device)
+            ph.seconds["step"] = time.perf_counter() - t0
+        out.append(dict(ph.seconds))
+    return out
+
+
+def _drop_all(rank: int, n: int) -> None:
+    """Free every system in this rank (a shared pool outlives the benchmark)."""
+    _LIVE.clear()
+    gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver (the parent process, or every rank under torchrun)
+
+
+class _World:
+    """Runs fn(rank, N, *args) on every rank of one world, returning the results in rank order:
+    through a pool of forked local ranks, or on this rank of a torchrun world, gathered."""
+
+    def __init__(self, n: int, pool=None, timeout_s: float = 900.0):
+        self.n, self.pool, self.timeout_s = n, pool, timeout_s
+
+    def run(self, fn, *args) -> list:
+        if self.pool is not None:
+            return self.pool.run(fn, *args, timeout_s=self.timeout_s)
+        mine = fn(dist.get_rank(), self.n, *args)
+        every: list = [None] * self.n
+        dist.all_gather_object(every, mine)
+        return every
+
+
+def _stats(samples: list[float]) -> dict[str, float]:
+    a = np.asarray(samples, dtype=np.float64)
+    p25, median, p75 = np.percentile(a, [25, 50, 75])
+    return {
+        "median_ms": float(median),
+        "p25_ms": float(p25),
+        "p75_ms": float(p75),
+        "min_ms": float(a.min()),
+        "max_ms": float(a.max()),
+    }
+
+
+def bench_world(n: int, cfg: BenchConfig, *, pool=None, say=print) -> list[dict]:
+    """Build every system of cfg in one world of n ranks, time them round-robin, and return
+    one zero.results record per system (status "ok", "not installed", "unavailable: ...", or
+    "failed"). `pool`: a zero.launch WorkerPool of n ranks, or None under torchrun."""
+    world = _World(n, pool, cfg.timeout_s)
+    built: dict[str, list[dict]] = {}
+    for name in cfg.systems:
+        t0 = time.perf_counter()
+        built[name] = world.run(_build, name, cfg)
+        status = {b["status"] for b in built[name]}
+        say(f"  N={n} {name}: {'/'.join(sorted(status))} ({time.perf_counter() - t0:.1f} s)")
+    ready = [s for s in cfg.systems if all(b["status"] == "ok" for b in built[s])]
+    # [Note: alternating repeats]
+    timings: dict[str, list[list[dict]]] = {s: [] for s in ready}
+    redone: dict[str, list[float]] = {s: [] for s in ready}
+    meter = _Meter(cfg) if pool is not None else None  # other hosts' load is not visible here
+    for r in range(cfg.repeats):
+        t0 = time.perf_counter()
+        order = ready[r % len(ready) :] + ready[: r % len(ready)] if ready else []
+        for name in order:
+            for attempt in range(cfg.retries + 1):
+                waited = meter.wait_quiet() if meter else 0.0
+                before = meter.read() if meter else None
+                per_rank = world.run(_repeat, name, cfg.steps, cfg.warmup)
+                other = meter.other_cores(before, per_rank) if meter else None
+                for x in per_rank:
+                    x.update(other_cores=other, waited_s=waited)
+                if other is None or other <= cfg.quiet_cores or attempt == cfg.retries:
+                    break
+                redone[name].append(other)  # [Note: disturbed repeats]
+            timings[name].append(per_rank)
+        others = [timings[s][-1][0]["other_cores"] for s in order]
+        busiest = max((x for x in others if x is not None), default=None)
+        say(
+            f"  N={n} repeat {r + 1}/{cfg.repeats} ({time.perf_counter() - t0:.1f} s"
+            + ("" if busiest is None else f"; others used <= {busiest:.2f} cores")
+            + f"; {sum(len(v) for v in redone.values())} repeats redone so far)"
+        )
+    profiles = {}
+    if cfg.profile:
+        for name in ready:
+            profiles[name] = world.run(_profile, name, cfg.steps)
+    world.run(_drop_all)
+    prov = provenance()
+    return [
+        _record(name, n, cfg, built[name], timings.get(name), profiles.get(name), prov, redone)
+        for name in cfg.systems
+    ]
+
+
+class _Meter:
+    """CPU time of the whole machine (Linux /proc/stat), so that the parent can tell how many
+    cores processes other than ours used while a repeat ran ([Note: disturbed repeats]).
+
+    Our own CPU time is the ranks' process times (every thread, gloo's included) plus this
+    process's; the rest of the machine's busy time belongs to others."""
+
+    def __init__(self, cfg: BenchConfig):
+        self.cfg = cfg
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def busy(self) -> float | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                cpu = f.readline().split()
+        except OSError:
+            return None
+        # user nice system idle iowait irq softirq steal ...: all but idle and iowait are busy
+        ticks = [int(x) for x in cpu[1:9]]
+        return (sum(ticks) - ticks[3] - ticks[4]) / self.tick
+
+    def read(self) -> tuple[float | None, float, float]:
+        return self.busy(), time.process_time(), time.perf_counter()
+
+    def other_cores(self, before, per_rank: list[dict] | None = None) -> float | None:
+        busy, cpu, wall = self.read()
+        if busy is None or before[0] is None:
+            return None
+        ours = (cpu - before[1]) + sum(x["cpu_s"] for x in per_rank or ())
+        return max(0.0, (busy - before[0] - ours) / max(wall - before[2], 1e-9))
+
+    def wait_quiet(self) -> float:
+        """Wait (probing half a second at a time, at most quiet_wait_s) until others use at most
+        quiet_cores while our ranks sit idle; returns the seconds waited."""
+        if self.cfg.quiet_wait_s <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        while True:
+            before = self.read()
+            time.sleep(0.5)
+            other = self.other_cores(before)
+            waited = time.perf_counter() - t0
+            if other is None or other <= self.cfg.quiet_cores or waited >= self.cfg.quiet_wait_s:
+                return waited
+
+
+def _base_config(name: str, n: int, cfg: BenchConfig) -> dict:
+    w = cfg.workload
+    stage = int(name[6]) if name in OURS else int(name[-1]) if name.startswith("deep") else None
+    return {
+        "benchmark": "step_time",
+        "system": name,
+        "family": "ours" if name in OURS else "peer",
+        "stage": stage,
+        "mode": ("deterministic" if name.endswith("-det") else "fast") if name in OURS else None,
+        "world_size": n,
+        "micro_batches": n,
+        "precision": "fp32",
+        "reduce_dtype": "fp32",
+        "optimizer": "adamw",
+        "lr": cfg.lr,
+        "weight_decay": cfg.weight_decay,
+        "weight_decay_on": "matrices (ndim >= 2); none on biases and norms",
+        "model": cfg.model,
+        "gpt": asdict(w.gpt),
+        "batch_size": w.batch_size,
+        "seq_len": w.gpt.block_size,
+        "seed": cfg.seed,
+        "repeats": cfg.repeats,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "build_warmup": BUILD_WARMUP,
+        "quiet_cores": cfg.quiet_cores,
+        "retries": cfg.retries,
+    }
+
+
+def _record(name, n, cfg, built, timing, profile, prov, redone) -> dict:
+    config = _base_config(name, n, cfg)
+    first = built[0]
+    if first["status"] != "ok" or timing is None:
+        statuses = sorted({b["status"] for b in built})
+        result = {"status": "failed" if "failed" in statuses else statuses[0]}
+        errors = [b.get("error") for b in built if b.get("error")]
+        if errors:
+            result["error"] = errors[0]
+        return make_record(config=config, result=result, kind=KIND, provenance=prov)
+    config.update(
+        num_params=first["num_params"],
+        threads_per_rank=max(b["threads"] for b in built),
+        device=first["device"],
+        backend=_backend(first["device"]),
+        options=first["options"],
+    )
+    # timing[r][rank] = {"seconds": [...], "losses": [...], "first_step": s}
+    rank_ms = [[[1e3 * t for t in per_rank["seconds"]] for per_rank in rep] for rep in timing]
+    step_ms = [[max(col) for col in zip(*rep)] for rep in rank_ms]
+    losses = [[float(np.mean(col)) for col in zip(*(p["losses"] for p in rep))] for rep in timing]
+    samples = [t for rep in step_ms for t in rep]
+    result = {
+        "status": "ok",
+        **_stats(samples),
+        "repeat_medians_ms": [float(np.median(rep)) for rep in step_ms],
+        "step_ms": step_ms,
+        "rank_step_ms": rank_ms,
+        "losses": losses,
+        "first_data_steps": [rep[0]["first_step"] for rep in timing],
+        "build_losses": [float(np.mean(col)) for col in zip(*(b["build_losses"] for b in built))],
+        # cores other processes used during each kept repeat (None: not measurable here),
+        # and during the repeats that were timed again because of them
+        "other_cores": [rep[0]["other_cores"] for rep in timing],
+        "redone_other_cores": redone.get(name, []),
+        "waited_for_quiet_s": sum(rep[0]["waited_s"] for rep in timing),
+    }
+    if profile is not None:
+        result["profile_ms"] = _profile_summary(profile)
+    return make_record(config=config, result=result, kind=KIND, provenance=prov)
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _profile_summary(per_rank: list[list[dict[str, float]]]) -> dict[str, float]:
+    """Per phase: the median over steps of the mean over ranks, in ms."""
+    phases = sorted({k for rank in per_rank for step in rank for k in step})
+    out = {}
+    for k in phases:
+        per_step = [
+            float(np.mean([rank[i].get(k, 0.0) for rank in per_rank]))
+            for i in range(len(per_rank[0]))
+        ]
+        out[k] = 1e3 * float(np.median(per_step))
+    return out
+
+
+def _loss_by_step(res: dict) -> dict[int, float]:
+    out = dict(enumerate(res.get("build_losses", [])))
+    for first, rep in zip(res["first_data_steps"], res["losses"]):
+        out.update((first + i, loss) for i, loss in enumerate(rep))
+    return out
+
+
+def add_ratios(records: list[dict]) -> None:
+    """Fill each ok record's ratios against DDP, the fast mode and the peers, at the same N."""
+    ok = {
+        (r["config"]["system"], r["config"]["world_size"]): r
+        for r in records
+        if r["result"]["status"] == "ok"
+    }
+    for (name, n), rec in ok.items():
+        res, mine = rec["result"], rec["result"]["median_ms"]
+        ddp = ok.get(("ddp", n))
+        res["ratio_vs_ddp"] = mine / ddp["result"]["median_ms"] if ddp else None
+        if ddp:
+            # Paired by round: both ran within seconds of each other ([Note: alternating repeats]).
+            res["ratio_vs_ddp_by_repeat"] = [
+                a / b for a, b in zip(res["repeat_medians_ms"], ddp["result"]["repeat_medians_ms"])
+            ]
+            # matched by data step: a repeat timed again shifts one system's steps
+            mine_at, theirs_at = _loss_by_step(res), _loss_by_step(ddp["result"])
+            pairs = [abs(mine_at[s] - theirs_at[s]) for s in mine_at.keys() & theirs_at.keys()]
+            res["max_abs_loss_diff_vs_ddp"] = max(pairs) if pairs else None
+        if name in OURS:
+            res["ratio_vs"] = {
+                peer: mine / ok[(peer, n)]["result"]["median_ms"]
+                for peer in PEERS
+                if (peer, n) in ok
+            }
+            fast = ok.get((name.removesuffix("-det"), n))
+            if name.endswith("-det") and fast:
+                res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
+
+
+def format_table(records: list[dict], *, markdown: bool = False) -> str:
+    """The results table, drawn from the records (never from numbers typed in)."""
+    peers = [p for p in PEER_LABELS if any(r["config"]["system"] == p for r in records)]
+    head = ["system", "N", "ms/step", "IQR", "×DDP", "×fast"]
+    head += [f"×{PEER_LABELS[p]}" for p in peers] + ["Δloss"]
+    rows = []
+    for rec in records:
+        c, res = rec["config"], rec["result"]
+        row = [c["system"], str(c["world_size"])]
+        if res["status"] != "ok":
+            rows.append(row + [res["status"]] + [""] * (len(head) - 3))
+            continue
+
+        def ratio(x):
+            return "—" if x is None else f"{x:.2f}"
+
+        diff = res.get("max_abs_loss_diff_vs_ddp")
+        row += [
+            f"{res['median_ms']:.0f}",
+            f"{res['p25_ms']:.0f}-{res['p75_ms']:.0f}",
+            ratio(res.get("ratio_vs_ddp")),
+            ratio(res.get("ratio_vs_fast")),
+            *(ratio(res.get("ratio_vs", {}).get(p)) for p in peers),
+            "—" if diff is None else f"{diff:.0e}",
+        ]
+        rows.append(row)
+    return _render(head, rows, markdown)
+
+
+PROFILE_COLUMNS = (
+    ("step", "step"),
+    ("forward", "forward"),
+    ("backward", "backward"),
+    ("backward.hooks", "hooks"),
+    ("backward.finalize", "finalize"),
+    ("update", "update"),
+    ("update.reduce", "reduce"),
+    ("update.refresh", "all-gather"),
+    ("update.optimizer", "optimizer"),
+    ("update.norm", "norm"),
+    ("update.flag+loss", "flag+loss"),
+    ("update.other", "other"),
+)
+"""Phases of --profile (key, heading); a peer has forward, backward and update only. For ours,
+backward holds hooks (flatten + launch, autograd's reductions at stage 2) and finalize (the
+micro-step's waits); update holds reduce (the reduction at step()), all-gather (new working
+parameters, stages 1-2), optimizer, norm (chunk partials and their gather), flag+loss (the
+overflow flag and the global loss) and other (the rest: finiteness checks, 1/M scaling, ...)."""
+
+
+def format_profile(records: list[dict], *, markdown: bool = False) -> str:
+    """Phase medians in ms (mean over ranks, median over steps) of the profiled systems."""
+    head = ["system", "N"] + [h for _, h in PROFILE_COLUMNS]
+    rows = []
+    for rec in records:
+        prof = dict(rec["result"].get("profile_ms") or {})
+        if not prof:
+            continue
+        if "update.optimizer" in prof:  # ours: the remainder of update is "other"
+            prof["update.flag+loss"] = prof.get("update.flag", 0.0) + prof.get("update.loss", 0.0)
+            parts = ("reduce", "refresh", "optimizer", "norm", "flag", "loss")
+            prof["update.other"] = prof["update"] - sum(prof.get(f"update.{k}", 0.0) for k in parts)
+        row = [rec["config"]["system"], str(rec["config"]["world_size"])]
+        rows.append(row + [f"{prof[k]:.0f}" if k in prof else "" for k, _ in PROFILE_COLUMNS])
+    return _render(head, rows, markdown)
+
+
+def _render(head: list[str], rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(
+        x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths))
+    )
+    return "\n".join([fmt(head), *(fmt(r) for r in rows)])
+
+
+def run_bench(cfg: BenchConfig, *, pools=None, say=print) -> list[dict]:
+    """Every world size of cfg; returns the records with ratios filled in.
+
+    pools: a function N -> WorkerPool to run in (e.g. zero.launch.get_pool); None starts a fresh
+    pool per N and closes it afterwards. Under torchrun, only the launched world size runs.
+    """
+    from . import launch
+
+    records = []
+    if launch.under_torchrun():
+        if not dist.is_initialized():
+            launch.init_from_env()
+        if _device().type == "cpu":
+            torch.set_num_threads(1)  # as the forked ranks have: one thread per rank
+        n = dist.get_world_size()
+        records += bench_world(n, cfg, say=say)
+    else:
+        for n in cfg.world_sizes:
+            if pools is not None:
+                records += bench_world(n, cfg, pool=pools(n), say=say)
+                continue
+            with launch.WorkerPool(n, timeout_s=cfg.timeout_s) as pool:
+                records += bench_world(n, cfg, pool=pool, say=say)
+    add_ratios(records)
+    return records
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m zero.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per repeat")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per repeat")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--model", default="anchor", choices=list(MODELS))
+    p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--quiet-cores", type=float, default=0.3, help="see BenchConfig.quiet_cores")
+    p.add_argument("--retries", type=int, default=3, help="times a disturbed repeat is redone")
+    p.add_argument("--profile", action="store_true", help="phase timings after the repeats")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--from-json", default=None, help="print the table of a results file only")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per call into ranks")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.from_json:
+        records = read_json(args.from_json)["records"]
+        add_ratios(records)  # the ratios follow from the timings; recomputed, never trusted
+        print(format_table(records, markdown=args.markdown))
+        if any("profile_ms" in r["result"] for r in records):
+            print("\n" + format_profile(records, markdown=args.markdown))
+        return 0
+    cfg = BenchConfig(
+        model=args.model,
+        systems=tuple(args.systems),
+        world_sizes=tuple(args.world_sizes),
+        repeats=args.repeats,
+        steps=args.steps,
+        warmup=args.warmup,
+        profile=args.profile,
+        quiet_cores=args.quiet_cores,
+        retries=args.retries,
+        timeout_s=args.timeout,
+    )
+    lead = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone prints and writes
+
+    def say(*a):
+        if lead:
+            print(*a, flush=True)
+
+    started = time.time()
+    records = run_bench(cfg, say=say)
+    say(format_table(records, markdown=args.markdown))
+    if cfg.profile:
+        say("\n" + format_profile(records, markdown=args.markdown))
+    psi = next((r["config"]["num_params"] for r in records if "num_params" in r["config"]), 0)
+    say(
+        f"model {cfg.model}: Ψ = {psi:,}, B = {cfg.workload.batch_size}, "
+        f"seq {cfg.workload.gpt.block_size}; {time.time() - started:.0f} s"
+    )
+    if args.json and lead:
+        write_json(args.json, {"section": KIND, "records": records})
+    return 0 if any(r["result"]["status"] == "ok" for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
