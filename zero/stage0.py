@@ -130,7 +130,7 @@ class Stage0:
             async_op=self.cfg.overlap,
         )
 
-    def all_gather(self, u: FlatUnit, out, shard, phase: str) -> C.Pending:
+    def all_gather(self, u: FlatUnit, out, shard, phase: str, async_op=False) -> C.Pending:
         return C.all_gather(
             out,
             shard,
@@ -138,6 +138,7 @@ class Stage0:
             counter=self.counter,
             padding=self.eng.pad_ag[u.index],
             tag=self.tag(u, phase),
+            async_op=async_op,
         )
 
     def tag(self, u: FlatUnit, phase: str) -> dict:

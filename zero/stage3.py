@@ -241,19 +241,6 @@ class Stage3(Stage2):
             if x.name and not self.persistent(x)
         )
 
-    def all_gather(self, u, out, shard, phase, async_op=False):
-        from . import collectives as C
-
-        return C.all_gather(
-            out,
-            shard,
-            group=self.group,
-            counter=self.counter,
-            padding=self.eng.pad_ag[u.index],
-            tag=self.tag(u, phase),
-            async_op=async_op,
-        )
-
     def gather(self, u: FlatUnit, phase: str) -> None:
         if u.state is not PartitionState.GATHERED:
             self.transition(u, PartitionState.GATHERED, phase)
