@@ -4,13 +4,15 @@ Speed is never asserted: a step time on two shared cores says nothing about corr
 the benchmark's targets are goals reported in the README, not tests (DESIGN.md §4).
 """
 
+import dataclasses
 import math
+import sys
 
 import pytest
 
 from zero import bench
 from zero.bench import BenchConfig, format_table, run_bench
-from zero.launch import get_pool
+from zero.launch import WorkerPool, get_pool
 from zero.results import SCHEMA_VERSION, read_json, write_json
 
 SMALL = BenchConfig(
@@ -111,6 +113,18 @@ def test_profile_splits_the_step_into_phases(records):
     head, *rows = bench.format_profile(records).splitlines()
     assert head.split()[:3] == ["system", "N", "step"] and "other" in head.split()
     assert [r.split()[0] for r in rows] == ["zero-s0", "ddp"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_deepspeed_missing_is_reported_and_the_rest_runs(monkeypatch):
+    """Ranks forked from a process where `import deepspeed` fails report "not installed"."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import raises ModuleNotFoundError
+    cfg = dataclasses.replace(SMALL, systems=("ddp", "deepspeed-s1"), steps=1, profile=False)
+    with WorkerPool(2) as pool:  # forked now: the ranks inherit the missing module
+        recs = run_bench(cfg, pools=lambda n: pool, say=lambda *a: None)
+    assert [r["result"]["status"] for r in recs] == ["ok", "not installed"]
+    assert "not installed" in format_table(recs).splitlines()[2]
 
 
 def test_unavailable_system_is_reported_not_fatal():
