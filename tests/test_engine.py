@@ -582,3 +582,83 @@ def test_stage3_persistent_units(deterministic):
             want = {"reduce_scatter": k, "all_gather": 2 * k}
         assert ops == want, name
     assert any(v <= 1000 for v in numel.values()) and any(v > 1000 for v in numel.values())
+
+
+# -- gradient injection ------------------------------------------------------------------------
+
+
+def injected_run(rank, n, stage, precision, poison):
+    """Two steps of injected gradients (M = 2N): random normals scaled by 2^e with e drawn per
+    tensor in [-30, 10], so bf16/fp16 see subnormals and near-overflow values; with `poison`,
+    rank 1's second micro-batch of step 0 carries an inf (fp16: skip and halve the scale)."""
+    from reference.step import ModelSpec, init_state, train_step
+    from verify.harness import compare_rank
+
+    k = 2
+    model, eng = mlp_engine(stage, n, k, precision=precision)
+    init = {name: v.detach().float().numpy().copy() for name, v in eng.gather_state()[0].items()}
+    spec = ModelSpec.build(eng.unit_specs(), eng.group_index, chunk=eng.config.chunk)
+    rcfg = eng.config.step_config(n)
+    ref = init_state(init, spec, rcfg)
+    dtype = eng.config.compute_dtype
+    verdicts = []
+    for step in range(2):
+        rng = np.random.default_rng(step)
+        grads = []
+        for j in range(n * k):
+            g = {}
+            for name, v in init.items():
+                e = rng.integers(-30, 11)
+                x = torch.from_numpy(rng.standard_normal(v.shape).astype(np.float32) * 2.0**e)
+                g[name] = x.to(dtype)
+            if poison and step == 0 and j == n * 1 + 1:
+                next(iter(g.values())).view(-1)[0] = float("inf")
+            grads.append(g)
+        ref, info = train_step(
+            ref, [{a: to_np(b) for a, b in g.items()} for g in grads], spec, rcfg
+        )
+        for i in range(k):  # rank r takes micro-batches r, N + r, ... (DESIGN.md §2)
+            eng.inject_gradients(grads[i * n + rank], loss=1.0)
+        res = eng.step()
+        ok, _, _, first = compare_rank(eng, ref, rcfg)
+        verdicts.append((ok, first, res.skipped, bool(info.skipped)))
+    return verdicts
+
+
+def to_np(t):
+    from verify.compare import to_numpy
+
+    return to_numpy(t).copy()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision, poison", [("fp32", False), ("bf16", False), ("fp16", True)])
+def test_injected_gradients_reach_the_reference_bits(stage, precision, poison):
+    """Gradients fed straight into the gradient path, with values no model would produce,
+    give the reference's bits on every rank; an inf on one rank skips the step on all."""
+    per_rank = get_pool(2).run(injected_run, stage, precision, poison)
+    for verdicts in per_rank:
+        assert [v[:2] for v in verdicts] == [(True, "")] * 2, verdicts
+        assert [v[2] for v in verdicts] == [v[3] for v in verdicts]
+        assert [v[3] for v in verdicts] == [poison, False]
+
+
+def inject_wrong(rank, n, what):
+    model, eng = mlp_engine(2, n, 1)
+    grads = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    name = next(iter(grads))
+    if what == "missing":
+        del grads[name]
+    else:
+        grads[name] = torch.zeros(3)
+    eng.inject_gradients(grads)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "what, message", [("missing", "no gradient for parameter"), ("shape", "needs shape")]
+)
+def test_injected_gradients_are_checked(what, message):
+    with pytest.raises(RankError, match=message):
+        get_pool(1).run(inject_wrong, what)

@@ -244,6 +244,30 @@ class ZeroEngine(nn.Module):
         backward_scaled(loss, None if self.scaler is None else self.scaler.scale)
         self.finalize_backward()
 
+    def inject_gradients(self, grads: dict[str, torch.Tensor], loss: float = 0.0) -> None:
+        """One micro-batch's backward without autograd, for verification: `grads` maps every
+        parameter name to what backward would have left in its .grad (the compute dtype, of the
+        loss times the scaler's scale). Each unit then takes the path an autograd hook starts,
+        last unit first, so partitioning, reduction and the optimizer see inputs that no model
+        would produce (extremes, inf/NaN). At stage 3 no parameter is gathered: nothing reads
+        them."""
+        missing = [n for n in self.group_index if n not in grads]
+        if missing:
+            raise ValueError(f"grads: no gradient for parameter {missing[0]!r}")
+        self._losses.append(float(loss))
+        for u in reversed(self.units):
+            for name, p in u.params:
+                g = grads[name]
+                if tuple(g.shape) != tuple(p.shape) or g.dtype != p.dtype:
+                    raise ValueError(
+                        f"grads[{name!r}]: shape {tuple(g.shape)} dtype {g.dtype}; the parameter "
+                        f"needs shape {tuple(p.shape)} dtype {p.dtype}"
+                    )
+                p.grad = g.to(p.device)
+            u.fired = True
+            self.impl.post_backward(u)
+        self.finalize_backward()
+
     def finalize_backward(self) -> None:
         for u in reversed(self.units):  # units with parameters that got no gradient
             if not u.fired:
@@ -332,6 +356,20 @@ class ZeroEngine(nn.Module):
         every = C.gather_control(mine, group=self.group, counter=self.counter, phase="loss")
         self._losses = []
         return float(every[:, 0].sum() / every[:, 1].sum())
+
+    # -- checkpoints (zero/checkpoint.py) -------------------------------------------------------
+
+    def save(self, directory, **kwargs):
+        """A sharded, atomically committed checkpoint of every rank's state (zero/checkpoint.py)."""
+        from . import checkpoint
+
+        return checkpoint.save(self, directory, **kwargs)
+
+    def load(self, directory, **kwargs):
+        """Load a checkpoint saved at any world size and stage, resharding on load."""
+        from . import checkpoint
+
+        return checkpoint.load(self, directory, **kwargs)
 
     # -- bookkeeping used by the stages and by verification ------------------------------------
 
