@@ -134,9 +134,8 @@ def test_counted_volume_equals_the_table(deterministic, stage, n, k):
         payload += elements - padding
         expected_calls = {op: c * units for op, c in CALLS[(deterministic, stage)](k).items()}
         assert r["counts"] == expected_calls
-        # control traffic is apart: the overflow flag, the losses, the norm partials (1-2)
-        want = {"all_reduce_max": 1, "all_gather": 1 + (stage > 0)}
-        assert r["control"] == want
+        # control traffic is apart: one exchange of losses, overflow flag and norm partials
+        assert r["control"] == {"all_gather": 1}
     assert payload == factor * (n - 1) * got[0]["numel"]
 
 
@@ -169,8 +168,8 @@ def test_counter_agrees_with_commdebugmode(stage):
     assert theirs == {
         "alltoall_base_": model["reduce_scatter"],  # deterministic reduce-scatter = all-to-all
         "_allgather_base_": model["all_gather"] + control["all_gather"],
-        "allreduce_": control["all_reduce_max"],
     }
+    assert control == {"all_gather": 1}
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -484,27 +483,33 @@ def fast_with_planted_bug(rank, n, bug, todo):
     far beyond rounding (bounds are ~1e-6 relative), so the lock-step checks must fail."""
     from zero import optim as zoptim
 
-    originals = (collectives.reduce_scatter_fast, zoptim.fast_step)
+    originals = (collectives.reduce_scatter_fast, zoptim.fast_step, collectives.reduce_scatter_tree)
 
-    def skewed_reduce(*a, **kw):
-        pending = originals[0](*a, **kw)
-        finish = pending._finish
-        pending._finish = lambda: finish() * 1.001
-        return pending
+    def skew(fn):
+        def skewed_reduce(*a, **kw):
+            pending = fn(*a, **kw)
+            finish = pending._finish
+            pending._finish = lambda: finish() * 1.001
+            return pending
+
+        return skewed_reduce
 
     def skewed_lr(kind, hp, *a):
         from dataclasses import replace
 
         return originals[1](kind, replace(hp, lr=hp.lr * 1.001), *a)
 
-    if bug == "reduce":
-        collectives.reduce_scatter_fast = skewed_reduce
+    if bug == "reduce":  # fast mode on gloo reduce-scatters through the all-to-all too
+        collectives.reduce_scatter_fast = skew(originals[0])
+        collectives.reduce_scatter_tree = skew(originals[2])
     else:
         zoptim.fast_step = skewed_lr
     try:
         return run_cells(rank, n, todo)
     finally:
-        collectives.reduce_scatter_fast, zoptim.fast_step = originals
+        (collectives.reduce_scatter_fast, zoptim.fast_step, collectives.reduce_scatter_tree) = (
+            originals
+        )
 
 
 @pytest.mark.dist

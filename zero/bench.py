@@ -75,7 +75,6 @@ import torch.distributed as dist
 
 from reference.optim import Hyper
 
-from . import collectives as C
 from . import engine as engine_module
 from .config import ZeroConfig, decay_matrices_only
 from .models import GPT, GPTConfig, gpt_microbatches
@@ -332,8 +331,8 @@ class _Ours(_Trainer):
     def instrument(self, ph: _Phases) -> contextlib.AbstractContextManager:
         eng, impl = self.engine, self.engine.impl
         # Engine methods are looked up on the instance at call time (the autograd hooks call
-        # self.impl.post_backward), so instance attributes intercept them; step_runs and
-        # any_flag are module globals of zero.engine / zero.collectives.
+        # self.impl.post_backward), so instance attributes intercept them; step_runs is a
+        # module global of zero.engine.
         return _patched(
             [
                 (eng, "forward", ph.wrap("forward", eng.forward)),
@@ -342,15 +341,14 @@ class _Ours(_Trainer):
                 (impl, "post_backward", ph.wrap("backward.hooks", impl.post_backward)),
                 (eng, "step", ph.wrap("update", eng.step)),
                 (impl, "finish_reduction", ph.wrap("update.reduce", impl.finish_reduction)),
-                (C, "any_flag", ph.wrap("update.flag", C.any_flag)),
-                (eng, "_global_loss", ph.wrap("update.loss", eng._global_loss)),
-                (eng, "_global_norm", ph.wrap("update.norm", eng._global_norm)),
+                (eng, "_exchange", ph.wrap("update.control", eng._exchange)),
                 (
                     engine_module,
                     "step_runs",
                     ph.wrap("update.optimizer", engine_module.step_runs),
                 ),
                 (impl, "refresh_working", ph.wrap("update.refresh", impl.refresh_working)),
+                (impl, "finish_step", ph.wrap("update.finish", impl.finish_step)),
             ]
         )
 
@@ -879,15 +877,16 @@ PROFILE_COLUMNS = (
     ("update.reduce", "reduce"),
     ("update.refresh", "all-gather"),
     ("update.optimizer", "optimizer"),
-    ("update.norm", "norm"),
-    ("update.flag+loss", "flag+loss"),
+    ("update.finish", "ag-wait"),
+    ("update.control", "control"),
     ("update.other", "other"),
 )
 """Phases of --profile (key, heading); a peer has forward, backward and update only. For ours,
 backward holds hooks (flatten + launch, autograd's reductions at stage 2) and finalize (the
 micro-step's waits); update holds reduce (the reduction at step()), all-gather (new working
-parameters, stages 1-2), optimizer, norm (chunk partials and their gather), flag+loss (the
-overflow flag and the global loss) and other (the rest: finiteness checks, 1/M scaling, ...)."""
+parameters, stages 1-2: launched per unit), ag-wait (waiting for those all-gathers after the
+last update), optimizer, control (norm partials and the step's one control exchange: losses,
+overflow flag, partials) and other (the rest: 1/M scaling, clipping, ...)."""
 
 
 def format_profile(records: list[dict], *, markdown: bool = False) -> str:
@@ -899,8 +898,7 @@ def format_profile(records: list[dict], *, markdown: bool = False) -> str:
         if not prof:
             continue
         if "update.optimizer" in prof:  # ours: the remainder of update is "other"
-            prof["update.flag+loss"] = prof.get("update.flag", 0.0) + prof.get("update.loss", 0.0)
-            parts = ("reduce", "refresh", "optimizer", "norm", "flag", "loss")
+            parts = ("reduce", "refresh", "finish", "optimizer", "control")
             prof["update.other"] = prof["update"] - sum(prof.get(f"update.{k}", 0.0) for k in parts)
         row = [rec["config"]["system"], str(rec["config"]["world_size"])]
         rows.append(row + [f"{prof[k]:.0f}" if k in prof else "" for k, _ in PROFILE_COLUMNS])

@@ -16,7 +16,8 @@ steps taken, R the reduced gradient. A step is exactly reference/step.py's, comp
 [Note: overflow detection] The reference checks every micro-batch gradient and R. Once a
 non-finite value enters an IEEE sum, the sum stays non-finite (inf + x is inf or NaN; NaN
 propagates), and casting to a wider dtype cannot overflow, so "some g_j is non-finite" implies "R
-is non-finite". Each rank checks the part of R it holds and one MAX all-reduce tells every rank.
+is non-finite". Each rank checks the part of R it alone accounts for, through its norm partials,
+and the step's one control exchange tells every rank ([Note: one control exchange]).
 """
 
 from __future__ import annotations
@@ -69,13 +70,15 @@ def cast_inputs(args, dtype: torch.dtype) -> list:
 
 
 def chunk_sumsq(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """reference.tree.chunk_sumsq in torch: float64 squares, pairwise halving per chunk."""
-    s = x.double().view(-1, chunk)
-    s = s * s
+    """reference.tree.chunk_sumsq in torch: float64 squares, pairwise halving per chunk. In
+    place on one float64 copy: the same elementwise additions as the reference, no temporaries."""
+    s = x.to(torch.float64, copy=True).view(-1, chunk)
+    s.mul_(s)
     while s.shape[1] > 1:
         h = s.shape[1] // 2
-        s = s[:, :h] + s[:, h:]
-    return s[:, 0]
+        s[:, :h].add_(s[:, h:])
+        s = s[:, :h]
+    return s[:, 0].clone()
 
 
 class ZeroEngine(nn.Module):
@@ -289,9 +292,11 @@ class ZeroEngine(nn.Module):
                 f"{self.world_size} needs {k}"
             )
         held = [self.impl.finish_reduction(u) for u in self.units]
-        bad = any(not bool(torch.isfinite(h).all()) for h in held)
-        overflow = C.any_flag(bad, group=self.group, counter=self.counter, device=self.device)
-        loss, scale = self._global_loss(), 1.0 if self.scaler is None else self.scaler.scale
+        scale = 1.0 if self.scaler is None else self.scaler.scale
+        inv = f32(1.0 / (scale * self.config.micro_batches))
+        c = torch.tensor(inv, device=self.device)
+        g = [h.float() * c for h in held]
+        overflow, bad, loss, partials = self._exchange(held, g, inv)
         norm = None
         if overflow:
             if self.scaler is None and self.config.nonfinite == "raise":
@@ -301,13 +306,13 @@ class ZeroEngine(nn.Module):
                     f"{self.config.precision!r}; nonfinite='skip' skips"
                 )
         else:
-            c = torch.tensor(f32(1.0 / (scale * self.config.micro_batches)), device=self.device)
             self.last_reduced = held  # R as this rank holds it (valid until the next backward)
-            g = [h.float() * c for h in held]
-            norm = self._global_norm(g)
+            norm = global_norm(partials)
             coef = clip_coefficient(norm, self.config.clip_norm)
             if coef is not None:
-                g = [x * torch.tensor(coef, device=self.device) for x in g]
+                k = torch.tensor(coef, device=self.device)
+                for x in g:
+                    x.mul_(k)
             self.t += 1
             for u, gu, runs in zip(self.units, g, self.runs, strict=True):
                 step_runs(
@@ -320,7 +325,8 @@ class ZeroEngine(nn.Module):
                     u.opt,
                     deterministic=self.config.deterministic,
                 )
-                self.impl.refresh_working(u)
+                self.impl.refresh_working(u)  # may launch its all-gather and return
+            self.impl.finish_step()
         if self.scaler is not None:
             self.scaler = scaler_update(self.scaler, overflow, self.config.scaler)
         self.data_step, self.microstep = self.data_step + 1, 0
@@ -329,33 +335,46 @@ class ZeroEngine(nn.Module):
             loss=loss, norm=None if norm is None else float(norm), skipped=overflow, scale=scale
         )
 
-    def _global_norm(self, g: list[torch.Tensor]) -> np.float64:
-        """Chunk partials of what this rank holds, one all-gather (control), T in chunk order."""
-        mine = [chunk_sumsq(x, self.config.chunk) for x in g]
-        if self.impl.stage == 0:
-            per_unit = mine
+    def _exchange(self, held, g, inv: np.float32):
+        """[Note: one control exchange] Everything a step needs from the other ranks besides
+        R travels in one small all-gather of float64 values: this rank's loss sum and count, its
+        overflow flag, and the chunk partials of the part of g it alone holds (its shard; at
+        stage 0 the shard's extent of the whole). Chunks never straddle shards and shards are
+        in rank order, so rank-major order is the global chunk order (reference/layout.py).
+        The flag: g = fp32(R)·inv, and with inv ≤ 1 g is finite exactly where R is; the
+        squares of finite float32 values cannot overflow float64, so a non-finite partial
+        means a non-finite R ([Note: overflow detection]). With inv > 1 (a loss scale below
+        1/M) g could overflow where R did not, so R itself is checked.
+        Returns (overflow anywhere, on this rank, global mean loss, per-unit partials)."""
+        mine = [chunk_sumsq(self._own(u, x), self.config.chunk) for u, x in zip(self.units, g)]
+        partials = torch.cat(mine)
+        if inv <= 1:
+            bad = not bool(torch.isfinite(partials).all())
         else:
-            every = C.gather_control(
-                torch.cat(mine), group=self.group, counter=self.counter, phase="norm"
-            )
-            per_unit, at = [], 0
-            for x in mine:
-                per_unit.append(every[:, at : at + x.numel()].reshape(-1))
-                at += x.numel()
-        return global_norm(
-            [
-                p[: u.part.layout.num_chunks].cpu().numpy()
-                for p, u in zip(per_unit, self.units, strict=True)
-            ]
+            bad = any(not bool(torch.isfinite(h).all()) for h in held)
+        head = torch.tensor(
+            [sum(self._losses), len(self._losses), float(bad)],
+            dtype=torch.float64,
+            device=self.device,
         )
-
-    def _global_loss(self) -> float:
-        mine = torch.tensor(
-            [sum(self._losses), len(self._losses)], dtype=torch.float64, device=self.device
+        every = C.gather_control(
+            torch.cat([head, partials]), group=self.group, counter=self.counter, phase="step"
         )
-        every = C.gather_control(mine, group=self.group, counter=self.counter, phase="loss")
         self._losses = []
-        return float(every[:, 0].sum() / every[:, 1].sum())
+        loss = float(every[:, 0].sum() / every[:, 1].sum())
+        overflow = bool(every[:, 2].max() > 0)
+        per_unit, at = [], len(head)
+        for u, x in zip(self.units, mine, strict=True):
+            per_unit.append(
+                every[:, at : at + x.numel()].reshape(-1)[: u.part.layout.num_chunks].cpu().numpy()
+            )
+            at += x.numel()
+        return overflow, bad, loss, per_unit
+
+    @staticmethod
+    def _own(u: FlatUnit, x: torch.Tensor) -> torch.Tensor:
+        """The part of a unit-sized or shard-sized buffer that this rank alone accounts for."""
+        return x[u.part.own] if x.numel() == u.part.padded_numel else x
 
     # -- checkpoints (zero/checkpoint.py) -------------------------------------------------------
 

@@ -38,8 +38,9 @@ def _scalars(kind: str, hp: Hyper, t: int, device) -> dict[str, torch.Tensor]:
 
 
 def _sqrt(v: torch.Tensor) -> torch.Tensor:
+    """A new tensor: sqrt(v), correctly rounded to float32."""
     if v.device.type == "cpu":  # MACHINE_NOTES: CPU float32 sqrt is off by 1 ulp on ~18%
-        return torch.sqrt(v.double()).float()
+        return v.double().sqrt_().float()
     return torch.sqrt(v)  # CUDA's float32 sqrt is IEEE correctly rounded by default
 
 
@@ -58,16 +59,30 @@ def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Ten
             g = g + s["mom"] * buf if hp.nesterov else buf
         p.copy_(p - s["lr"] * g)
         return
+    for lo in range(0, p.numel(), BLOCK):
+        sl = slice(lo, lo + BLOCK)
+        _adam_block(kind, hp, s, p[sl], g[sl], state["exp_avg"][sl], state["exp_avg_sq"][sl])
+
+
+BLOCK = 1 << 16
+"""[Note: in-place Adam blocks] The deterministic Adam/AdamW update runs in blocks of 64K
+elements, in place, each operation the reference's own (an elementwise op rounds the same
+whether it writes a new tensor or its operand; + and · are commutative in IEEE arithmetic). The
+temporaries then stay in cache instead of streaming six shard-sized tensors through memory."""
+
+
+def _adam_block(kind, hp: Hyper, s, p, g, m, v) -> None:
     if kind == "adamw":
         if hp.weight_decay:
-            p.copy_(p * s["decay"])
+            p.mul_(s["decay"])
     elif hp.weight_decay:
-        g = g + s["wd"] * p
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    m.copy_(m * s["b1"] + g * s["one_minus_b1"])
-    v.copy_(v * s["b2"] + (g * g) * s["one_minus_b2"])
-    d = _sqrt(v) * s["inv_sqrt_bc2"] + s["eps"]
-    p.copy_(p - s["step_size"] * (m / d))
+        g = g + s["wd"] * p  # a new tensor: g may be the caller's gradient
+    tmp = g * s["one_minus_b1"]
+    m.mul_(s["b1"]).add_(tmp)
+    torch.mul(g, g, out=tmp)
+    v.mul_(s["b2"]).add_(tmp.mul_(s["one_minus_b2"]))
+    d = _sqrt(v).mul_(s["inv_sqrt_bc2"]).add_(s["eps"])
+    p.sub_(torch.div(m, d, out=d).mul_(s["step_size"]))
 
 
 def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:

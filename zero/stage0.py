@@ -24,6 +24,7 @@ import collections
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from . import collectives as C
 from .unit import FlatUnit
@@ -44,6 +45,7 @@ class Stage0:
         self.group = engine.group
         self.counter = engine.counter
         self.inflight: collections.deque = collections.deque()  # (unit, Pending), oldest first
+        self.refreshing: list[C.Pending] = []  # parameter all-gathers launched by the update
 
     # -- what stays resident -----------------------------------------------------------------
 
@@ -86,9 +88,13 @@ class Stage0:
 
     def post_backward(self, u: FlatUnit) -> None:
         """This micro-batch's gradient of u, in the reduction dtype, goes into u.grad: reduce it
-        now (deterministic), or add it to the local sum (fast; DDP's no_sync accumulation)."""
+        now (deterministic), or add it to the local sum (fast; DDP's no_sync accumulation), and
+        after the step's last micro-batch launch the sum's reduction at once, so that it
+        overlaps the rest of backward as DDP's bucketed all-reduce does."""
         if not self.cfg.deterministic:
             self.accumulate_locally(u)
+            if self.eng.microstep == self.cfg.micro_batches // self.eng.world_size - 1:
+                u.pending = self.reduce_accumulated(u)
             return
         u.part.flatten_into(u.grad, u.grads())  # exact upcast into the reduction dtype
         u.clear_grads()
@@ -119,8 +125,24 @@ class Stage0:
                     view += p.grad.reshape(-1).to(view.dtype)
         u.clear_grads()
 
+    def reduce_accumulated(self, u: FlatUnit) -> C.Pending:
+        """Fast mode: one all-reduce of the locally accumulated sum (in place in u.grad)."""
+        return C.all_reduce_sum(
+            u.grad,
+            group=self.group,
+            counter=self.counter,
+            padding=self.eng.pad_rs[u.index] + self.eng.pad_ag[u.index],
+            tag=self.tag(u, "grad"),
+            async_op=self.cfg.overlap,
+        )
+
     def reduce_scatter(self, u: FlatUnit, flat: torch.Tensor) -> C.Pending:
-        fn = C.reduce_scatter_tree if self.cfg.deterministic else C.reduce_scatter_fast
+        # [Note: fast reduce-scatter on gloo] gloo's reduce_scatter is several times slower than
+        # its all-to-all (MACHINE_NOTES.md), so fast mode on gloo takes the all-to-all and a
+        # local tree sum as well: same volume, and its error is within the fast bound a
+        # fortiori. Other backends (NCCL) use their own reduce-scatter.
+        tree = self.cfg.deterministic or dist.get_backend(self.group) == "gloo"
+        fn = C.reduce_scatter_tree if tree else C.reduce_scatter_fast
         return fn(
             flat,
             group=self.group,
@@ -155,13 +177,8 @@ class Stage0:
             shard = self.take_stream(u)
             self.all_gather(u, u.grad, shard, "grad_gather").wait()
         else:
-            C.all_reduce_sum(
-                u.grad,
-                group=self.group,
-                counter=self.counter,
-                padding=self.eng.pad_rs[u.index] + self.eng.pad_ag[u.index],
-                tag=self.tag(u, "grad"),
-            ).wait()
+            u.pending.wait()  # launched after the last micro-batch's backward
+            u.pending = None
         return u.grad
 
     def take_stream(self, u: FlatUnit) -> torch.Tensor:
@@ -174,3 +191,6 @@ class Stage0:
     def refresh_working(self, u: FlatUnit) -> None:
         if u.master is not u.working:
             u.working.copy_(u.master)  # round to nearest even, into the compute dtype
+
+    def finish_step(self) -> None:
+        """After every unit's update: complete what refresh_working launched."""

@@ -36,12 +36,24 @@ class Stage1(Stage0):
         if self.cfg.deterministic:
             own.copy_(self.take_stream(u))
         else:
-            own.copy_(self.reduce_scatter(u, u.grad).wait())
+            own.copy_(u.pending.wait())  # launched after the last micro-batch's backward
+            u.pending = None
         return own
+
+    def reduce_accumulated(self, u: FlatUnit):
+        """Fast mode: one reduce-scatter of the locally accumulated sum."""
+        return self.reduce_scatter(u, u.grad)
 
     def refresh_working(self, u: FlatUnit) -> None:
         own = u.working[u.part.own]
         if u.master.data_ptr() != own.data_ptr():
             own.copy_(u.master)  # round to nearest even, into the compute dtype
-        # a separate send buffer: the output's own slice must not be the input on every backend
-        self.all_gather(u, u.working, own.clone(), "param_update").wait()
+        # a separate send buffer: the output's own slice must not be the input on every backend;
+        # asynchronous, so that it overlaps the next unit's update
+        self.refreshing.append(
+            self.all_gather(u, u.working, own.clone(), "param_update", async_op=self.cfg.overlap)
+        )
+
+    def finish_step(self) -> None:
+        while self.refreshing:
+            self.refreshing.pop(0).wait()

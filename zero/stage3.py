@@ -148,6 +148,10 @@ class Stage3(Stage2):
         super().post_backward(u)  # copy the gradients out, launch the reduce-scatter
         self.transition(u, PartitionState.SHARDED)
 
+    def reduce_accumulated(self, u: FlatUnit):
+        # only persistent units accumulate locally (fast mode): they reduce as at stage 0
+        return Stage0.reduce_accumulated(self, u)
+
     def complete(self, u: FlatUnit, pending) -> None:
         if self.persistent(u):
             return Stage0.complete(self, u, pending)

@@ -61,6 +61,7 @@ class FlatUnit:
         self.opt: dict[str, torch.Tensor] = {}  # 1D, fp32, the master's extent
         self.grad: torch.Tensor  # 1D, reduction dtype, N·L (stages 0-1) or L (stage 2)
         self.stream = StreamingTree()  # deterministic mode: B_k partial sums of this step
+        self.pending = None  # fast mode: the reduction launched after the last micro-batch
         self.ready = 0  # parameters whose gradient arrived in the current backward
         self.fired = False  # post_backward already ran in the current backward
 
