@@ -17,18 +17,22 @@ Legend:
     ×DDP       median / DDP's median at the same N (below 1 is faster than DDP)
     ×fast      a deterministic stage's median / the same stage's fast-mode median
     ×<peer>    our median / that peer's median at the same N
+    ×s2        a stage-3 median / the same mode's stage-2 median: what gathering the
+               parameters twice per step (3Ψ of traffic instead of 2Ψ) costs in time
     Δloss      largest |loss - DDP's loss| over the steps both ran (same data step, same data):
                evidence that the systems train the same model on the same data, not a target
 
 Systems (SYSTEMS), all fp32, AdamW (lr 1e-3; weight decay 0.1 on matrices, none on biases and
 norms), gloo on CPU, one thread per rank, the model's parameters built from the same seed:
-    zero-s{0,1,2}        ZeroEngine at stage 0/1/2, fast mode (deterministic=False), one unit per
-                         transformer block plus the root, overlap on
-    zero-s{0,1,2}-det    the same, deterministic mode (the reference's reduction tree, bitwise)
+    zero-s{0,1,2,3}      ZeroEngine at stage 0/1/2/3, fast mode (deterministic=False), one unit
+                         per transformer block plus the root, overlap (and stage 3's prefetch) on
+    zero-s{0,1,2,3}-det  the same, deterministic mode (the reference's reduction tree, bitwise)
     ddp                  torch DistributedDataParallel + torch.optim.AdamW, torch's defaults
     zero-redundancy      torch ZeroRedundancyOptimizer(AdamW) + DDP
     fsdp2                fully_shard(reshard_after_forward=False) on every block and on the root
-    deepspeed-s{1,2}     DeepSpeed ZeRO stage 1/2, a torch AdamW client optimizer, no gradient
+    fsdp2-reshard        the same with reshard_after_forward=True: parameters freed after each
+                         block's forward and gathered again for its backward (stage 3's peer)
+    deepspeed-s{1,2,3}   DeepSpeed ZeRO stage 1/2/3, a torch AdamW client optimizer, no gradient
                          clipping (DeepSpeed's default clips to 1.0; nothing else here clips),
                          DeepSpeed's defaults otherwise; "not installed" where it does not import
 
@@ -81,14 +85,33 @@ from .models import GPT, GPTConfig, gpt_microbatches
 from .results import make_record, provenance, read_json, write_json
 from .train import train_steps
 
-OURS = ("zero-s0", "zero-s1", "zero-s2", "zero-s0-det", "zero-s1-det", "zero-s2-det")
-PEERS = ("ddp", "zero-redundancy", "fsdp2", "deepspeed-s1", "deepspeed-s2")
+OURS = (
+    "zero-s0",
+    "zero-s1",
+    "zero-s2",
+    "zero-s3",
+    "zero-s0-det",
+    "zero-s1-det",
+    "zero-s2-det",
+    "zero-s3-det",
+)
+PEERS = (
+    "ddp",
+    "zero-redundancy",
+    "fsdp2",
+    "fsdp2-reshard",
+    "deepspeed-s1",
+    "deepspeed-s2",
+    "deepspeed-s3",
+)
 SYSTEMS = OURS + PEERS
 PEER_LABELS = {
     "zero-redundancy": "ZeRO-R",
     "fsdp2": "FSDP2",
+    "fsdp2-reshard": "FSDP2-r",
     "deepspeed-s1": "DS-1",
     "deepspeed-s2": "DS-2",
+    "deepspeed-s3": "DS-3",
 }
 """Short column headings of the ×<peer> ratios."""
 
@@ -386,10 +409,10 @@ class _TorchPeer(_Trainer):
         else:
             from torch.distributed.fsdp import fully_shard
 
-            mesh = _mesh(self.device, n)
+            mesh, reshard = _mesh(self.device, n), name == "fsdp2-reshard"
             for block in model.transformer.h:
-                fully_shard(block, mesh=mesh, reshard_after_forward=False)
-            fully_shard(model, mesh=mesh, reshard_after_forward=False)
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
             self.module = model
             # after fully_shard: the parameters are DTensor shards, ndim as before
             self.opt = torch.optim.AdamW(torch_param_groups(model, cfg), lr=cfg.lr)
@@ -402,8 +425,11 @@ class _TorchPeer(_Trainer):
         self.opt.zero_grad(set_to_none=True)
 
     def options(self) -> dict:
-        if self.name == "fsdp2":
-            return {"fully_shard": "every block and the root", "reshard_after_forward": False}
+        if self.name.startswith("fsdp2"):
+            return {
+                "fully_shard": "every block and the root",
+                "reshard_after_forward": self.name == "fsdp2-reshard",
+            }
         out = {"ddp": "torch defaults (bucket_cap_mb 25)"}
         if self.name == "zero-redundancy":
             out["optimizer_class"] = "torch.optim.AdamW"
@@ -836,12 +862,15 @@ def add_ratios(records: list[dict]) -> None:
             fast = ok.get((name.removesuffix("-det"), n))
             if name.endswith("-det") and fast:
                 res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
+            two = ok.get((name.replace("-s3", "-s2"), n))
+            if name.startswith("zero-s3") and two:
+                res["ratio_vs_stage2"] = mine / two["result"]["median_ms"]
 
 
 def format_table(records: list[dict], *, markdown: bool = False) -> str:
     """The results table, drawn from the records (never from numbers typed in)."""
     peers = [p for p in PEER_LABELS if any(r["config"]["system"] == p for r in records)]
-    head = ["system", "N", "ms/step", "IQR", "×DDP", "×fast"]
+    head = ["system", "N", "ms/step", "IQR", "×DDP", "×fast", "×s2"]
     head += [f"×{PEER_LABELS[p]}" for p in peers] + ["Δloss"]
     rows = []
     for rec in records:
@@ -860,6 +889,7 @@ def format_table(records: list[dict], *, markdown: bool = False) -> str:
             f"{res['p25_ms']:.0f}-{res['p75_ms']:.0f}",
             ratio(res.get("ratio_vs_ddp")),
             ratio(res.get("ratio_vs_fast")),
+            ratio(res.get("ratio_vs_stage2")),
             *(ratio(res.get("ratio_vs", {}).get(p)) for p in peers),
             "—" if diff is None else f"{diff:.0e}",
         ]
