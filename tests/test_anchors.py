@@ -21,6 +21,7 @@ from verify.anchors import (
     check_step,
     ddp_payload,
     ddp_run,
+    deepspeed_run,
     plain_run,
     reference_run,
     step_bounds,
@@ -147,17 +148,39 @@ def test_ddp_anchor_catches_planted_semantics_bugs(reference, bug):
     assert w["grad" if bug == "missing 1/M" else "master"] > 100, w
 
 
-def test_deepspeed_anchor():
+# DeepSpeed: one lock-step (the first) with one parameter group (verify/anchors.py explains why);
+# M = 8 at N = 2 is 4 accumulation steps per rank, and the first step clips (asserted).
+DS_ANCHOR = Anchor(model="gpt", micro_batches=8, steps=1, clip_norm=0.5, one_group=True)
+
+
+@pytest.fixture(scope="module")
+def ds_reference():
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)")
-    pytest.skip(
-        "no lock-step DeepSpeed anchor: in DeepSpeed 0.19.8 ZeRO-1/2 the public setter "
-        "deepspeed.utils.safe_set_full_optimizer_state raises 'exp_avg not found' for every "
-        "parameter outside the first parameter group (its optimizer-state fragments are linked "
-        "once, right after the first group's step, before torch has created the other groups' "
-        "state), so AdamW's moments of the no-decay group cannot be set per step without "
-        "DeepSpeed's private flat-partition layout"
-    )
+    return reference_run(DS_ANCHOR)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_anchor(ds_reference, stage):
+    """DeepSpeed ZeRO-1/2's own recipe (engine.backward's 1/(M/N), its ZeRO average over N, its
+    gradient_clipping, torch's AdamW as client optimizer): the first step within the same
+    derived bounds, on every rank."""
+    spec, rcfg, steps = ds_reference
+    assert steps[0].info.clip_coef is not None  # DeepSpeed's clipping is exercised
+    per_rank = get_pool(2).run(deepspeed_run, DS_ANCHOR, ddp_payload(steps), stage, Recipe())
+    ratios = [r for peers in per_rank for r in check_run(spec, rcfg, steps, peers)]
+    line = report(f"deepspeed-s{stage} N=2", ratios)
+    assert all(r[k] <= 1 for r in ratios for k in CHECKS), line
+
+
+@pytest.mark.dist
+def test_deepspeed_anchor_catches_a_missing_one_over_m(ds_reference):
+    """engine.backward(loss, scale_wrt_gas=False): the gradient is M/N times too large."""
+    spec, rcfg, steps = ds_reference
+    broken = Recipe(divide_loss=False)
+    per_rank = get_pool(2).run(deepspeed_run, DS_ANCHOR, ddp_payload(steps), 2, broken)
+    assert worst(check_run(spec, rcfg, steps, per_rank[0]))["grad"] > 100
 
 
 def test_anchor_rejects_inexact_averaging():

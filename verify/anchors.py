@@ -92,10 +92,15 @@ clipping and then Adam are nearly scale-invariant, so where both sides clip the 
 is divided out again, and only a step that does not clip shows it in the parameters. Coupled
 weight decay (torch.optim.Adam in place of AdamW) passes checks 1-2 and fails check 5.
 
-DeepSpeed ZeRO-1/2 is not anchored in lock-step: in DeepSpeed 0.19.8 its public state setter
-(deepspeed.utils.safe_set_full_optimizer_state) fails for every parameter outside the first
-parameter group, because the optimizer-state fragments are linked once, right after the first
-group's step and before torch has created the other groups' state.
+DeepSpeed ZeRO-1/2 (deepspeed_run) is anchored for one lock-step, the first, with one parameter
+group (weight decay on every parameter, Anchor(one_group=True)). In DeepSpeed 0.19.8 its public
+optimizer-state accessors (deepspeed.utils.safe_{get,set}_full_optimizer_state) fail for every
+parameter outside the first group: the state fragments are linked once, right after the first
+group's step, before torch has created the other groups' state. With one group the getters
+work; the setter is still not needed, because the first step starts where DeepSpeed starts
+(t = 0, zero moments). Later steps would need the setter or DeepSpeed's private flat layout.
+The first step still checks what the anchors exist for: loss averaging over micro-batches and
+ranks (1/(M/N) per micro-batch, then the average over N), DeepSpeed's own clipping, and AdamW.
 """
 
 from __future__ import annotations
@@ -150,8 +155,15 @@ class Anchor:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"clip_norm={self.clip_norm}: must be > 0 or None")
 
+    one_group: bool = False
+    """Weight decay on every parameter, one group (the DeepSpeed anchor: module docstring);
+    otherwise the reference's two groups, decay on matrices and none on biases and norms."""
+
     def groups(self):
-        return GROUPS["adamw"]
+        return GROUPS["adamw"][:1] if self.one_group else GROUPS["adamw"]
+
+    def group_of(self, name: str, p) -> int:
+        return 0 if self.one_group else decay_matrices_only(name, p)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,22 +220,22 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def model_spec(model, chunk: int = 128) -> ModelSpec:
+def model_spec(model, chunk: int = 128, group_of=decay_matrices_only) -> ModelSpec:
     """The reference's view of the model: the root unit first (everything outside the model's
     units, the tied head included), then one unit each, as zero.engine arranges them."""
     units = model.unit_names()
     named = list(model.named_parameters())  # a tied parameter appears once
     owner = {n: next((u for u in units if n.startswith(u + ".")), "") for n, _ in named}
     layout = [[(n, tuple(p.shape)) for n, p in named if owner[n] == u] for u in ("", *units)]
-    group_of = {n: decay_matrices_only(n, p) for n, p in named}
-    return ModelSpec.build([u for u in layout if u], group_of, chunk=chunk)
+    groups = {n: group_of(n, p) for n, p in named}
+    return ModelSpec.build([u for u in layout if u], groups, chunk=chunk)
 
 
 def reference_run(a: Anchor) -> tuple[ModelSpec, StepConfig, list[RefStep]]:
     """The reference's trajectory over a.steps steps (its own, never the peer's)."""
     build, data = MODELS[a.model]
     model = build()
-    spec = model_spec(model)
+    spec = model_spec(model, group_of=a.group_of)
     rcfg = StepConfig(
         optimizer="adamw",
         groups=a.groups(),
@@ -258,7 +270,7 @@ def torch_optimizer(model, a: Anchor, recipe: Recipe) -> torch.optim.Optimizer:
     hps = a.groups()
     members = [[] for _ in hps]
     for name, p in model.named_parameters():
-        members[decay_matrices_only(name, p)].append(p)
+        members[a.group_of(name, p)].append(p)
     groups = [
         dict(params=ps, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
         for ps, hp in zip(members, hps)
@@ -419,3 +431,68 @@ def check_run(spec, rcfg, steps: list[RefStep], peers: list[PeerStep]) -> list[d
 def worst(ratios: list[dict[str, float]]) -> dict[str, float]:
     """The worst ratio of each check over the steps of a run."""
     return {k: max(r[k] for r in ratios) for k in CHECKS}
+
+
+def deepspeed_run(
+    rank: int, n: int, a: Anchor, payload: list[tuple], stage: int, recipe: Recipe = Recipe()
+) -> list[PeerStep]:
+    """DeepSpeed ZeRO-1/2 on one rank: one lock-step, the first, from the initial state.
+
+    The first step starts from zero moments and t = 0, exactly where DeepSpeed starts, so it
+    needs no optimizer-state setter (DeepSpeed 0.19.8's fails beyond the first parameter group:
+    module docstring). The recipe is DeepSpeed's own: engine.backward scales each micro-batch's
+    loss by 1/(M/N) (gradient_accumulation_steps), its ZeRO reduction averages over the N
+    ranks, its gradient_clipping is our clip_norm, and the client optimizer is torch's AdamW
+    with the reference's groups. The gradient before clipping and the new state are read
+    through DeepSpeed's public getters (deepspeed.utils.safe_get_full_*)."""
+    from zero.bench import _prepare_deepspeed
+
+    why = _prepare_deepspeed(rank, n)
+    if why is not None:
+        raise RuntimeError(f"DeepSpeed {why}")
+    import deepspeed
+    from deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_grad,
+        safe_get_full_optimizer_state,
+    )
+
+    m = a.micro_batches
+    if n & (n - 1) or m % n:
+        raise ValueError(f"world size {n}: must be a power of two dividing M={m} (A2)")
+    torch.set_num_threads(1)
+    master, _, t, batches = payload[0]
+    if t != 0:
+        raise ValueError(f"payload[0] is at t={t}: DeepSpeed's lock-step starts from t = 0")
+    build, _ = MODELS[a.model]
+    model = build()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(master[name]))
+    config = {
+        "train_micro_batch_size_per_gpu": a.batch_size,
+        "gradient_accumulation_steps": m // n,
+        "train_batch_size": a.batch_size * m,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0 if a.clip_norm is None else a.clip_norm,
+        "steps_per_print": 1 << 30,
+    }
+    opt = torch_optimizer(model, a, recipe)
+    eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    named = list(model.named_parameters())
+    mine = batches[rank::n]
+    grad = {}
+    for i, (x, y) in enumerate(mine):
+        _, loss = eng(x, y)
+        eng.backward(loss, scale_wrt_gas=recipe.divide_loss)
+        if i == len(mine) - 1:  # the accumulation boundary: the reduced, averaged gradient
+            grad = {nm: safe_get_full_grad(p).detach().numpy().copy() for nm, p in named}
+        eng.step()
+    norm = eng.get_global_grad_norm()
+    new = {nm: safe_get_full_fp32_param(p).detach().numpy().copy() for nm, p in named}
+    state = {
+        nm: {k: safe_get_full_optimizer_state(p, k).detach().numpy().copy() for k in STATES}
+        for nm, p in named
+    }
+    return [PeerStep(grad, float(norm), new, state)]
