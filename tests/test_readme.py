@@ -21,6 +21,8 @@ def test_readme_python_block_runs(index):
     if "world" in ns:  # the simulation example: the same bits as the single-process step
         for name, value in ns["state"].master.items():
             assert np.array_equal(bits(ns["world"].full_master()[name]), bits(value))
+    elif "resumed" in ns:  # the checkpoint example: resumed at N = 4, stage 3 = uninterrupted
+        assert ns["resumed"] == ns["uninterrupted"]
     elif "losses" in ns:  # the engine example: three steps with finite global losses
         assert len(ns["losses"]) == 3 and all(math.isfinite(x) for x in ns["losses"])
     else:
