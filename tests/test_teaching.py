@@ -1,4 +1,4 @@
-"""paper_figures/teaching.py: the logic behind the teaching notebooks (03_zero_from_scratch and
+"""paper_figures/teaching/: the logic behind the teaching notebooks (03_zero_from_scratch and
 00_claims_vs_measurements).
 
 The block pictures must add up to exactly the bytes the simulated ranks (World.resident_bytes)
