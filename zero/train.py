@@ -1,26 +1,61 @@
-"""The one training loop: data -> micro-batches -> engine. Tests, benchmarks and notebooks call it.
+"""The one training loop, and `python -m zero.train`: a GPT trained on text with ZeRO stages 0-3.
 
-Micro-batch j of step s is produced by `microbatch(s, j)` and runs on rank j mod N at micro-step
-j div N (DESIGN.md §2), so the data a rank sees depends on (s, j), never on the rank itself,
-and the run is the same at every world size.
+`train_steps` is the importable loop that tests, benchmarks and notebooks call. Micro-batch j of
+step s is produced by `microbatch(s, j)` and runs on rank j mod N at micro-step j div N
+(DESIGN.md §2), so the data a rank sees depends on (s, j), never on the rank itself, and the run
+is the same at every world size.
+
+`python -m zero.train` trains a byte-level GPT on the Python standard library's own source (no
+download; zero/data.py) or on `--data PATH`. Rank 0 shows a progress bar (tqdm when installed,
+plain lines otherwise) with the loss, tokens/s and each rank's resident model-state bytes; every
+`--eval-every` steps all ranks evaluate the validation loss (forward only, averaged over ranks),
+and every `--ckpt-every` steps (and at the end) the run is checkpointed to OUT/ckpt. Rank 0
+writes OUT/train_log.json (a zero.results record, atomically) and OUT/loss_curve.png.
+`--resume` continues from OUT/ckpt/latest up to `--steps` in total; in deterministic mode
+(the default) the result is bitwise that of an uninterrupted run, at any stage and world size.
 
 Launching (the loop is the same in every case; only the process group differs):
-  * one process, or local ranks on this machine (gloo, forked):
-        from zero.launch import spawn
-        results = spawn(my_worker, 4)        # my_worker(rank, world_size) builds and trains
-  * torchrun, one node (NCCL when CUDA is present, else gloo):
-        torchrun --standalone --nproc-per-node 8 my_script.py
-    where my_script.py calls zero.launch.init_from_env() and then train_steps(...)
-  * torchrun, several nodes:
+  * one process:
+        python -m zero.train --nproc 1
+  * local ranks on this machine (forked gloo ranks, one thread each):
+        python -m zero.train --stage 2 --nproc 4
+  * one node with several GPUs (NCCL; the world torchrun gives, one GPU per rank):
+        torchrun --standalone --nproc-per-node 8 -m zero.train --stage 3 --model medium
+  * several nodes (run on every node; HOST is the first node's address):
         torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d \\
-                 --rdzv-endpoint HOST:29500 --rdzv-id JOB my_script.py
+                 --rdzv-endpoint HOST:29500 --rdzv-id JOB -m zero.train --stage 3 --model large
+From a script: zero.launch.spawn(fn, N) for local ranks, or zero.launch.init_from_env() under
+torchrun, then `train_steps(engine, microbatch, steps)`.
+
+Legend: N world size, M micro-batches per step (over all ranks), B sequences per micro-batch,
+T tokens per sequence; a step consumes M·B·T tokens.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import io
+import sys
+import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from reference.optim import Hyper
+
+from .config import ZeroConfig, decay_matrices_only
+from .data import VOCAB_SIZE, Corpus, load_corpus
 from .engine import StepResult, ZeroEngine
+from .launch import init_from_env, spawn, under_torchrun
+from .models import GPT, GPTConfig
+from .results import make_record, write_atomic, write_json
+
+KIND = "train.run"
+"""The results-record kind of a training run's log."""
 
 
 def default_loss(output):
@@ -52,3 +87,413 @@ def train_steps(
         if on_step is not None:
             on_step(step, result)
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI's configuration
+
+MODELS = {
+    # ~0.11M parameters: seconds, for tests
+    "tiny": (GPTConfig(vocab_size=VOCAB_SIZE, block_size=64, n_layer=2, n_head=2, n_embd=64), 8),
+    # ~0.82M: the default; the loss falls visibly within a minute or two on 2 CPU cores
+    "small": (GPTConfig(vocab_size=VOCAB_SIZE, block_size=128, n_layer=4, n_head=4, n_embd=128), 8),
+    # ~4.8M: minutes per hundred steps on CPU
+    "medium": (
+        GPTConfig(vocab_size=VOCAB_SIZE, block_size=256, n_layer=6, n_head=4, n_embd=256),
+        8,
+    ),
+    # ~85M, GPT-2-small-like widths: for GPUs
+    "large": (
+        GPTConfig(vocab_size=VOCAB_SIZE, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+        8,
+    ),
+}
+"""name -> (model, B sequences per micro-batch)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run of `python -m zero.train`; every field is a CLI option of the same name."""
+
+    stage: int = 2
+    """ZeRO stage 0-3."""
+    nproc: int | None = None
+    """N: local ranks to spawn (None: 2), or, under torchrun, the launched world (None: any)."""
+    model: str = "small"
+    """A key of MODELS."""
+    precision: str = "fp32"
+    """'fp32', 'bf16' or 'fp16' (dynamic loss scaling)."""
+    deterministic: bool = True
+    """The reference's reduction tree (bitwise reproducible); False: the backends' fast paths."""
+    steps: int = 200
+    """Total optimizer steps of the run (a resumed run continues up to this number)."""
+    micro_batches: int | None = None
+    """M per step over all ranks, a multiple of N (None: N, one micro-batch per rank)."""
+    lr: float = 2e-3
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices; none on biases and norms."""
+    clip_norm: float | None = 1.0
+    """Global gradient-norm clipping (None: off)."""
+    seed: int = 0
+    """Seed of the initial parameters and of the data sampling."""
+    data: str | None = None
+    """A text file or folder; None: the Python standard library's source."""
+    val_fraction: float = 0.05
+    """Share of documents (by name hash) held out for validation."""
+    out: str = "runs/train"
+    """Output folder: train_log.json, loss_curve.png, ckpt/."""
+    eval_every: int = 50
+    """Evaluate the validation loss every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int = 8
+    """Validation micro-batches per evaluation (the same ones every time), spread over ranks."""
+    ckpt_every: int = 100
+    """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    log_every: int = 10
+    """Gather the per-rank memory and print a plain log line every this many steps."""
+    resume: bool = False
+    """Continue from OUT/ckpt/latest (a fresh start when there is none)."""
+    timeout_s: float = 3600.0
+    """Local ranks: the whole run's limit; every run: a collective's limit before it raises."""
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, allowed: str):
+            if not ok:
+                value = getattr(self, name)
+                raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
+
+        def integer(name: str, low: int) -> bool:
+            v = getattr(self, name)
+            return not isinstance(v, bool) and isinstance(v, int) and v >= low
+
+        need(self.stage in (0, 1, 2, 3), "stage", "one of 0, 1, 2, 3")
+        need(self.nproc is None or integer("nproc", 1), "nproc", "an integer >= 1")
+        need(self.model in MODELS, "model", f"one of {tuple(MODELS)}")
+        need(self.precision in ("fp32", "bf16", "fp16"), "precision", "fp32, bf16 or fp16")
+        for name, low in (("steps", 1), ("eval_batches", 1), ("seed", 0), ("log_every", 1)):
+            need(integer(name, low), name, f"an integer >= {low}")
+        for name in ("eval_every", "ckpt_every"):
+            need(integer(name, 0), name, "an integer >= 0 (0: only at the end)")
+        n = self.nproc or 1
+        need(
+            self.micro_batches is None
+            or (integer("micro_batches", 1) and self.micro_batches % n == 0),
+            "micro_batches",
+            f"a positive multiple of nproc={n}",
+        )
+        need(self.lr > 0, "lr", "a learning rate > 0")
+        need(self.weight_decay >= 0, "weight_decay", "a value >= 0")
+        need(self.clip_norm is None or self.clip_norm > 0, "clip_norm", "None or a value > 0")
+        need(0.0 < self.val_fraction < 1.0, "val_fraction", "a fraction in (0, 1)")
+        need(self.timeout_s > 0, "timeout_s", "seconds > 0")
+
+    def zero_config(self, world_size: int) -> ZeroConfig:
+        gpt, _ = MODELS[self.model]
+        return ZeroConfig(
+            stage=self.stage,
+            precision=self.precision,
+            deterministic=self.deterministic,
+            optimizer="adamw",
+            groups=(Hyper(lr=self.lr, weight_decay=self.weight_decay), Hyper(lr=self.lr)),
+            group_of=decay_matrices_only,
+            micro_batches=self.micro_batches or world_size,
+            clip_norm=self.clip_norm,
+            units=tuple(f"transformer.h.{i}" for i in range(gpt.n_layer)),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside a rank
+
+
+@torch.no_grad()
+def evaluate(engine: ZeroEngine, corpus: Corpus, *, seed: int, batches: int, batch_size: int):
+    """Mean validation loss over `batches` fixed micro-batches, split over the ranks (forward
+    only); the same float on every rank."""
+    T = engine.module.cfg.block_size
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    engine.eval()
+    for i in range(engine.rank, batches, engine.world_size):
+        idx, tgt = corpus.batch(
+            split="val", seed=seed, index=(i,), batch_size=batch_size, seq_len=T
+        )
+        _, loss = engine(idx.to(engine.device), tgt.to(engine.device))
+        total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=engine.device)
+    engine.train()
+    dist.all_reduce(total, group=engine.group)
+    return float(total[0] / total[1])
+
+
+def master_sha256(engine: ZeroEngine) -> str:
+    """sha256 of the full fp32 master, parameters in name order (a collective: every rank)."""
+    master, _ = engine.gather_state()
+    return hashlib.sha256(
+        b"".join(master[k].cpu().numpy().tobytes() for k in sorted(master))
+    ).hexdigest()
+
+
+class _Progress:
+    """Rank 0's display: a tqdm bar when tqdm is installed (it is optional), else plain lines."""
+
+    def __init__(self, *, total: int, initial: int, show: bool, every: int):
+        self.show, self.every, self.bar = show, every, None
+        if show:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def step(self, step: int, fields: dict[str, str]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(1)
+        elif self.show and (step + 1) % self.every == 0:
+            self.say(f"step {step + 1}: " + ", ".join(f"{k} {v}" for k, v in fields.items()))
+
+    def say(self, text: str) -> None:
+        if self.show:
+            (self.bar.write if self.bar is not None else print)(text)
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot_losses(history: dict, path: Path, *, title: str) -> None:
+    """The loss curve (train per step, validation at each evaluation) as a PNG, atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    ax.plot(
+        [h["step"] for h in history["train"]],
+        [h["loss"] for h in history["train"]],
+        lw=0.8,
+        label="train (mean over the step's micro-batches)",
+    )
+    ax.plot(
+        [h["step"] for h in history["val"]],
+        [h["loss"] for h in history["val"]],
+        "o-",
+        label="validation",
+    )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_title(title)
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    write_atomic(path, buf.getvalue())
+
+
+def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, device=None):
+    """One rank's whole run; rank 0 returns the log record (the others None)."""
+    device = torch.device("cpu") if device is None else device
+    gpt, batch_size = MODELS[cfg.model]
+    T = gpt.block_size
+    engine = ZeroEngine(GPT(gpt, device=device, seed=cfg.seed), cfg.zero_config(world_size))
+    out, lead = Path(cfg.out), rank == 0
+    ckpt = out / "ckpt"
+    history: dict = {"train": [], "val": []}
+    if cfg.resume and (ckpt / "latest").is_file():
+        history = engine.load(ckpt).extra["history"]  # the log travels with the checkpoint
+    start = engine.data_step
+    M = engine.config.micro_batches
+    tokens_per_step = M * batch_size * T
+    config = {
+        **asdict(cfg),
+        "world_size": world_size,
+        "micro_batches": M,
+        "batch_size": batch_size,
+        "seq_len": T,
+        "gpt": asdict(gpt),
+        "num_params": engine.module.num_params(),
+        "backend": dist.get_backend(engine.group),
+        "launcher": "torchrun" if under_torchrun() else "spawn",
+        "corpus": corpus.fingerprint,
+    }
+    if lead:
+        print(
+            f"GPT {cfg.model}: Ψ = {config['num_params']:,}; stage {cfg.stage}, N = {world_size}, "
+            f"M = {M}, {cfg.precision}; corpus {corpus.source}: "
+            f"{corpus.fingerprint['files']} files, {corpus.fingerprint['bytes']:,} bytes; "
+            f"steps {start}..{cfg.steps}",
+            flush=True,
+        )
+    progress = _Progress(total=cfg.steps, initial=start, show=lead, every=cfg.log_every)
+    memory: list[int] = []
+    clock = [time.perf_counter()]
+
+    def microbatch(step: int, j: int):
+        x, y = corpus.batch(
+            split="train", seed=cfg.seed, index=(step, j), batch_size=batch_size, seq_len=T
+        )
+        return x.to(device), y.to(device)
+
+    def record(final_hash=None) -> dict:
+        result = {"history": history, "data_step": engine.data_step, "memory_bytes": memory}
+        if final_hash is not None:
+            result["final_master_sha256"] = final_hash
+        return make_record(config=config, result=result, kind=KIND)
+
+    def save_log(final_hash=None) -> dict:
+        rec = record(final_hash)
+        if lead:
+            write_json(out / "train_log.json", rec)
+            title = (
+                f"GPT {cfg.model} on {Path(corpus.source).name}, stage {cfg.stage}, N={world_size}"
+            )
+            plot_losses(history, out / "loss_curve.png", title=title)
+        return rec
+
+    def on_step(step: int, res: StepResult) -> None:
+        seconds = time.perf_counter() - clock[0]
+        done = step + 1
+        history["train"].append(
+            {
+                "step": done,
+                "loss": res.loss,
+                "norm": res.norm,
+                "skipped": res.skipped,
+                "tokens_per_s": tokens_per_step / seconds,
+            }
+        )
+        if done % cfg.log_every == 0 or done == start + 1:
+            memory[:] = [0] * world_size
+            mine = sum(engine.memory_report().values())
+            every: list = [None] * world_size
+            dist.all_gather_object(every, mine, group=engine.group)
+            memory[:] = every
+        mem = "/".join(f"{b / 2**20:.1f}" for b in memory)
+        progress.step(
+            step,
+            {
+                "loss": f"{res.loss:.3f}",
+                "tok/s": f"{tokens_per_step / seconds:,.0f}",
+                "MiB/rank": mem,
+            },
+        )
+        last = done == cfg.steps
+        if last or (cfg.eval_every and done % cfg.eval_every == 0):
+            val = evaluate(
+                engine, corpus, seed=cfg.seed, batches=cfg.eval_batches, batch_size=batch_size
+            )
+            history["val"].append({"step": done, "loss": val})
+            progress.say(f"step {done}: train loss {res.loss:.4f}, validation loss {val:.4f}")
+            save_log()
+        if last or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
+            engine.save(ckpt, keep_last=2, extra={"history": history})
+        clock[0] = time.perf_counter()
+
+    if start == 0 and not history["val"]:  # where the curve starts: about ln 256 nats
+        val = evaluate(
+            engine, corpus, seed=cfg.seed, batches=cfg.eval_batches, batch_size=batch_size
+        )
+        history["val"].append({"step": 0, "loss": val})
+    if start < cfg.steps:
+        train_steps(engine, microbatch, cfg.steps - start, start_step=start, on_step=on_step)
+    progress.close()
+    final = save_log(master_sha256(engine))
+    return final if lead else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+
+
+def parse(argv=None) -> TrainConfig:
+    p = argparse.ArgumentParser(
+        prog="python -m zero.train",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = TrainConfig()
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=d.stage)
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks (default 2); under torchrun, must equal the launched world",
+    )
+    p.add_argument("--model", choices=tuple(MODELS), default=d.model)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision)
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        help="fast mode (backend reductions) instead of the deterministic tree",
+    )
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--micro-batches", type=int, default=None, help="M (default: N)")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="0: off")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--data", default=None, help="a text file or folder (default: the stdlib)")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction)
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds")
+    a = p.parse_args(argv)
+    return TrainConfig(
+        stage=a.stage,
+        nproc=a.nproc,
+        model=a.model,
+        precision=a.precision,
+        deterministic=not a.fast,
+        steps=a.steps,
+        micro_batches=a.micro_batches,
+        lr=a.lr,
+        weight_decay=a.weight_decay,
+        clip_norm=a.clip_norm or None,
+        seed=a.seed,
+        data=a.data,
+        val_fraction=a.val_fraction,
+        out=a.out,
+        eval_every=a.eval_every,
+        eval_batches=a.eval_batches,
+        ckpt_every=a.ckpt_every,
+        log_every=a.log_every,
+        resume=a.resume,
+        timeout_s=a.timeout,
+    )
+
+
+def main(argv=None) -> dict | None:
+    """Run the CLI; returns rank 0's log record (None on the other torchrun ranks)."""
+    cfg = parse(argv)
+    if under_torchrun():
+        rank, world, device = init_from_env(timeout_s=cfg.timeout_s)
+        if cfg.nproc not in (None, world):
+            raise ValueError(f"nproc={cfg.nproc} is not allowed: torchrun launched {world} ranks")
+        if (cfg.micro_batches or world) % world:
+            raise ValueError(
+                f"micro_batches={cfg.micro_batches} is not allowed: expected a "
+                f"positive multiple of the launched world size {world}"
+            )
+        try:
+            return run_rank(
+                rank, world, cfg, load_corpus(cfg.data, val_fraction=cfg.val_fraction), device
+            )
+        finally:
+            dist.destroy_process_group()
+    cfg = replace(cfg, nproc=cfg.nproc or 2)  # validates micro_batches against it
+    corpus = load_corpus(cfg.data, val_fraction=cfg.val_fraction)  # once; forked ranks share it
+    return spawn(run_rank, cfg.nproc, cfg, corpus, timeout_s=cfg.timeout_s)[0]
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as exc:
+        print(f"python -m zero.train: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,223 @@
+"""python -m zero.train as users run it: the loss falls, every stage gives the same bits, a resumed
+run is the uninterrupted one, the corpus split depends on names only, torchrun works, and bad
+input is refused by name."""
+
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero.data import load_corpus, split_names, stdlib_dir, stdlib_files
+from zero.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+# tiny model, no checkpoints or evaluations in between unless a test asks: seconds per run
+FAST = ["--model", "tiny", "--eval-every", "0", "--ckpt-every", "0", "--log-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    """A small text file (this project's own sources, ~0.3 MB): quicker to load than the stdlib."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    sources = sorted((REPO / "zero").glob("*.py")) + sorted((REPO / "reference").glob("*.py"))
+    path.write_bytes(b"\n".join(p.read_bytes() for p in sources))
+    return path
+
+
+def run(tmp: Path, *args: str) -> dict:
+    return main([*FAST, "--out", str(tmp), *args])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_loss_decreases_on_a_tiny_run(tmp_path):
+    """On the default corpus (the stdlib), 40 steps of the tiny GPT take the validation loss from
+    ln 256 (near-uniform logits at init) at least halfway down to the byte-unigram entropy H1 of
+    the training text, the loss of a model that learned byte frequencies and nothing else."""
+    log = main(["--model", "tiny", "--steps", "40", "--eval-every", "20", "--out", str(tmp_path)])
+    corpus = load_corpus()
+    counts = torch.bincount(corpus.train.long(), minlength=256).double()
+    p = counts[counts > 0] / counts.sum()
+    h1 = float(-(p * p.log()).sum())
+    val = log["result"]["history"]["val"]
+    assert [v["step"] for v in val] == [0, 20, 40]
+    assert abs(val[0]["loss"] - math.log(256)) < 0.05 * math.log(256), val  # init: ~uniform
+    assert val[-1]["loss"] < (math.log(256) + h1) / 2, (val, h1)
+    train = [h["loss"] for h in log["result"]["history"]["train"]]
+    assert sum(train[-5:]) / 5 < (math.log(256) + h1) / 2, train
+    # the log and the curve are on disk, the corpus recorded
+    on_disk = json.loads((tmp_path / "train_log.json").read_text())
+    assert on_disk["result"]["final_master_sha256"] == log["result"]["final_master_sha256"]
+    fp = on_disk["config"]["corpus"]
+    assert fp["source"] == "stdlib" and fp["python"] == platform.python_version()
+    assert fp["files"] == len(stdlib_files()) and fp["bytes"] == fp["train_bytes"] + fp["val_bytes"]
+    assert (tmp_path / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_stages_0_to_3_give_the_same_bits(tmp_path, text):
+    """Deterministic mode: the final fp32 master is the same bits at every stage (N = 2, M = 4:
+    two micro-steps of accumulation) and at N = 1; the hash does change with training."""
+    common = ["--data", str(text), "--steps", "3", "--micro-batches", "4"]
+    hashes = {
+        f"stage {s}": run(tmp_path / f"s{s}", *common, "--stage", str(s), "--nproc", "2")
+        for s in range(4)
+    }
+    hashes["N = 1"] = run(tmp_path / "n1", *common, "--stage", "0", "--nproc", "1")
+    hashes = {k: v["result"]["final_master_sha256"] for k, v in hashes.items()}
+    assert len(set(hashes.values())) == 1, hashes
+    fewer = run(tmp_path / "two", "--data", str(text), "--steps", "2", "--micro-batches", "4")
+    assert fewer["result"]["final_master_sha256"] != hashes["stage 0"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_resume_equals_an_uninterrupted_run(tmp_path, text):
+    """2 steps at stage 1, then --resume at stage 3 up to 4 steps == 4 steps at stage 2 in one
+    go: the same final bits and the same losses at every step; the log carries over."""
+    data = ["--data", str(text), "--nproc", "2"]
+    run(tmp_path / "a", *data, "--stage", "1", "--steps", "2")
+    resumed = run(tmp_path / "a", *data, "--stage", "3", "--steps", "4", "--resume")
+    whole = run(tmp_path / "b", *data, "--stage", "2", "--steps", "4", "--resume")  # no ckpt yet
+    r, w = resumed["result"], whole["result"]
+    assert r["final_master_sha256"] == w["final_master_sha256"]
+    assert [h["step"] for h in r["history"]["train"]] == [1, 2, 3, 4]
+    assert [h["loss"] for h in r["history"]["train"]] == [h["loss"] for h in w["history"]["train"]]
+    assert r["data_step"] == 4 and (tmp_path / "a" / "ckpt" / "latest").is_file()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_torchrun_runs_the_same_training(tmp_path, text):
+    """torchrun --standalone on CPU: gloo, the launched world, rank 0 alone reports, and the
+    same bits as the locally spawned run of the same configuration."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    args = [*FAST, "--data", str(text), "--steps", "2", "--stage", "3"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "zero.train",
+            *args,
+            "--out",
+            str(tmp_path / "t"),
+        ],  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("GPT tiny") == 1, done.stdout  # one header: rank 0's
+    log = json.loads((tmp_path / "t" / "train_log.json").read_text())
+    c = log["config"]
+    assert (c["launcher"], c["backend"], c["world_size"]) == ("torchrun", "gloo", 2)
+    local = main([*args, "--nproc", "2", "--out", str(tmp_path / "s")])
+    assert local["config"]["launcher"] == "spawn"
+    assert log["result"]["final_master_sha256"] == local["result"]["final_master_sha256"]
+
+
+def test_the_split_is_a_function_of_the_names(tmp_path):
+    """Membership does not depend on contents, on the other files or on the process (hash
+    seed); the stdlib's validation share is 5% within 4 binomial standard deviations."""
+    names = [f"pkg/mod{i}.py" for i in range(200)]
+    train, val = split_names(names, 0.2)
+    assert sorted(train + val) == sorted(names) and not set(train) & set(val)
+    _, sub_val = split_names(names[::3], 0.2)
+    assert sub_val and set(sub_val) == set(val) & set(names[::3])  # other files do not matter
+    assert split_names(list(reversed(names)), 0.2)[1] == list(reversed(val))  # nor the order
+    code = "from zero.data import split_names; import sys, json; " + (
+        "print(json.dumps(split_names([f'pkg/mod{i}.py' for i in range(200)], 0.2)[1]))"
+    )
+    for seed in ("0", "123"):
+        other = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )  # fmt: skip
+        assert json.loads(other.stdout) == val, other.stderr
+
+    # on disk: the corpus puts exactly split_names' files in validation; changing one file's
+    # contents and adding a file moves no other file across the split
+    def sizes(folder):
+        return {p.name: p.stat().st_size for p in folder.iterdir()}
+
+    for i in range(30):
+        (tmp_path / f"f{i:02d}.txt").write_text(f"text {i}\n" * (100 + i))
+    before, size_before = load_corpus(tmp_path, val_fraction=0.3), sizes(tmp_path)
+    v_before = split_names(sorted(size_before), 0.3)[1]
+    assert before.fingerprint["val_bytes"] == sum(size_before[f] for f in v_before) > 0
+    (tmp_path / "f03.txt").write_text("other contents\n" * 500)
+    (tmp_path / "new.txt").write_text("a new file\n" * 100)
+    after, size_after = load_corpus(tmp_path, val_fraction=0.3), sizes(tmp_path)
+    v_after = split_names(sorted(size_after), 0.3)[1]
+    assert after.fingerprint["val_bytes"] == sum(size_after[f] for f in v_after)
+    assert before.fingerprint["content_sha256"] != after.fingerprint["content_sha256"]
+    assert set(v_after) - {"new.txt"} == set(v_before)
+
+    files = stdlib_files()
+    assert files == sorted(files) and len(files) > 100
+    assert not any(p in ("test", "tests", "site-packages") for f in files for p in f.split("/"))
+    t, v = split_names(files, 0.05)
+    n, sigma = len(files), math.sqrt(len(files) * 0.05 * 0.95)
+    assert abs(len(v) - 0.05 * n) < 4 * sigma, (len(v), n)
+    corpus = load_corpus()
+    size = {f: (stdlib_dir() / f).stat().st_size for f in files}
+    assert corpus.fingerprint["val_bytes"] == sum(size[f] for f in v)
+    assert corpus.fingerprint["train_bytes"] == sum(size[f] for f in t)
+
+
+def test_micro_batches_are_a_pure_function_of_seed_step_and_index(text):
+    """[Note: sampling]: the same (seed, step, j) gives the same batch whatever ran before;
+    another j, step or seed gives another; targets are the inputs shifted by one."""
+    corpus = load_corpus(text)
+
+    def b(seed, step, j):
+        return corpus.batch(split="train", seed=seed, index=(step, j), batch_size=4, seq_len=32)
+
+    x, y = b(0, 5, 1)
+    b(0, 0, 0), b(3, 9, 9)  # draws in between change nothing
+    x2, y2 = b(0, 5, 1)
+    assert torch.equal(x, x2) and torch.equal(y, y2) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for other in (b(0, 5, 2), b(0, 6, 1), b(1, 5, 1)):
+        assert not torch.equal(other[0], x)
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--nproc", "2", "--micro-batches", "3"], "micro_batches"),
+        (["--steps", "0"], "steps"),
+        (["--lr", "-1"], "lr"),
+        (["--eval-batches", "0"], "eval_batches"),
+        (["--eval-every", "-1"], "eval_every"),
+        (["--nproc", "0"], "nproc"),
+        (["--val-fraction", "1.5"], "val_fraction"),
+        (["--data", "/nonexistent/corpus"], "data"),
+    ],
+)
+def test_bad_input_is_refused_by_name(tmp_path, argv, field):
+    with pytest.raises(ValueError, match=rf"^{field}="):
+        main([*argv, "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "argv, field", [(["--stage", "5"], "--stage"), (["--model", "huge"], "--model")]
+)
+def test_bad_choices_are_argparse_errors_naming_the_option(argv, field, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and field in capsys.readouterr().err
