@@ -206,3 +206,31 @@ def gather_control(
         _all_gather_flat(out.view(-1), values.reshape(-1).contiguous(), group=group)
     rec.end = time.perf_counter()
     return out
+
+
+class Pieces:
+    """[Note: constant-size buffers] One unit's reduce-scatter done in pieces (ZeRO-R's C_B,
+    paper §6.2): piece [a, b) reduces columns a..b of every rank's shard, i.e. elements
+    [r·L + a, r·L + b) for each rank r, through a fused buffer of N·(b - a) <= C_B elements that
+    `fill(buf, a, b)` writes. At most `depth` pieces are in flight; wait() completes them in
+    order, launching the next as each finishes, and assembles this rank's shard (L elements).
+    The deterministic tree sums each element over ranks on its own, so any cut gives the same
+    bits; the volume is the unit's, split over the pieces (each piece is one counted call)."""
+
+    depth = 2
+
+    def __init__(self, cuts, launch: Callable[[int, int], Pending], out: torch.Tensor):
+        self._queue, self._running, self._out, self._launch = list(cuts), [], out, launch
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while self._queue and len(self._running) < self.depth:
+            a, b = self._queue.pop(0)
+            self._running.append((a, b, self._launch(a, b)))
+
+    def wait(self) -> torch.Tensor:
+        while self._running:
+            a, b, p = self._running.pop(0)
+            self._out[a:b].copy_(p.wait())
+            self._top_up()
+        return self._out

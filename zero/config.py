@@ -70,6 +70,25 @@ class ZeroConfig:
     replicated). Worth it for units so small that a gather costs more in latency than in bytes."""
     chunk: int = 4096
     """Clipping-chunk size C in elements (a power of two >= 128); shards are multiples of it."""
+    activation_checkpointing: bool = False
+    """ZeRO-R (paper §6.1): run every unit's forward (the root's excepted) under
+    torch.utils.checkpoint (non-reentrant), so that backward keeps only each unit's inputs and
+    recomputes the rest. Bits unchanged; at stage 3 the recomputation finds its unit gathered by
+    the backward gather it already has ([Note: recomputation at stage 3] in zero/activations.py)."""
+    offload_activations: bool = False
+    """ZeRO-R's P_a+cpu applied to data parallelism: the checkpointed unit inputs are kept in
+    host memory (pinned on CUDA) and brought back for recomputation. Needs
+    activation_checkpointing; on a CPU-only machine only the accounting changes."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: the fp32 master, the optimizer states and (stages 2-3) the reduced gradient
+    shard live in host memory (pinned on CUDA) and the optimizer runs on the CPU; gradients go
+    down and the updated working parameters come back up in the compute dtype
+    (zero/offload.py). Bits unchanged; host<->device bytes are counted as kind='offload'."""
+    bucket_elements: int | None = None
+    """ZeRO-R's constant-size buffers C_B: the most elements any fused reduction buffer holds. A
+    unit's gradient reduce-scatter is then done in pieces of at most this many elements (the
+    tree sum is elementwise, so the pieces give the same bits). None: one piece per unit.
+    Must be at least the world size (every rank gets at least one element per piece)."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -80,6 +99,26 @@ class ZeroConfig:
             raise ValueError(f"persist_below={self.persist_below}: must be >= 0")
         if self.chunk < 128 or self.chunk & (self.chunk - 1):
             raise ValueError(f"chunk={self.chunk}: must be a power of two >= 128")
+        for name in (
+            "activation_checkpointing",
+            "offload_activations",
+            "offload_optimizer",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ValueError(
+                "offload_activations=True: only checkpointed unit inputs are offloaded; "
+                "allowed with activation_checkpointing=True"
+            )
+        if self.bucket_elements is not None and (
+            isinstance(self.bucket_elements, bool)
+            or not isinstance(self.bucket_elements, int)
+            or self.bucket_elements < 1
+        ):
+            raise ValueError(
+                f"bucket_elements={self.bucket_elements!r}: must be None or an integer >= 1"
+            )
         if len(set(self.units)) != len(self.units) or "" in self.units:
             raise ValueError(f"units={self.units!r}: names must be distinct and non-empty")
         self.step_config(1)  # the reference validates the numerical fields

@@ -37,7 +37,9 @@ from reference.step import clip_coefficient
 from reference.tree import global_norm
 
 from . import collectives as C
+from .activations import check_not_nested, checkpoint_units
 from .config import ZeroConfig
+from .offload import HostOffload
 from .optim import step_runs
 from .partition import UnitPartition
 from .stage0 import Stage0
@@ -93,10 +95,17 @@ class ZeroEngine(nn.Module):
         self.group = group if group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         n = self.world_size
+        if config.bucket_elements is not None and config.bucket_elements < n:
+            raise ValueError(
+                f"bucket_elements={config.bucket_elements}: must be at least the world size {n} "
+                "(every rank gets at least one element of each piece)"
+            )
         if config.micro_batches % n:
             raise ValueError(
                 f"micro_batches={config.micro_batches}: must be a multiple of the world size {n}"
             )
+        if config.activation_checkpointing:
+            check_not_nested(config.units)
         self.counter = C.CommCounter(step=-1)  # construction's checks are "step -1"
         self.step_config = config.step_config(n)
         # control tensors live here too: NCCL takes only CUDA tensors
@@ -114,6 +123,7 @@ class ZeroEngine(nn.Module):
         self.units: list[FlatUnit] = []
         self.pad_rs, self.pad_ag, self.extra_partials = [], [], []
         self.impl = STAGE_CLASSES[config.stage](self)
+        self.offload = HostOffload(self) if config.offload_optimizer else None
         for i, (uname, params) in enumerate(named):
             part = UnitPartition.build(
                 [(p_name, p.shape) for p_name, p in params],
@@ -133,6 +143,8 @@ class ZeroEngine(nn.Module):
             self.units.append(u)
             # allocate now, unit by unit: at stage 3 a rank never holds more than one full unit
             self.impl.allocate(u)
+            if self.offload is not None:  # ZeRO-Offload (zero/offload.py)
+                self.offload.place(u, self.impl.grad_on_host(u))
             u.initial = None  # the fp32 start values are now in the master
         self.runs = [self.impl.runs(u) for u in self.units]
         self.counter.step = 0
@@ -145,6 +157,8 @@ class ZeroEngine(nn.Module):
                 p.register_post_accumulate_grad_hook(self._hook(u))
         mods = dict(self.module.named_modules())
         self.impl.register_hooks({u.name: mods[u.name] for u in self.units} | {"": self.module})
+        if config.activation_checkpointing:  # ZeRO-R (zero/activations.py)
+            checkpoint_units(self, mods)
 
     # -- construction helpers ----------------------------------------------------------------
 
@@ -292,10 +306,16 @@ class ZeroEngine(nn.Module):
                 f"{self.world_size} needs {k}"
             )
         held = [self.impl.finish_reduction(u) for u in self.units]
+        if self.offload is not None:  # R's extent to the host, where the optimizer runs
+            held = [
+                h if self.offload.is_host(h) else self.offload.down(u, u.host_grad, h)
+                for u, h in zip(self.units, held, strict=True)
+            ]
+            self.offload.synchronize()
         scale = 1.0 if self.scaler is None else self.scaler.scale
         inv = f32(1.0 / (scale * self.config.micro_batches))
-        c = torch.tensor(inv, device=self.device)
-        g = [h.float() * c for h in held]
+        c = {h.device: torch.tensor(inv, device=h.device) for h in held}
+        g = [h.float() * c[h.device] for h in held]
         overflow, bad, loss, partials = self._exchange(held, g, inv)
         norm = None
         if overflow:
@@ -310,9 +330,8 @@ class ZeroEngine(nn.Module):
             norm = global_norm(partials)
             coef = clip_coefficient(norm, self.config.clip_norm)
             if coef is not None:
-                k = torch.tensor(coef, device=self.device)
                 for x in g:
-                    x.mul_(k)
+                    x.mul_(torch.tensor(coef, device=x.device))
             self.t += 1
             for u, gu, runs in zip(self.units, g, self.runs, strict=True):
                 step_runs(
@@ -347,7 +366,7 @@ class ZeroEngine(nn.Module):
         1/M) g could overflow where R did not, so R itself is checked.
         Returns (overflow anywhere, on this rank, global mean loss, per-unit partials)."""
         mine = [chunk_sumsq(self._own(u, x), self.config.chunk) for u, x in zip(self.units, g)]
-        partials = torch.cat(mine)
+        partials = torch.cat(mine).to(self.device)  # host partials with offload_optimizer
         if inv <= 1:
             bad = not bool(torch.isfinite(partials).all())
         else:
@@ -403,34 +422,64 @@ class ZeroEngine(nn.Module):
     def note_partials(self, u: FlatUnit, peak: int) -> None:
         self.extra_partials[u.index] = max(self.extra_partials[u.index], peak)
 
-    def note_transient(self, t: torch.Tensor) -> None:
-        """Reductions in flight each hold an arrival and a receive buffer of t's size."""
-        held = 2 * t.nbytes * min(len(self.impl.inflight), self.impl.max_inflight)
+    def note_transient(self, t: torch.Tensor | int) -> None:
+        """Reductions in flight each hold an arrival and a receive buffer of t's size (bytes)."""
+        nbytes = t if isinstance(t, int) else t.nbytes
+        held = 2 * nbytes * max(1, min(len(self.impl.inflight), self.impl.max_inflight))
         self.transient_peak = max(self.transient_peak, held)
 
-    def memory_report(self) -> dict[str, int]:
-        """Resident bytes by category, each storage counted once (a view owns nothing new)."""
-        seen: set[int] = set()
+    def _resident(self) -> dict[str, list[torch.Tensor]]:
+        """The resident tensors by category. With offload_optimizer: host gradient buffers
+        under grads, and the compute-dtype upload staging as its own category."""
+        grads = [u.grad for u in self.units]
+        out = {
+            "params": [self.impl.working_extent(u)[0] for u in self.units],
+            "grads": grads,
+            "master": [u.master for u in self.units],
+            "optimizer": [t for u in self.units for t in u.opt.values()],
+        }
+        if self.offload is not None:
+            grads += [t for u in self.units for t in (u.host_grad, u.host_stage) if t is not None]
+            staging = [u.staging for u in self.units if u.staging is not None]
+            if staging:
+                out["staging"] = staging
+        return out
 
-        def owned(tensors) -> int:
+    def memory_report(self) -> dict[str, int]:
+        """Resident bytes by category, each storage counted once (a view owns nothing new),
+        wherever they live (memory_split() tells device from host)."""
+        split = self.memory_split()
+        return {k: split["device"][k] + split["host"][k] for k in split["device"]}
+
+    def memory_split(self) -> dict[str, dict[str, int]]:
+        """memory_report's categories split by placement: {"device": {...}, "host": {...}}.
+        Host is what offload_optimizer placed there (a placement, also on a CPU-only machine);
+        the streaming tree's partial sums and the communication buffers are device memory."""
+        seen: set[int] = set()
+        is_host = self.offload.is_host if self.offload is not None else (lambda t: False)
+
+        def owned(tensors, host: bool) -> int:
             total = 0
             for t in tensors:
                 s = t.untyped_storage()
-                if s.data_ptr() not in seen:
+                if is_host(t) == host and s.data_ptr() not in seen:
                     seen.add(s.data_ptr())
                     total += s.nbytes()
             return total
 
         extra = sum(
-            p * u.part.shard_numel * u.grad.element_size()
+            p * u.part.shard_numel * self.config.grad_dtype.itemsize
             for p, u in zip(self.extra_partials, self.units, strict=True)
         )
+        resident = self._resident()
+        device = {k: owned(v, False) for k, v in resident.items()}
+        host = {k: owned(v, True) for k, v in resident.items()}
+        device["grads"] += extra
+        device["comm_buffers"], host["comm_buffers"] = self.transient_peak, 0
+        order = ["params", "grads", "master", "optimizer", "comm_buffers", "staging"]
         return {
-            "params": owned(self.impl.working_extent(u)[0] for u in self.units),
-            "grads": owned(u.grad for u in self.units) + extra,
-            "master": owned(u.master for u in self.units),
-            "optimizer": owned(t for u in self.units for t in u.opt.values()),
-            "comm_buffers": self.transient_peak,
+            "device": {k: device[k] for k in order if k in device},
+            "host": {k: host[k] for k in order if k in host},
         }
 
     def unit_specs(self) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -464,6 +513,8 @@ class ZeroEngine(nn.Module):
             )
             return full
 
+        if self.offload is not None:  # no upload may still read a host buffer written here
+            self.offload.synchronize()
         for u in self.units:
             ext = self.impl.master_extent(u)
             full = padded(u, {k: master[k] for k, _ in u.params})
@@ -480,6 +531,9 @@ class ZeroEngine(nn.Module):
         if t.numel() == u.part.padded_numel:
             return t
         every = C.gather_control(
-            t.contiguous(), group=self.group, counter=self.counter, phase="gather_state"
+            t.to(self.device).contiguous(),
+            group=self.group,
+            counter=self.counter,
+            phase="gather_state",
         )
         return every.reshape(-1)

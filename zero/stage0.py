@@ -99,6 +99,7 @@ class Stage0:
         u.part.flatten_into(u.grad, u.grads())  # exact upcast into the reduction dtype
         u.clear_grads()
         self.launched(u, self.reduce_scatter(u, u.grad))
+        self.note_pieces(u)
 
     def launched(self, u: FlatUnit, pending: C.Pending) -> None:
         """Track a launched reduction; complete the oldest beyond the in-flight bound."""
@@ -136,13 +137,17 @@ class Stage0:
             async_op=self.cfg.overlap,
         )
 
-    def reduce_scatter(self, u: FlatUnit, flat: torch.Tensor) -> C.Pending:
+    def reduce_scatter(self, u: FlatUnit, flat: torch.Tensor | None, grads=None) -> C.Pending:
+        """Reduce-scatter u's flat gradient `flat` (N·L), or, with bucket_elements, in pieces
+        filled from `flat` or straight from the parameters' `grads` (flat None)."""
         # [Note: fast reduce-scatter on gloo] gloo's reduce_scatter is several times slower than
         # its all-to-all (MACHINE_NOTES.md), so fast mode on gloo takes the all-to-all and a
         # local tree sum as well: same volume, and its error is within the fast bound a
         # fortiori. Other backends (NCCL) use their own reduce-scatter.
         tree = self.cfg.deterministic or dist.get_backend(self.group) == "gloo"
         fn = C.reduce_scatter_tree if tree else C.reduce_scatter_fast
+        if self.cfg.bucket_elements is not None:
+            return self.reduce_scatter_pieces(u, fn, flat, grads)
         return fn(
             flat,
             group=self.group,
@@ -151,6 +156,43 @@ class Stage0:
             tag=self.tag(u, "grad"),
             async_op=self.cfg.overlap,
         )
+
+    def piece_width(self) -> int:
+        """Columns per piece: N·width <= C_B elements (the engine checks C_B >= N)."""
+        return self.cfg.bucket_elements // self.eng.world_size
+
+    def reduce_scatter_pieces(self, u: FlatUnit, fn, flat, grads) -> C.Pieces:
+        """[Note: constant-size buffers] in zero/collectives.py."""
+        n, L, rank = self.eng.world_size, u.part.shard_numel, self.eng.rank
+        width = self.piece_width()
+        full = None if flat is None else flat.view(n, L)
+        dtype, device = self.cfg.grad_dtype, u.working.device
+
+        def launch(a: int, b: int) -> C.Pending:
+            buf = torch.zeros(n, b - a, dtype=dtype, device=device)  # the capped fused buffer
+            if full is None:
+                u.fill_columns(buf, grads, a, b)
+            else:
+                buf.copy_(full[:, a:b])
+            pad = sum(b - a - u.real_in(r * L + a, r * L + b) for r in range(n) if r != rank)
+            return fn(
+                buf.view(-1),
+                group=self.group,
+                counter=self.counter,
+                padding=pad,
+                tag=self.tag(u, "grad"),
+                async_op=self.cfg.overlap,
+            )
+
+        cuts = [(a, min(a + width, L)) for a in range(0, L, width)]
+        return C.Pieces(cuts, launch, torch.empty(L, dtype=dtype, device=device))
+
+    def note_pieces(self, u: FlatUnit) -> None:
+        """Account the pieces a launched reduction may hold: Pieces.depth fused buffers of at
+        most N·width elements (each with a receive buffer of its size: engine.note_transient)."""
+        if self.cfg.bucket_elements is not None:
+            n, w = self.eng.world_size, min(self.piece_width(), u.part.shard_numel)
+            self.eng.note_transient(C.Pieces.depth * n * w * self.cfg.grad_dtype.itemsize)
 
     def all_gather(self, u: FlatUnit, out, shard, phase: str, async_op=False) -> C.Pending:
         return C.all_gather(
@@ -190,7 +232,20 @@ class Stage0:
 
     def refresh_working(self, u: FlatUnit) -> None:
         if u.master is not u.working:
-            u.working.copy_(u.master)  # round to nearest even, into the compute dtype
+            self.write_working(u, u.working)
+
+    def write_working(self, u: FlatUnit, dst: torch.Tensor) -> None:
+        """dst (the resident working extent) <- the master rounded to nearest even into the
+        compute dtype; with offload_optimizer, rounded on the host and uploaded (counted)."""
+        if self.eng.offload is None:
+            dst.copy_(u.master)
+        else:
+            self.eng.offload.up(u, dst)
+
+    def grad_on_host(self, u: FlatUnit) -> bool:
+        """Whether offload_optimizer moves u.grad itself to the host: only where it is the
+        reduced shard (stages 2-3). Here it is the full-size buffer the collectives use."""
+        return False
 
     def finish_step(self) -> None:
         """After every unit's update: complete what refresh_working launched."""

@@ -42,12 +42,14 @@ class Stage1(Stage0):
 
     def reduce_accumulated(self, u: FlatUnit):
         """Fast mode: one reduce-scatter of the locally accumulated sum."""
-        return self.reduce_scatter(u, u.grad)
+        pending = self.reduce_scatter(u, u.grad)
+        self.note_pieces(u)
+        return pending
 
     def refresh_working(self, u: FlatUnit) -> None:
         own = u.working[u.part.own]
         if u.master.data_ptr() != own.data_ptr():
-            own.copy_(u.master)  # round to nearest even, into the compute dtype
+            self.write_working(u, own)  # round to nearest even, into the compute dtype
         # a separate send buffer: the output's own slice must not be the input on every backend;
         # asynchronous, so that it overlaps the next unit's update
         self.refreshing.append(

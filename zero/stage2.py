@@ -25,6 +25,12 @@ class Stage2(Stage1):
         u.grad = torch.zeros(u.part.shard_numel, dtype=self.cfg.grad_dtype, device=u.working.device)
 
     def post_backward(self, u: FlatUnit) -> None:
+        if self.cfg.bucket_elements is not None:  # no full-size arrival buffer: pieces of C_B
+            grads = u.grads()  # kept alive by the pieces' fill until the reduction completes
+            u.clear_grads()
+            self.launched(u, self.reduce_scatter(u, None, grads))
+            self.note_pieces(u)
+            return
         arrival = torch.zeros(
             u.part.padded_numel, dtype=self.cfg.grad_dtype, device=u.working.device
         )  # 1D, reduction dtype, N·L, transient
@@ -33,15 +39,29 @@ class Stage2(Stage1):
         self.launched(u, self.reduce_scatter(u, arrival))
         self.eng.note_transient(arrival)
 
+    def grad_on_host(self, u: FlatUnit) -> bool:
+        return True
+
     def complete(self, u: FlatUnit, pending) -> None:
         if self.cfg.deterministic:
             super().complete(u, pending)
-        elif self.eng.microstep == 0:  # fast: a running sum of the reduced shards
-            u.grad.copy_(pending.wait())
-        else:
+            return
+        off = self.eng.offload  # fast: a running sum of the reduced shards (on the host)
+        if self.eng.microstep == 0:
+            self.store_grad(u, pending.wait())
+        elif off is None:
             u.grad += pending.wait()
+        else:
+            u.grad += off.down_now(u, pending.wait())
+
+    def store_grad(self, u: FlatUnit, shard: torch.Tensor) -> None:
+        """u.grad <- shard; with offload_optimizer u.grad is on the host: a counted download."""
+        if self.eng.offload is None:
+            u.grad.copy_(shard)
+        else:
+            self.eng.offload.down(u, u.grad, shard)
 
     def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
-        if self.cfg.deterministic:
-            u.grad.copy_(self.take_stream(u))
+        if self.cfg.deterministic:  # the tree's partial sums stay on the device; R goes down
+            self.store_grad(u, self.take_stream(u))
         return u.grad

@@ -148,6 +148,9 @@ class Stage3(Stage2):
         super().post_backward(u)  # copy the gradients out, launch the reduce-scatter
         self.transition(u, PartitionState.SHARDED)
 
+    def grad_on_host(self, u: FlatUnit) -> bool:
+        return not self.persistent(u)
+
     def reduce_accumulated(self, u: FlatUnit):
         # only persistent units accumulate locally (fast mode): they reduce as at stage 0
         return Stage0.reduce_accumulated(self, u)
@@ -201,7 +204,7 @@ class Stage3(Stage2):
         if self.persistent(u):
             return Stage0.refresh_working(self, u)
         if u.master is not u.shard:
-            u.shard.copy_(u.master)  # round to nearest even; no traffic: it stays sharded
+            self.write_working(u, u.shard)  # round to nearest even; it stays sharded
 
     # -- the one place where a unit changes state ---------------------------------------------
 

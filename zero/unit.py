@@ -60,6 +60,10 @@ class FlatUnit:
         self.master: torch.Tensor  # 1D, fp32, N·L (stage 0) or L; a view of working in fp32
         self.opt: dict[str, torch.Tensor] = {}  # 1D, fp32, the master's extent
         self.grad: torch.Tensor  # 1D, reduction dtype, N·L (stages 0-1) or L (stage 2)
+        # offload_optimizer only (zero/offload.py), host memory, None otherwise:
+        self.host_grad: torch.Tensor | None = None  # 1D, reduction dtype, the master's extent
+        self.host_stage: torch.Tensor | None = None  # 1D, reduction dtype, L: fast-mode addend
+        self.staging: torch.Tensor | None = None  # 1D, compute dtype, the master's extent
         self.stream = StreamingTree()  # deterministic mode: B_k partial sums of this step
         self.pending = None  # fast mode: the reduction launched after the last micro-batch
         self.ready = 0  # parameters whose gradient arrived in the current backward
@@ -72,6 +76,24 @@ class FlatUnit:
     def grads(self) -> dict[str, torch.Tensor]:
         """This backward's gradients by parameter name (zeros for unused parameters)."""
         return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.params}
+
+    def real_in(self, lo: int, hi: int) -> int:
+        """Non-padding elements of the padded flat buffer in [lo, hi)."""
+        return sum(
+            max(0, min(s.offset + s.numel, hi) - max(s.offset, lo)) for s in self.part.layout.slots
+        )
+
+    def fill_columns(self, buf: torch.Tensor, grads: dict[str, torch.Tensor], a: int, b: int):
+        """buf (N, b-a) <- columns [a, b) of every rank's shard of the flat gradient, straight
+        from the parameters' gradients (no full-size buffer); padding stays as buf has it."""
+        L = self.part.shard_numel
+        for r in range(buf.shape[0]):
+            lo, hi = r * L + a, r * L + b
+            for s in self.part.layout.slots:
+                x, y = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if x < y:
+                    src = grads[s.name].reshape(-1)[x - s.offset : y - s.offset]
+                    buf[r, x - lo : y - lo].copy_(src)  # exact upcast into the reduction dtype
 
     def clear_grads(self) -> None:
         for _, p in self.params:

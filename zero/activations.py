@@ -1,0 +1,149 @@
+"""ZeRO-R's activation memory: checkpointing per unit, and checkpoints kept in host memory.
+
+Legend (paper §6.1, PAPER.md §1.5): b batch, s sequence length, h hidden size, l units
+(transformer blocks). Without checkpointing a transformer keeps about 12·b·s·h elements per
+block for backward (the paper's footnote); with one checkpoint per block it keeps the block's
+input, b·s·h elements, and recomputes the rest in backward, one block at a time.
+
+`checkpoint_units` makes each unit's forward (not the root's) run under
+`torch.utils.checkpoint(..., use_reentrant=False)`. The wrapper replaces the module's *bound*
+forward (an instance attribute), so that module hooks, parameter names and state_dict keys stay
+as they were; recomputation calls the original forward directly, so no module hook runs twice.
+
+[Note: recomputation at stage 3] At stage 3 a unit is sharded between its forward and its
+backward. Its outputs carry the _PreBackward marker (zero/stage3.py), which sits *after* the
+checkpointed region in the graph, so its backward (the unit's all-gather) runs before any node
+of the region, and the first saved tensor the region unpacks triggers the recomputation on
+gathered parameters. So recomputation needs no gather of its own: 2 all-gathers per unit per
+micro-step, as without checkpointing. Prefetch is unaffected: backward prefetches the unit
+before this one in forward order, which the recomputation does not touch. The parameters'
+version counters are preserved across gathers ([Note: re-gathering under saved views]); the
+recomputed forward saves fresh views of the gathered buffer, consumed within the same backward.
+
+[Note: what the offload hook sees] Hooks nest: the innermost saved_tensors_hooks wins. The
+offload hook is entered around the checkpoint call, and non-reentrant checkpointing saves its
+inputs before entering its own hook for the region's insides, so exactly the unit inputs (the
+checkpoints) pass through the offload hook; everything else is recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def check_not_nested(names) -> None:
+    """Checkpointed units must not contain each other: recomputing the outer one would run the
+    inner one's module hooks (at stage 3: a gather and a free) a second time."""
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(
+                    f"units: {a!r} contains {b!r}; activation_checkpointing needs units that "
+                    "do not nest"
+                )
+
+
+def checkpoint_units(engine, modules: dict[str, torch.nn.Module]) -> None:
+    """Run every non-root unit's forward under non-reentrant checkpointing (and, with
+    config.offload_activations, keep its checkpointed inputs in host memory)."""
+    check_not_nested(list(engine.config.units))
+    offload = engine.config.offload_activations
+    for u in engine.units:
+        if not u.name:
+            continue
+        m = modules[u.name]
+        hooks = (lambda u=u: ActivationOffload(engine, u.index)) if offload else None
+        m.forward = _checkpointed(m.forward, hooks)
+
+
+def _checkpointed(forward, hooks):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # nothing is saved: nothing to checkpoint
+            return forward(*args, **kwargs)
+        ctx = hooks() if hooks is not None else contextlib.nullcontext()
+        with ctx:  # [Note: what the offload hook sees]
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Keep the tensors saved inside the block in host memory; bring them back when unpacked.
+
+    On CUDA the host copy is pinned and both copies are non-blocking: the download is ordered
+    before any later kernel on the stream that could reuse the device memory, and the upload
+    before the recomputation that reads it. A CPU tensor is kept as it is (no copy): on a
+    CPU-only machine this is a change of accounting only. Every transfer is counted in the
+    engine's CommCounter (kind='offload', phases activation_down / activation_up)."""
+
+    def __init__(self, engine, unit: int):
+        counter = engine.counter
+
+        def record(t: torch.Tensor, phase: str, op: str) -> None:
+            counter.add(
+                op=op,
+                phase=phase,
+                kind="offload",
+                unit=unit,
+                elements=t.numel(),
+                padding=0,
+                nbytes=t.numel() * t.element_size(),
+            )
+
+        def pack(t: torch.Tensor):
+            record(t, "activation_down", "d2h")
+            if t.device.type != "cuda":
+                return t.device, t
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            return t.device, host
+
+        def unpack(packed):
+            device, host = packed
+            record(host, "activation_up", "h2d")
+            return host.to(device, non_blocking=host.is_pinned())
+
+        super().__init__(pack, unpack)
+
+
+@dataclass
+class SavedBytes:
+    """Bytes autograd keeps for backward, each storage once (a view adds nothing)."""
+
+    storages: dict[int, int] = field(default_factory=dict)  # storage data_ptr -> bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+@contextlib.contextmanager
+def saved_activation_bytes(engine):
+    """Count what autograd saves for backward in the block, the engine's parameters excluded:
+
+        with saved_activation_bytes(engine) as saved:
+            _, loss = engine(x, y)
+        saved.nbytes
+
+    The parameters' storage is the unit's working buffer (at stage 3 gathered while the unit
+    runs, so it is looked up at each save). Under checkpointing the region's own saved tensors
+    go to the checkpoint's inner hook and are not seen here: exactly the checkpoints are. Under
+    offload_activations the checkpoints go to the offload hook instead ([Note: what the offload
+    hook sees]): they are host bytes, counted in engine.counter (kind='offload')."""
+    saved = SavedBytes()
+
+    def pack(t: torch.Tensor):
+        s = t.untyped_storage()
+        params = {u.working.untyped_storage().data_ptr() for u in engine.units}
+        if s.nbytes() and s.data_ptr() not in params:
+            saved.storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved

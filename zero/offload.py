@@ -1,0 +1,145 @@
+"""ZeRO-Offload: the optimizer's side of the model states in host memory, the update on the CPU.
+
+Legend: Ψ parameters, N ranks, K the optimizer-state multiplier (DESIGN.md §2), "extent" the
+elements of the padded flat buffer whose update a rank owns (the whole unit at stage 0, its
+shard at stages 1-3; a stage-3 persistent unit is whole).
+
+What lives where, per rank (ZeRO-Offload, PAPER.md §2):
+    device   working parameters (compute dtype), the reduction buffers of backward
+    host     fp32 master and optimizer states of the extent (KΨ/N), the reduced gradient of the
+             extent (stages 2-3: the gradient shard itself; stages 0-1 keep their full-size
+             device buffer, which their collectives need, and copy the extent down), and a
+             compute-dtype staging copy of the updated extent (mixed precision only)
+Traffic per step (kind='offload' in the engine's CommCounter, one record per unit and way):
+    down     the reduced gradient of the extent, in the reduction dtype      (2Ψ or 4Ψ at N=1)
+    up       the updated working parameters of the extent, in the compute dtype    (2Ψ at N=1)
+so 4Ψ with fp16/bf16 gradients and 6Ψ with fp32 gradients at N = 1, ZeRO-Offload's minimum
+(Ψ/N of each per rank at N ranks). In fast mode with M > N, stages 2-3 bring each micro-step's
+reduced shard down and accumulate it on the host: M/N downloads per step.
+
+The update itself is zero/optim.py's, unchanged: it already runs on whatever device its tensors
+are on, and on the CPU its deterministic kernels are the reference's bits. The compute-dtype
+rounding of the new master (round to nearest even) happens on the host; torch's CPU and CUDA
+casts round alike (MACHINE_NOTES.md), so the working copy's bits do not depend on where.
+
+On CUDA host buffers are pinned and copies are non-blocking: downloads of all units are queued
+at once and one stream synchronisation precedes the CPU's first read; an upload is queued as
+soon as its unit is updated and overlaps the next unit's update. The staging buffer an upload
+reads is rewritten only at the next step, after that step's synchronisation, which completes
+every earlier copy on the stream. On a CPU-only machine host and device are the same memory:
+offload is a change of placement only, and it is the accounting (which buffers are "host",
+which bytes crossed) and the bits that are tested there.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .unit import FlatUnit
+
+
+class HostOffload:
+    """The engine's host side: host buffers, counted copies, and which storages are host."""
+
+    def __init__(self, engine):
+        self.eng = engine
+        self.device = engine.device
+        self.pinned = engine.device.type == "cuda"  # pinned memory makes copies asynchronous
+        self.host_ptrs: set[int] = set()  # storages placed on the host by this class
+        self.queued: list = []  # records of non-blocking downloads, stamped at synchronize()
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
+        self.host_ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A new host tensor with t's values (construction only: not counted as traffic)."""
+        h = self.empty(t.numel(), t.dtype)
+        h.copy_(t.reshape(-1))
+        return h
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.host_ptrs
+
+    def place(self, u: FlatUnit, grad_shard: bool) -> None:
+        """After the stage allocated u: master and states to the host; the gradient shard too
+        (grad_shard, stages 2-3), else a host buffer for the extent's gradient. The master gets
+        its own storage even where it was a view of the working copy (pure fp32)."""
+        u.master = self.copy(u.master)
+        u.opt = {k: self.empty(v.numel(), v.dtype) for k, v in u.opt.items()}  # zeros at start
+        u.host_stage = None
+        if grad_shard:
+            u.grad = self.empty(u.grad.numel(), u.grad.dtype)
+            u.host_grad = u.grad
+        else:
+            u.host_grad = self.empty(u.master.numel(), u.grad.dtype)
+        compute = self.eng.config.compute_dtype
+        u.staging = None if compute == torch.float32 else self.empty(u.master.numel(), compute)
+
+    # -- counted copies ------------------------------------------------------------------------
+
+    def _record(self, u: FlatUnit, t: torch.Tensor, op: str, phase: str):
+        extent = self.eng.impl.master_extent(u)
+        pad = (extent.stop - extent.start) - _real_in(u, extent)
+        return self.eng.counter.add(
+            op=op,
+            phase=phase,
+            kind="offload",
+            unit=u.index,
+            elements=t.numel(),
+            padding=pad,
+            nbytes=t.numel() * t.element_size(),
+        )
+
+    def down(self, u: FlatUnit, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """The reduced gradient of u's extent into its host buffer (queued on CUDA)."""
+        rec = self._record(u, src, "d2h", "grad_down")
+        dst.copy_(src, non_blocking=self.pinned)
+        if self.pinned:
+            self.queued.append(rec)
+        else:
+            rec.end = time.perf_counter()
+        return dst
+
+    def down_now(self, u: FlatUnit, src: torch.Tensor) -> torch.Tensor:
+        """A completed download into a host buffer of its own, for fast mode's running sum of
+        reduced shards (u.grad is the sum; this is the addend, allocated on first use)."""
+        if u.host_stage is None:
+            u.host_stage = self.empty(src.numel(), src.dtype)
+        self.down(u, u.host_stage, src)
+        self.synchronize()
+        return u.host_stage
+
+    def synchronize(self) -> None:
+        """Before the CPU reads what non-blocking downloads wrote."""
+        if self.pinned:  # also completes earlier uploads that read host buffers
+            torch.cuda.current_stream(self.device).synchronize()
+        now = time.perf_counter()
+        for rec in self.queued:
+            rec.end = now
+        self.queued = []
+
+    def up(self, u: FlatUnit, dst: torch.Tensor) -> None:
+        """u's updated master, rounded to the compute dtype on the host, into the device's
+        working extent dst (non-blocking on CUDA; see the module docstring for why the staging
+        buffer is not rewritten too early)."""
+        src = u.master
+        if u.staging is not None:
+            u.staging.copy_(u.master)  # round to nearest even, on the host
+            src = u.staging
+        rec = self._record(u, src, "h2d", "param_up")
+        dst.copy_(src, non_blocking=self.pinned)
+        rec.end = time.perf_counter()
+
+
+def _real_in(u: FlatUnit, extent: slice) -> int:
+    """Non-padding elements of the padded buffer inside extent."""
+    return sum(
+        max(0, min(s.offset + s.numel, extent.stop) - max(s.offset, extent.start))
+        for s in u.part.layout.slots
+    )
