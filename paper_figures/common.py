@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-PROFILES = ("quick", "full")
-"""quick: minutes on a 2-core CPU (make repro, the tests); full: the large cases."""
+PROFILES = ("quick", "full", "smoke")
+"""quick: minutes on a 2-core CPU (make repro); full: the large cases (simulated ranks of 7.5B,
+128B and 1T models where they fit, N = 8 everywhere); smoke: the smallest case of each section,
+seconds, for the tests of the main job itself."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,8 +2,11 @@
 
 Ours are stacked by category from :func:`zero.memory.model_state_breakdown` in the paper's
 configuration (fp16 params and grads, fp32 master, Adam; PAPER.md §1.1); the paper's printed
-totals stand beside them. Measured bars (records of kind ``memory.measured``, from the simulation
-of a large world) will be drawn beside the analytic ones when the results file holds them.
+totals stand beside them. Measured bars (records of kind ``memory.measured``) come from
+``results/simulated_ranks.json`` (paper_figures/simulated_ranks.py): one simulated rank of the
+64-rank job, the GPT of ``gpt_config_for(7.5e9)`` (7.518B parameters), measured outside the
+engine after construction. A stage whose rank did not fit the machine has no measured bar; the
+title says which bars were measured and on what.
 
 Legend: Ψ = num_params = 7.5e9, N_d = world_size = 64, K = 12 (mixed-precision Adam),
 GB = 1e9 bytes.
@@ -20,7 +23,7 @@ from matplotlib.figure import Figure
 from paper_figures import paper
 from paper_figures.common import Outputs, SummaryRow, compute_then_render, count_line
 from zero.memory import GB, model_state_breakdown
-from zero.results import make_record, provenance, write_atomic
+from zero.results import make_record, provenance, read_json, write_atomic
 
 NAME = "fig1_memory"
 SERIES = (("memory.analytic", "ours, analytic"), ("memory.measured", "ours, measured"))
@@ -37,6 +40,7 @@ PAPER_CONFIG = {
     "deterministic": True,
     "padding": 0,
 }
+STAGE_LABELS_PLAIN = ("Baseline", "P_os", "P_os+g", "P_os+g+p")
 STAGE_TEX = ("Baseline DP", r"$P_{os}$", r"$P_{os+g}$", r"$P_{os+g+p}$")
 FORMULAS = (  # mathtext, for the subscripts
     r"$(2+2+K)\Psi$",
@@ -51,8 +55,9 @@ CATEGORIES = (  # (label, result keys summed, colour): the paper's Figure 1 colo
 )
 
 
-def compute(profile: str) -> dict:
-    """The analytic records: one per stage. The profile does not matter to arithmetic."""
+def compute(profile: str, *, ranks: dict | None = None) -> dict:
+    """The analytic records, one per stage, and the measured ones found in ``ranks`` (the
+    simulated_ranks results). The profile decided there what was measured."""
     del profile
     prov = provenance()
     records = []
@@ -67,7 +72,32 @@ def compute(profile: str) -> dict:
         records.append(
             make_record(config=config, result=result, kind="memory.analytic", provenance=prov)
         )
+    for record in (ranks or {}).get("records", []):
+        c = record["config"]
+        if (c["num_params"], c["world_size"]) == (paper.FIG1_NUM_PARAMS, paper.FIG1_WORLD_SIZE):
+            if record["kind"] not in ("memory.measured", "memory.skipped"):
+                continue
+            records.append(record)
     return {"section": NAME, "records": records}
+
+
+def measured_bars(payload: dict) -> dict[int, dict]:
+    """stage -> the measured numbers (GB and the machine), from the records."""
+    from paper_figures.simulated_ranks import machine
+
+    out = {}
+    for record in payload["records"]:
+        if record["kind"] != "memory.measured":
+            continue
+        r, c = record["result"], record["config"]
+        out[c["stage"]] = {
+            "measured": r["rss_after_construction"] / GB,
+            "analytic": r["analytic_model_states"] / GB,
+            "num_params": r["config"]["num_params"],
+            "machine": machine(record["provenance"], c["device"]),
+            "date": record["provenance"].get("date_utc", "?"),
+        }
+    return out
 
 
 def render(payload: dict, out: Outputs) -> tuple[Path, str]:
@@ -75,6 +105,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     by_kind = {}
     for record in payload["records"]:
         by_kind.setdefault(record["kind"], {})[record["config"]["stage"]] = record["result"]
+    measured = measured_bars(payload)
     series = [(kind, label) for kind, label in SERIES if kind in by_kind]
 
     fig = Figure(figsize=(9, 5.6), dpi=150)
@@ -85,6 +116,43 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     for i, (kind, _label) in enumerate(series):
         offset = (i - len(series) / 2) * width
         for stage in range(4):
+            if kind == "memory.measured":
+                if stage in measured:
+                    value = measured[stage]["measured"]
+                    ax.bar(
+                        stage + offset,
+                        value,
+                        width,
+                        color="#8c6bb1",
+                        edgecolor="white",
+                        hatch="//",
+                        label="ours, measured (one simulated rank)"
+                        if stage == min(measured)
+                        else None,
+                    )
+                    ax.annotate(
+                        f"{value:.3g}",
+                        (stage + offset, value),
+                        xytext=(0, 3),
+                        textcoords="offset points",
+                        ha="center",
+                        va="bottom",
+                        fontsize=9,
+                        fontweight="bold",
+                    )
+                    top = max(top, value)
+                else:
+                    ax.annotate(
+                        "not\nmeasured",
+                        (stage + offset, 0),
+                        xytext=(0, 3),
+                        textcoords="offset points",
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        color="#666666",
+                    )
+                continue
             result = by_kind[kind][stage]
             bottom = 0.0
             for category, keys, colour in CATEGORIES:
@@ -97,7 +165,6 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
                     color=colour,
                     edgecolor="white",
                     linewidth=0.5,
-                    hatch="//" if kind == "memory.measured" else None,
                     label=category if stage == 0 and i == 0 else None,
                 )
                 bottom += height
@@ -147,12 +214,20 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     ax.legend(loc="upper right", fontsize=9, frameon=False, title="ours by category; paper total")
-    kinds = ", ".join(label.removeprefix("ours, ") for _, label in series)
+    if measured:
+        machines = sorted({m["machine"] for m in measured.values()})
+        what = (
+            f"measured: {', '.join(STAGE_LABELS_PLAIN[s] for s in sorted(measured))} "
+            f"(one simulated rank, {measured[min(measured)]['num_params'] / 1e9:.3f}B GPT) on "
+            + "; ".join(machines)
+        )
+    else:
+        what = "no bar measured in this run (see tables/simulated_ranks.md)"
     ax.set_title(
         f"Figure 1: Ψ = {paper.FIG1_NUM_PARAMS / 1e9:g}B parameters, "
         f"$N_d$ = {paper.FIG1_WORLD_SIZE}, "
-        f"K = {paper.FIG1_K} (mixed-precision Adam)\nours: {kinds}; paper: printed values",
-        fontsize=11,
+        f"K = {paper.FIG1_K} (mixed-precision Adam)\n{what}",
+        fontsize=10,
     )
     fig.tight_layout()
 
@@ -167,8 +242,18 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         for s in range(4)
         if s in analytic
     )
-    return path, count_line(matched, 4, "bars")
+    line = count_line(matched, 4, "bars")
+    if measured:
+        worst = max(abs(m["measured"] / paper.FIG1_GB[s] - 1) for s, m in measured.items())
+        line += f", {len(measured)} measured (within {100 * worst:.1f}% of the paper)"
+    return path, line
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
-    return compute_then_render(NAME, compute, render, profile=profile, out=out)
+    from paper_figures.simulated_ranks import NAME as RANKS
+
+    path = out.result(RANKS)
+    ranks = read_json(path) if path.exists() else None
+    return compute_then_render(
+        NAME, lambda p: compute(p, ranks=ranks), render, profile=profile, out=out
+    )

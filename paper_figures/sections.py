@@ -2,18 +2,45 @@
 
 To add a section (the steps are in the package docstring, ``paper_figures/__init__.py``): write a
 module with ``run(*, profile, out) -> list[SummaryRow]`` and append one ``Section`` here.
+``simulated_ranks`` runs before Figure 1 and Table 1, which draw its measured records; ``index``
+runs last and reads every other section's results.
 
 Legend: Ψ = num_params, N_d = world_size, K = the optimizer-state multiplier.
 """
 
 from __future__ import annotations
 
-from paper_figures import fig1_memory, sim_check, table1_memory, table2_max_model
+from paper_figures import (
+    activation_memory,
+    comm_volume,
+    fig1_memory,
+    index,
+    sim_check,
+    simulated_ranks,
+    table1_memory,
+    table2_max_model,
+)
 from paper_figures.common import Section
 
 SECTIONS: list[Section] = [
+    Section(
+        name=simulated_ranks.NAME,
+        run=simulated_ranks.run,
+        about="one simulated rank measured outside the engine (full: 7.5B/128B/1T where it fits)",
+    ),
     Section(name=fig1_memory.NAME, run=fig1_memory.run, about="Figure 1: Ψ = 7.5B at N_d = 64"),
     Section(name=table1_memory.NAME, run=table1_memory.run, about="Table 1: GB per device vs N_d"),
     Section(name=table2_max_model.NAME, run=table2_max_model.run, about="Table 2: max model size"),
     Section(name=sim_check.NAME, run=sim_check.run, about="NumPy N-rank simulation vs formulas"),
+    Section(
+        name=comm_volume.NAME,
+        run=comm_volume.run,
+        about="bytes per rank per step on gloo ranks: 2Ψ/2Ψ/2Ψ/3Ψ",
+    ),
+    Section(
+        name=activation_memory.NAME,
+        run=activation_memory.run,
+        about="activation memory: the footnote's formula vs measurement",
+    ),
+    Section(name=index.NAME, run=index.run, about="INDEX.md: the paper's numbers beside ours"),
 ]

@@ -42,7 +42,7 @@ def small_model(layers: int = 4, d: int = 64, vocab: int = 96):
 
 
 def compute(profile: str) -> dict:
-    units = small_model(layers=4 if profile == "quick" else 8)
+    units = small_model(layers=8 if profile == "full" else 4)
     spec = ModelSpec.build(units, chunk=512)
     rng = np.random.default_rng(0)
     master = {n: rng.standard_normal(s).astype(np.float32) for u in units for n, s in u}

@@ -1,9 +1,12 @@
 """Table 1: per-device model-state memory (GB) for 7.5B, 128B and 1T models vs the DP degree.
 
 Each of the 54 cells is ours under the paper's rounding rule beside the paper's printed value
-(PAPER.md §1.2). Ours come from :func:`zero.memory.model_state_bytes`; every cell is analytic for
-now. Cells measured on the simulation of a large world (records of kind ``memory.measured``) will
-replace the analytic ones in the table, marked as measured, where the results file holds them.
+(PAPER.md §1.2). Ours come from :func:`zero.memory.model_state_bytes`. Where one simulated rank
+of that cell fitted the machine (``results/simulated_ranks.json``, paper_figures/simulated_ranks.py)
+the cell shows the measured value instead, marked †; a measured rank is the GPT of
+``gpt_config_for(Ψ)``, whose exact Ψ differs from the paper's round one by up to 0.3%, so a
+measured cell is compared with the analytic value at its own Ψ, and the match count is over the
+analytic values.
 
 Legend: Ψ = num_params (7.5e9, 128e9, 1e12), N_d = world_size (the DP column), K = 12
 (mixed-precision Adam), GB = 1e9 bytes.
@@ -22,15 +25,14 @@ from paper_figures.common import (
     markdown_table,
 )
 from zero.memory import GB, STAGE_LABELS, model_state_bytes
-from zero.results import make_record, provenance, write_atomic
+from zero.results import make_record, provenance, read_json, write_atomic
 
 NAME = "table1_memory"
-PREFERENCE = ("memory.measured", "memory.analytic")
-"""Where both exist for a cell, the measured record is shown."""
 
 
-def compute(profile: str) -> dict:
-    """The analytic records: one per cell. The profile does not matter to arithmetic."""
+def compute(profile: str, *, ranks: dict | None = None) -> dict:
+    """The analytic records, one per cell, and the measured ranks of Table 1's cells found in
+    ``ranks`` (the simulated_ranks results)."""
     del profile
     prov = provenance()
     records = []
@@ -52,20 +54,48 @@ def compute(profile: str) -> dict:
                         provenance=prov,
                     )
                 )
+    cells = {
+        (m, n, s) for m in paper.TABLE1_MODELS for n in paper.TABLE1_DP for s in paper.TABLE1_STAGES
+    }
+    for record in (ranks or {}).get("records", []):
+        c = record["config"]
+        if (
+            record["kind"] == "memory.measured"
+            and (
+                c["num_params"],
+                c["world_size"],
+                c["stage"],
+            )
+            in cells
+        ):
+            r = record["result"]
+            result = {
+                "bytes": r["rss_after_construction"],
+                "analytic_bytes": r["analytic_model_states"],
+                "built_params": r["config"]["num_params"],
+            }
+            records.append(
+                make_record(
+                    config={**{k: c[k] for k in ("num_params", "world_size", "stage")}, "k": 12},
+                    result={**result, "device": c["device"]},
+                    kind="memory.measured",
+                    provenance=record["provenance"],
+                )
+            )
     return {"section": NAME, "records": records}
 
 
 def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     """Write the Markdown table from the records; returns its path and the match line."""
     cells: dict[tuple[float, int, int], dict] = {}
+    measured: dict[tuple[float, int, int], dict] = {}
     for record in payload["records"]:
-        if record["kind"] not in PREFERENCE:
-            continue
         c = record["config"]
         key = (c["num_params"], c["world_size"], c["stage"])
-        held = cells.get(key)
-        if held is None or PREFERENCE.index(record["kind"]) < PREFERENCE.index(held["kind"]):
+        if record["kind"] == "memory.analytic":
             cells[key] = record
+        elif record["kind"] == "memory.measured":
+            measured[key] = record
 
     columns = [(m, s) for m in paper.TABLE1_MODELS for s in paper.TABLE1_STAGES]
     # Bold as the paper does: the smallest DP degree at which a column fits in a 32 GB V100.
@@ -90,11 +120,17 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
                 continue
             ours = paper.paper_round(record["result"]["bytes"] / GB)
             matched += ours == theirs
-            text = f"{paper.format_number(ours)} ({paper.format_number(theirs)})"
+            key = (num_params, dp, stage)
+            if key in measured:
+                got = paper.paper_round(measured[key]["result"]["bytes"] / GB)
+                text = f"{paper.format_number(got)}† ({paper.format_number(theirs)})"
+                sources.add("measured")
+            else:
+                text = f"{paper.format_number(ours)} ({paper.format_number(theirs)})"
+                sources.add("analytic")
             if ours != theirs:
                 text += " ≠"
             row.append(f"**{text}**" if (dp, j) in bold else text)
-            sources.add(record["kind"].removeprefix("memory."))
         row.append(", ".join(sorted(sources)) or "–")
         rows.append(row)
 
@@ -113,6 +149,20 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         for s in paper.TABLE1_STAGES
     ]
     header.append("source")
+    notes = []
+    for (num_params, dp, stage), record in sorted(measured.items()):
+        r = record["result"]
+        prov_m = record["provenance"]
+        notes.append(
+            f"- † {paper.format_number(num_params / 1e9)}B, N_d = {dp}, {STAGE_LABELS[stage]}: "
+            f"measured {r['bytes'] / GB:.4g} GB on one simulated rank of a "
+            f"{r['built_params'] / 1e9:.4g}B GPT ({r['device']}, {prov_m.get('cpu_count', '?')} "
+            f"cores, {prov_m.get('date_utc', '?')}); analytic at that Ψ "
+            f"{r['analytic_bytes'] / GB:.4g} GB "
+            f"(measured/analytic {r['bytes'] / r['analytic_bytes']:.3f}); paper "
+            f"{paper.format_number(paper.table1_cell(dp, num_params, stage))} GB "
+            f"(measured/paper {r['bytes'] / GB / paper.table1_cell(dp, num_params, stage):.3f})."
+        )
     prov = payload["records"][0]["provenance"] if payload["records"] else {}
     lines = [
         "# Table 1: per-device model-state memory (GB) vs DP degree",
@@ -122,11 +172,13 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "decimal, 2 under 2; values of 100 or more truncated). Paper: Table 1 as printed.",
         "Bold, as in the paper, marks the smallest DP degree at which a column fits in a 32 GB",
         "V100.",
-        "≠ marks a cell that differs. The source column says whether a row's cells are analytic or",
-        "measured: every cell is analytic for now.",
+        "≠ marks a cell whose analytic value differs. † marks a cell measured on one simulated",
+        "rank (the notes below give the measured bytes, the analytic value at the built model's Ψ",
+        "and the ratios); the other cells are analytic. The source column says which a row has.",
         "",
         *markdown_table(header, rows),
         "",
+        *(notes + [""] if notes else ["No cell measured in this run.", ""]),
         match_line + ".",
         bold_line + ".",
         "",
@@ -140,4 +192,10 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
-    return compute_then_render(NAME, compute, render, profile=profile, out=out)
+    from paper_figures.simulated_ranks import NAME as RANKS
+
+    path = out.result(RANKS)
+    ranks = read_json(path) if path.exists() else None
+    return compute_then_render(
+        NAME, lambda p: compute(p, ranks=ranks), render, profile=profile, out=out
+    )

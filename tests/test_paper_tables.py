@@ -139,8 +139,9 @@ def table_rows(markdown: str) -> str:
 
 
 def test_main_job(tmp_path):
+    # The smoke profile: every section on its smallest case (make repro runs quick).
     done = subprocess.run(
-        [sys.executable, "-m", "paper_figures", "--out", str(tmp_path)],
+        [sys.executable, "-m", "paper_figures", "--out", str(tmp_path), "--profile", "smoke"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -164,11 +165,25 @@ def test_main_job(tmp_path):
     sim = (tmp_path / "tables" / "sim_check.md").read_text()
     assert "32/32 checks equal the formula." in sim and "≠" not in table_rows(sim)
 
+    comm = (tmp_path / "tables" / "comm_volume.md").read_text()
+    assert "16/16 cells equal the expected volume exactly." in comm
+    assert "≠" not in table_rows(comm)
+    for name in ("comm_volume", "activation_memory"):
+        width, height = png_size(tmp_path / "figures" / f"{name}.png")
+        assert width > 300 and height > 200
+    ranks = (tmp_path / "tables" / "simulated_ranks.md").read_text()
+    assert "1/1 ranks measured within 8 MiB + 1% of the engine's bytes." in ranks
+    index = (tmp_path / "INDEX.md").read_text()
+    for row in ("Figure 1, P_os+g+p", "Table 1, 54 cells", "Communication, P_os+g+p", "about 60"):
+        assert row in index, row
+
     for name, count in [
         ("fig1_memory", 4),
         ("table1_memory", 54),
         ("table2_max_model", 20),
         ("sim_check", 16),
+        ("comm_volume", 16),
+        ("simulated_ranks", 2),
     ]:
         records = read_json(tmp_path / "results" / f"{name}.json")["records"]
         assert len(records) == count
@@ -215,3 +230,44 @@ def test_write_json_is_atomic_and_strict(tmp_path):
         write_json(path, {"a": object()})
     assert read_json(path) == {"a": [1, 2.5]}
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+def test_measured_ranks_reach_figure1_table1_and_the_index(tmp_path):
+    """A measured rank of Figure 1's configuration (a record as simulated_ranks writes it) is
+    drawn as a measured bar, shown as a measured Table 1 cell (†) and listed in INDEX.md as
+    measured, with the paper's value and the ratio beside it."""
+    from paper_figures import fig1_memory, index
+    from zero.results import make_record, provenance
+
+    out = Outputs(root=tmp_path)
+    psi, n, stage = 7.5e9, 64, 3
+    built = 7_518_191_616
+    analytic = model_state_bytes(built, n, stage)
+    measured = analytic + 5e6
+    result = {
+        "config": {"num_params": built},
+        "rss_after_construction": measured,
+        "rss_after_steps": [measured + 4e7],
+        "rss_peak": 4.9e9,
+        "analytic_model_states": analytic,
+        "engine_model_states": analytic,
+        "estimate": {"peak": 5.9e9},
+    }
+    config = {"num_params": psi, "world_size": n, "stage": stage, "device": "cpu"}
+    ranks = {
+        "records": [
+            make_record(
+                config=config, result=result, kind="memory.measured", provenance=provenance()
+            )
+        ]
+    }
+    fig_path = write_json(out.result("fig1_memory"), fig1_memory.compute("quick", ranks=ranks))
+    _, line = fig1_memory.render(read_json(fig_path), out)
+    assert "1 measured (within" in line
+    t1_path = write_json(out.result("table1_memory"), table1_memory.compute("quick", ranks=ranks))
+    text = table1_memory.render(read_json(t1_path), out)[0].read_text()
+    assert f"{paper_round(measured / 1e9)}†".replace(".0†", "†") in text
+    assert "54/54 cells equal the paper's printed value" in text
+    rows = index.build(out)[0]
+    assert "Figure 1, P_os+g+p, measured" in rows
+    assert f"{measured / 1e9 / 1.9:.3f}" in rows  # measured over the printed 1.9 GB

@@ -17,23 +17,84 @@ Legend: Ψ parameters of the model, N = N_d world size, K = 12 (mixed-precision 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
+import subprocess
 import sys
+import tempfile
 import time
 
+from .measure import MemoryProbe, mem_available_bytes, peak_rss_bytes, rss_bytes
 
-def rss_bytes() -> int:
-    """Resident set size of this process now (Linux /proc; falls back to the peak)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+__all__ = [
+    "estimate_peak_bytes",
+    "measure_rank",
+    "peak_rss_bytes",
+    "rss_bytes",
+    "simulate_rank",
+]
+
+TRANSIENT_BYTES_PER_UNIT_ELEMENT = 24
+"""[Note: transient bound] Bytes per element of the largest unit that a rank holds on top of its
+model states at its peak. Construction holds one unit's fp32 start values twice (the flat buffer
+and the per-parameter values, 8 B) and its compute-dtype working copy (2 B); a stage-3 step holds
+up to two gathered units and the root (2 B each), a unit's full-size gradient (2 B), the receive
+buffers of up to two reductions in flight (2 B each) and the parameters' .grad (2 B), about 16 B.
+24 B leaves a margin: the 7.5B rank of Figure 1 peaked 3.0 GB above its model states, 19.5 B
+times its largest unit (the root, 154M elements). Used only to decide whether a rank fits."""
+
+RUNTIME_BYTES = 256 * 1024**2
+"""What a first step costs whatever the model (kernel workspaces, autograd's thread: about 31 MB
+measured) plus activations at sequence 64 and batch 1, with room to spare."""
+
+HEADROOM_BYTES = 2 * 1024**3
+"""Memory left to everything else on the machine when a large simulated rank starts."""
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def _gpt(params: float, *, seq: int, vocab_size: int):
+    from .models import GPT, gpt_config_for
+
+    cfg, _ = gpt_config_for(params, vocab_size=vocab_size)
+    cfg = type(cfg)(**{**cfg.__dict__, "block_size": max(seq, 16)})
+    return cfg, GPT(cfg, device="meta").num_params()
+
+
+def estimate_peak_bytes(
+    *, params: float, world_size: int, stage: int, seq: int = 64, vocab_size: int = 50257
+) -> dict:
+    """The analytic model states of one rank and an upper estimate of its peak, in bytes.
+
+    Peak = model states (zero.memory, the paper's configuration) + TRANSIENT_BYTES_PER_UNIT_ELEMENT
+    × the largest unit ([Note: transient bound]) + RUNTIME_BYTES. Pure arithmetic on a meta
+    model: nothing is allocated.
+    """
+    from .memory import model_state_breakdown
+
+    cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size)
+    h = cfg.n_embd
+    block = 12 * h * h + 13 * h
+    root = count - cfg.n_layer * block
+    states = model_state_breakdown(num_params=count, world_size=world_size, stage=stage).total
+    peak = states + TRANSIENT_BYTES_PER_UNIT_ELEMENT * max(block, root) + RUNTIME_BYTES
+    return {"num_params": count, "model_states": states, "peak": peak}
+
+
+def fits_here(estimate: dict, *, device: str = "cpu") -> tuple[bool, str]:
+    """Whether a rank with this estimated peak fits now, and the reason either way."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        ok = estimate["peak"] <= free
+        what = f"{free / 1e9:.1f} GB free of {total / 1e9:.1f} GB on {torch.cuda.get_device_name()}"
+    else:
+        avail = mem_available_bytes()
+        if avail is None:
+            return False, "MemAvailable unknown (no /proc/meminfo): not started"
+        ok = estimate["peak"] + HEADROOM_BYTES <= avail
+        what = f"MemAvailable {avail / 1e9:.1f} GB, keeping {HEADROOM_BYTES / 1e9:.1f} GB headroom"
+    verdict = "fits" if ok else "does not fit"
+    return ok, f"estimated peak {estimate['peak'] / 1e9:.2f} GB {verdict}: {what}"
 
 
 def simulate_rank(
@@ -46,24 +107,31 @@ def simulate_rank(
     seq: int = 64,
     batch: int = 1,
     vocab_size: int = 50257,
+    device: str = "cpu",
 ) -> dict:
-    """Build and step rank `rank` of a fake world; returns measurements (bytes)."""
+    """Build and step rank `rank` of a fake world; returns measurements (bytes).
+
+    Measured outside the engine with zero.measure.MemoryProbe (RSS on CPU, allocator bytes on
+    CUDA), the baseline taken after the fake process group exists and before the model is
+    built. Samples: after construction (peak: construction) and after each step (peak: that
+    step, the peak reset before it).
+    """
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.set_num_threads(1)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     from .config import ZeroConfig
     from .engine import ZeroEngine
     from .memory import model_state_breakdown
-    from .models import GPT, gpt_config_for
+    from .models import GPT
 
-    cfg, count = gpt_config_for(params, vocab_size=vocab_size)
-    cfg = type(cfg)(**{**cfg.__dict__, "block_size": max(seq, 16)})
-    count = GPT(cfg, device="meta").num_params()
-    baseline = rss_bytes()
+    cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size)
+    probe = MemoryProbe(device=device)
     model = GPT(cfg, device="meta")
     zcfg = ZeroConfig(
         stage=stage,
@@ -75,19 +143,21 @@ def simulate_rank(
         nonfinite="skip",
     )
     t0 = time.perf_counter()
-    engine = ZeroEngine(model, zcfg, device="cpu", init_seed=None)
-    built = rss_bytes()
-    construction_peak = peak_rss_bytes()
+    engine = ZeroEngine(model, zcfg, device=device, init_seed=None)
+    built = probe.sample("after construction")
     padded = sum(u.part.padded_numel for u in engine.units)
     analytic = model_state_breakdown(num_params=padded, world_size=world_size, stage=stage)
-    tokens = torch.zeros((batch, seq), dtype=torch.long)
+    tokens = torch.zeros((batch, seq), dtype=torch.long, device=device)
     after = []
-    for _ in range(steps):
+    for i in range(steps):
+        probe.reset_peak()
         for _k in range(zcfg.micro_batches // world_size):
             _, loss = engine(tokens, tokens)
             engine.backward(loss)
         engine.step()
-        after.append(rss_bytes())
+        del loss
+        after.append(probe.sample(f"after step {i + 1}"))
+    report = engine.memory_report()
     return {
         "config": {
             "params_requested": params,
@@ -100,21 +170,81 @@ def simulate_rank(
             "batch": batch,
             "layers": cfg.n_layer,
             "hidden": cfg.n_embd,
+            "vocab_size": vocab_size,
             "precision": "bf16",
             "reduce_dtype": "bf16",
             "optimizer": "adam",
+            "device": device,
         },
+        "measurement": probe.describe(),
+        "peak_resettable": probe.peak_resettable,
         "full_fp32_weights_bytes": 4 * count,
-        "rss_baseline": baseline,
-        "rss_after_construction": built - baseline,
-        "rss_after_steps": [a - baseline for a in after],
-        "rss_peak": peak_rss_bytes() - baseline,
-        "construction_peak": construction_peak - baseline,
-        "engine_report": engine.memory_report(),
+        "padded_params": padded,
+        "rss_baseline": probe.baseline,
+        "samples": probe.samples,
+        # The quiescent bytes above the baseline (RSS after gc + malloc_trim on CPU).
+        "rss_after_construction": built["bytes"],
+        "rss_after_steps": [a["bytes"] for a in after],
+        "construction_peak": built["peak"],
+        "step_peak": max((a["peak"] for a in after), default=0),
+        "rss_peak": max([built["peak"], *(a["peak"] for a in after)]),
+        "engine_report": report,
+        "engine_model_states": sum(report[k] for k in ("params", "grads", "master", "optimizer")),
+        "analytic": analytic.to_dict(),
         "analytic_model_states": analytic.total,
-        "analytic_paper_formula": 16 * count / world_size if stage == 3 else None,
+        "analytic_paper_formula": model_state_breakdown(
+            num_params=count, world_size=world_size, stage=stage
+        ).total,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def measure_rank(*, timeout_s: float = 1800, check_fits: bool = True, **kwargs) -> dict:
+    """simulate_rank in a fresh process (its own baseline and peak, and the fake group of its
+    own world size), or a skip when it would not fit the machine now.
+
+    Returns {"ran": True, "result": simulate_rank's dict} or {"ran": False, "reason": ...}.
+    kwargs are simulate_rank's. The child is `python -m zero.simulate`; its record comes back
+    through a temporary JSON file.
+    """
+    device = kwargs.get("device", "cpu")
+    if check_fits:
+        est = estimate_peak_bytes(
+            params=kwargs["params"],
+            world_size=kwargs["world_size"],
+            stage=kwargs["stage"],
+            seq=kwargs.get("seq", 64),
+            vocab_size=kwargs.get("vocab_size", 50257),
+        )
+        ok, reason = fits_here(est, device=device)
+        if not ok:
+            return {"ran": False, "reason": reason, "estimate": est}
+    flags = {
+        "params": "--params",
+        "world_size": "--world-size",
+        "rank": "--rank",
+        "stage": "--stage",
+        "steps": "--steps",
+        "seq": "--seq",
+        "batch": "--batch",
+        "vocab_size": "--vocab-size",
+        "device": "--device",
+    }
+    unknown = set(kwargs) - set(flags)
+    if unknown:
+        raise ValueError(f"measure_rank: unknown argument(s) {sorted(unknown)}")
+    with tempfile.TemporaryDirectory(prefix="zero-simulate-") as tmp:
+        path = os.path.join(tmp, "rank.json")
+        argv = [sys.executable, "-m", "zero.simulate", "--json", path, "--quiet"]
+        for key, value in kwargs.items():
+            argv += [flags[key], str(value)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"simulated rank {kwargs} failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+            )
+        with open(path) as f:
+            return {"ran": True, "result": json.load(f)["result"]}
 
 
 def main(argv=None) -> int:
@@ -125,7 +255,11 @@ def main(argv=None) -> int:
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     p.add_argument("--json", default=None)
+    p.add_argument("--quiet", action="store_true", help="print nothing (for measure_rank)")
     a = p.parse_args(argv)
     out = simulate_rank(
         params=a.params,
@@ -134,20 +268,26 @@ def main(argv=None) -> int:
         stage=a.stage,
         steps=a.steps,
         seq=a.seq,
+        batch=a.batch,
+        vocab_size=a.vocab_size,
+        device=a.device,
     )
-    gb = 1e9
-    print(
-        f"GPT {out['config']['num_params'] / 1e9:.2f}B params ({out['config']['layers']} layers,"
-        f" hidden {out['config']['hidden']}); whole fp32 weights "
-        f"{out['full_fp32_weights_bytes'] / gb:.1f} GB"
-    )
-    print(
-        f"rank {a.rank} of {a.world_size}, stage {a.stage}: analytic model states "
-        f"{out['analytic_model_states'] / gb:.3f} GB; measured RSS after construction "
-        f"{out['rss_after_construction'] / gb:.3f} GB, after step(s) "
-        f"{[round(x / gb, 3) for x in out['rss_after_steps']]} GB; peak "
-        f"{out['rss_peak'] / gb:.3f} GB"
-    )
+    if not a.quiet:
+        gb = 1e9
+        print(
+            f"GPT {out['config']['num_params'] / 1e9:.2f}B params ({out['config']['layers']} "
+            f"layers, hidden {out['config']['hidden']}); whole fp32 weights "
+            f"{out['full_fp32_weights_bytes'] / gb:.1f} GB"
+        )
+        print(
+            f"rank {a.rank} of {a.world_size}, stage {a.stage}: analytic model states "
+            f"{out['analytic_model_states'] / gb:.3f} GB; engine accounting "
+            f"{out['engine_model_states'] / gb:.3f} GB; measured ({out['measurement']}) after "
+            f"construction {out['rss_after_construction'] / gb:.3f} GB, after step(s) "
+            f"{[round(x / gb, 3) for x in out['rss_after_steps']]} GB; peak "
+            f"{out['rss_peak'] / gb:.3f} GB (construction {out['construction_peak'] / gb:.3f}, "
+            f"step {out['step_peak'] / gb:.3f})"
+        )
     if a.json:
         from .results import make_record, provenance, write_json
 

@@ -1,0 +1,254 @@
+"""Memory measured from outside the engine: the process's resident set on CPU, allocator bytes on
+CUDA, and the activation bytes autograd keeps for backward.
+
+The engine's ``memory_report()`` sums the storages it owns, so it equals the analytic model by
+construction (an internal check). A *measurement* asks someone else (DESIGN.md §3):
+
+- **CPU**: the kernel. The resident set (RSS, ``/proc/self/statm``) at a quiescent point, minus
+  the RSS before the model was built; the peak from ``VmHWM`` in ``/proc/self/status``, which
+  can be reset between phases (``/proc/self/clear_refs``), so construction and a step each get
+  their own peak.
+- **CUDA**: the caching allocator. ``torch.cuda.memory_allocated`` at the quiescent point and
+  ``torch.cuda.max_memory_allocated`` for the peak, each minus the baseline taken before the
+  model was built.
+
+[Note: quiescent RSS] glibc's malloc keeps freed memory for reuse instead of returning it to the
+kernel, so after construction (which materialises and frees one full unit at a time) the RSS
+holds freed pages that no tensor owns. :func:`release_free_memory` runs the garbage collector
+and ``malloc_trim(0)``, which hands every free page back; only then is RSS an upper bound on
+live bytes that is tight up to page rounding and the interpreter's own objects. Records keep
+the untrimmed number too. Buffers allocated with ``torch.empty`` and never written are not
+resident at all: RSS counts only touched pages, which is why a measurement can fall *below* the
+engine's accounting (none of the engine's model states are left untouched, see the tests).
+
+Legend: RSS resident set size; HWM high-water mark (peak RSS); Ψ parameters; b batch, s
+sequence length, h hidden size, l layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import gc
+import os
+import resource
+from dataclasses import dataclass, field
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+"""The kernel's page: RSS moves in these steps, so one tensor can add up to a page of rounding."""
+
+
+def _status_field(name: str) -> int | None:
+    """A ``kB`` field of /proc/self/status (e.g. VmRSS, VmHWM) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; elsewhere the peak, an upper bound)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE_BYTES
+    except OSError:
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the process started or since :func:`reset_peak_rss`."""
+    hwm = _status_field("VmHWM")
+    if hwm is not None:
+        return hwm
+    # ru_maxrss is KiB on Linux and bytes on macOS; it cannot be reset.
+    scale = 1 if os.uname().sysname == "Darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs).
+
+    Returns False where that is not possible; the peak then covers the whole process so far.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def mem_available_bytes() -> int | None:
+    """The kernel's estimate of memory available to a new process (MemAvailable); None if
+    unknown. A large simulated rank checks it before it starts, rather than being OOM-killed."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def release_free_memory() -> bool:
+    """Collect garbage and return malloc's free pages to the kernel ([Note: quiescent RSS]).
+
+    Returns whether ``malloc_trim`` was available (glibc); without it only gc runs.
+    """
+    gc.collect()
+    trim = getattr(_LIBC, "malloc_trim", None) if _LIBC is not None else None
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@dataclass(kw_only=True)
+class MemoryProbe:
+    """Bytes above a baseline, measured outside the engine, on CPU (RSS) or CUDA (allocator).
+
+        probe = MemoryProbe(device="cpu")   # the baseline: before the model is built
+        ... build ...
+        probe.sample("after construction")  # quiescent bytes above the baseline, and the peak
+        probe.reset_peak()
+        ... one step ...
+        probe.sample("after step 1")
+
+    Each sample records ``bytes`` (quiescent, after :func:`release_free_memory` on CPU),
+    ``bytes_untrimmed`` (CPU: before the trim) and ``peak`` (since the last reset), all minus
+    the baseline.
+    """
+
+    device: str = "cpu"
+    """"cpu" or "cuda" / "cuda:i"."""
+    samples: list[dict] = field(default_factory=list)
+    baseline: int = field(init=False)
+    peak_resettable: bool = field(init=False, default=True)
+
+    def __post_init__(self):
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r} is not allowed: expected 'cpu' or 'cuda[:i]'")
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            release_free_memory()
+            self.baseline = rss_bytes()
+        self.reset_peak()
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def current(self) -> tuple[int, int]:
+        """(quiescent bytes, untrimmed bytes) above the baseline now."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            now = torch.cuda.memory_allocated(self.device) - self.baseline
+            return now, now
+        untrimmed = rss_bytes() - self.baseline
+        release_free_memory()
+        return rss_bytes() - self.baseline, untrimmed
+
+    def peak(self) -> int:
+        """Peak bytes above the baseline since the last reset."""
+        if self.cuda:
+            import torch
+
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        return peak_rss_bytes() - self.baseline
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.peak_resettable = reset_peak_rss() and self.peak_resettable
+
+    def sample(self, label: str) -> dict:
+        now, untrimmed = self.current()
+        out = {"label": label, "bytes": now, "bytes_untrimmed": untrimmed, "peak": self.peak()}
+        self.samples.append(out)
+        return out
+
+    def describe(self) -> str:
+        """Which measurement this is, for records and figures."""
+        if self.cuda:
+            return "torch.cuda.memory_allocated / max_memory_allocated minus the baseline"
+        return "RSS (/proc/self/statm) after gc + malloc_trim, minus the baseline; peak VmHWM"
+
+
+# --- activations -----------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SavedTensors:
+    """What autograd saved for backward, each storage counted once (views share one)."""
+
+    exclude: set = field(default_factory=set)
+    """Storage keys not to count (the parameters': they are model states, not activations)."""
+    storages: dict = field(default_factory=dict)  # key -> bytes
+    calls: int = 0
+
+    @staticmethod
+    def key(t) -> tuple:
+        s = t.untyped_storage()
+        return (str(t.device), s.data_ptr(), s.nbytes())
+
+    def add(self, t) -> None:
+        self.calls += 1
+        k = self.key(t)
+        if k not in self.exclude:
+            self.storages[k] = k[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+@contextlib.contextmanager
+def saved_activations(params=()):
+    """Count the tensors autograd saves for backward inside the block (not the parameters).
+
+        with saved_activations(model.parameters()) as saved:
+            loss = model(x, y)[1]
+        saved.nbytes   # activation bytes held until backward
+
+    Through ``torch.autograd.graph.saved_tensors_hooks``: every tensor an operation saves passes
+    through the pack hook. Storages are counted once, so a view of a saved tensor adds nothing.
+    Under reentrant activation checkpointing (``torch.utils.checkpoint(...,
+    use_reentrant=True)``) the checkpointed function runs without grad and its checkpoint
+    function saves only its inputs, so exactly the checkpoints are counted.
+    """
+    import torch
+
+    saved = SavedTensors(exclude={SavedTensors.key(p) for p in params})
+
+    def pack(t):
+        saved.add(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
