@@ -16,9 +16,11 @@ from paper_figures import (
     comm_volume,
     fig1_memory,
     paper,
+    perf_model,
     simulated_ranks,
     table1_memory,
     table2_max_model,
+    throughput,
 )
 from paper_figures.common import Outputs, SummaryRow, markdown_table
 from zero.memory import GB, STAGE_LABELS, model_state_bytes
@@ -227,6 +229,8 @@ SOURCES = (
     (table2_max_model.NAME, table2_rows, "tables/table2_max_model.md"),
     (comm_volume.NAME, comm_rows, "figures/comm_volume.png, tables/comm_volume.md"),
     (activation_memory.NAME, activation_rows, "figures/activation_memory.png"),
+    (perf_model.NAME, perf_model.index_rows, "figures/perf_model.png, tables/perf_model.md"),
+    (throughput.NAME, throughput.index_rows, "figures/throughput_cpu.png, tables/throughput.md"),
 )
 
 

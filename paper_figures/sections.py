@@ -15,10 +15,12 @@ from paper_figures import (
     comm_volume,
     fig1_memory,
     index,
+    perf_model,
     sim_check,
     simulated_ranks,
     table1_memory,
     table2_max_model,
+    throughput,
 )
 from paper_figures.common import Section
 
@@ -41,6 +43,16 @@ SECTIONS: list[Section] = [
         name=activation_memory.NAME,
         run=activation_memory.run,
         about="activation memory: the footnote's formula vs measurement",
+    ),
+    Section(
+        name=perf_model.NAME,
+        run=perf_model.run,
+        about="performance model: fitted on Figure 4, Figures 2-3 held out",
+    ),
+    Section(
+        name=throughput.NAME,
+        run=throughput.run,
+        about="step time vs DDP, ZeRO-R, FSDP2, DeepSpeed (quick: the committed measurement)",
     ),
     Section(name=index.NAME, run=index.run, about="INDEX.md: the paper's numbers beside ours"),
 ]

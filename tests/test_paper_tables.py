@@ -271,3 +271,36 @@ def test_measured_ranks_reach_figure1_table1_and_the_index(tmp_path):
     rows = index.build(out)[0]
     assert "Figure 1, P_os+g+p, measured" in rows
     assert f"{measured / 1e9 / 1.9:.3f}" in rows  # measured over the printed 1.9 GB
+
+
+def test_throughput_and_perf_model_sections_render_their_records(tmp_path):
+    """The quick profile draws the committed bench measurement: one table row per record, one
+    INDEX row per timed stage of ours; the performance model's INDEX rows are its four groups
+    (fitted apart from held out), each with the error its records state."""
+    from paper_figures import perf_model, throughput
+    from paper_figures.common import Outputs
+    from zero import bench
+
+    out = Outputs(root=tmp_path)
+    throughput.run(profile="quick", out=out)
+    payload = json.loads(out.result("throughput").read_text())
+    table = out.table("throughput").read_text().splitlines()
+    assert len(table) == 2 + 2 + len(payload["records"])  # title, blank, head, rule, rows
+    systems = [(x.split("|")[1].strip(), int(x.split("|")[2])) for x in table[4:]]
+    assert systems == [
+        (r["config"]["system"], r["config"]["world_size"]) for r in payload["records"]
+    ]
+    ours = [r for r in payload["records"] if r["config"]["system"] in bench.OURS]
+    assert len(throughput.index_rows(payload)) == len(
+        [r for r in ours if r["result"]["status"] == "ok"]
+    )
+    assert out.figure("throughput_cpu").stat().st_size > 10_000
+    perf_model.run(profile="quick", out=out)
+    payload = json.loads(out.result("perf_model").read_text())
+    rows = perf_model.index_rows(payload)
+    assert [r[0].split(",")[1].split("(")[0].strip() for r in rows] == [
+        "fitted: Figure 4",
+        "held out: Figure 2 ZeRO",
+        "held out: Figure 2 Megatron",
+        "held out: Figure 3",
+    ]

@@ -1,0 +1,68 @@
+"""The performance model to the paper's scale (zero/perfmodel.py): fitted on Figure 4, Figures
+2 and 3 predicted held out, each point beside the paper's value read off its plot.
+
+Writes results/perf_model.json (the fit and one record per point), figures/perf_model.png and
+tables/perf_model.md. Every profile runs the same fit: it takes a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from paper_figures.common import Outputs, SummaryRow, compute_then_render
+from zero import perfmodel
+from zero.results import write_atomic
+
+NAME = "perf_model"
+
+
+def compute(profile: str) -> dict:
+    del profile
+    return {"section": NAME, "records": perfmodel.build_records()}
+
+
+def render(payload: dict, out: Outputs) -> tuple[Path, str]:
+    records = payload["records"]
+    table = "\n".join(
+        [
+            "# Performance model vs the paper (TFLOP/s per GPU)",
+            "",
+            perfmodel.summary(records).replace("\n", "  \n"),
+            "",
+            perfmodel.points_table(records),
+            "",
+        ]
+    )
+    write_atomic(out.table(NAME), table)
+    fig = perfmodel.draw(records)
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    path = write_atomic(out.figure(NAME), buf.getvalue())
+    errors = next(r for r in records if r["kind"] == perfmodel.KIND_FIT)["result"]["errors"]
+    held = [e["mape"] for k, e in errors.items() if k.startswith("held out")]
+    return path, f"held-out mean |error| {100 * min(held):.0f}-{100 * max(held):.0f}%"
+
+
+def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
+    return compute_then_render(NAME, compute, render, profile=profile, out=out)
+
+
+def index_rows(payload: dict) -> list[list[str]]:
+    """INDEX.md rows: each group's mean |error|, fitted and held out apart."""
+    fit = next(r for r in payload["records"] if r["kind"] == perfmodel.KIND_FIT)["result"]
+    return [
+        [
+            f"Throughput, {name} (TFLOP/s per GPU, {e['points']} points)",
+            "read off the plot",
+            f"model, mean |error| {100 * e['mape']:.0f}%",
+            "–",
+            "modelled (zero/perfmodel.py; fitted on Figure 4 only)",
+            "V100 numbers as stated in the paper",
+        ]
+        for name, e in fit["errors"].items()
+    ]

@@ -1,0 +1,90 @@
+"""Step time on CPU/gloo, our stages beside DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed
+(python -m zero.bench), drawn from its records.
+
+The quick profile renders the committed measurement, paper_figures/measured/bench_step_time.json
+(a bench run takes tens of minutes and wants a quiet machine); --profile full measures again
+(N = 2 and 4, the anchor GPT) and renders that. Writes results/throughput.json,
+figures/throughput_cpu.png and tables/throughput.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from paper_figures.common import Outputs, SummaryRow, compute_then_render
+from zero import bench
+from zero.results import read_json, write_atomic
+
+NAME = "throughput"
+MEASURED = Path(__file__).resolve().parent / "measured" / "bench_step_time.json"
+
+
+def compute(profile: str) -> dict:
+    if profile == "full":
+        cfg = bench.BenchConfig(model="anchor", world_sizes=(2, 4), repeats=6, steps=6)
+        records = [r for n in cfg.world_sizes for r in bench.bench_world(n, cfg)]
+        bench.add_ratios(records)
+        return {"section": NAME, "source": "measured by this run", "records": records}
+    payload = read_json(MEASURED)
+    records = payload["records"] if isinstance(payload, dict) else payload
+    return {"section": NAME, "source": f"carried from {MEASURED.name}", "records": records}
+
+
+def render(payload: dict, out: Outputs) -> tuple[Path, str]:
+    records = [r for r in payload["records"] if r["result"]["status"] == "ok"]
+    write_atomic(
+        out.table(NAME),
+        "# Step time, CPU/gloo (python -m zero.bench)\n\n"
+        + bench.format_table(payload["records"], markdown=True)
+        + "\n",
+    )
+    sizes = sorted({r["config"]["world_size"] for r in records})
+    fig = Figure(figsize=(6 * len(sizes), 5), dpi=120)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(sizes), squeeze=False)[0]
+    for ax, n in zip(axes, sizes, strict=True):
+        here = [r for r in records if r["config"]["world_size"] == n]
+        names = [r["config"]["system"] for r in here]
+        ratios = [r["result"]["ratio_vs_ddp"] for r in here]
+        colors = ["C0" if s in bench.OURS else "C7" for s in names]
+        ax.barh(names, ratios, color=colors)
+        ax.axvline(1.0, color="k", lw=1)
+        ax.invert_yaxis()
+        ax.set_xlabel("step time ÷ DDP's (below 1 is faster)")
+        ax.set_ylabel("system (blue: ours)")
+        ax.set_title(f"N = {n}, anchor GPT, fp32 AdamW, gloo")
+    fig.suptitle("Step time beside DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed")
+    fig.tight_layout()
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    path = write_atomic(out.figure("throughput_cpu"), buf.getvalue())
+    return path, f"{len(records)} systems × N timed ({payload['source']})"
+
+
+def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
+    return compute_then_render(NAME, compute, render, profile=profile, out=out)
+
+
+def index_rows(payload: dict) -> list[list[str]]:
+    """INDEX.md rows: our stages' step time over DDP's (the paper has no CPU numbers)."""
+    rows = []
+    for r in payload["records"]:
+        c, res = r["config"], r["result"]
+        if c["system"] in bench.OURS and res["status"] == "ok":
+            prov = r["provenance"]
+            rows.append(
+                [
+                    f"Step time {c['system']} at N = {c['world_size']} ÷ DDP's (CPU, anchor GPT)",
+                    "– (the paper: V100s)",
+                    f"{res['ratio_vs_ddp']:.2f}",
+                    "–",
+                    f"measured (zero.bench, {prov.get('date_utc', '?')[:10]})",
+                    f"CPU, {prov.get('cpu_count', '?')} cores, gloo",
+                ]
+            )
+    return rows
