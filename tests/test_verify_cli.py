@@ -1,14 +1,18 @@
 """python -m verify as users run it: locally spawned ranks, and under torchrun."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from verify import matrix
 from verify.__main__ import main
+from verify.harness import Cell
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = {
@@ -57,7 +61,12 @@ def test_cli_writes_the_documented_json(tmp_path, capsys):
     det, fast = data["cells"]
     assert det["bitwise"] is True and fast["bitwise"] is None
     assert 0 < max(fast["bound_ratio"].values()) <= 1
-    assert "2/2 cells passed" in capsys.readouterr().out
+    # the fast row prints the worst check's measured error beside its bound
+    worst = max(fast["errors"].values(), key=lambda e: e["ratio"])
+    assert 0 < worst["error"] <= worst["bound"]
+    out = capsys.readouterr().out
+    assert "2/2 cells passed" in out
+    assert f"{worst['error']:.2e}/{worst['bound']:.2e}" in out
 
 
 @pytest.mark.dist
@@ -99,3 +108,89 @@ def test_under_torchrun_it_uses_the_given_world(tmp_path):
     cells = json.loads(out.read_text())["cells"]
     assert [c["world_size"] for c in cells] == [2] and cells[0]["passed"]
     assert done.stdout.count("1/1 cells passed") == 1  # rank 0 alone reports
+
+
+@pytest.mark.dist
+def test_resume_section_is_wired_in(tmp_path):
+    """--resume adds the checkpoint resume/reshard table of verify/resume.py as its own
+    section, in the JSON and the Markdown, and its rows count towards the exit status."""
+    pytest.importorskip("verify.resume")
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    argv = ["--stages", "2", "--world-sizes", "2", "--precisions", "fp32", "--optimizers", "sgd"]
+    argv += ["--models", "mlp", "--steps", "1", "--resume", "--json", str(out)]
+    assert main([*argv, "--markdown", str(md)]) == 0
+    rows = json.loads(out.read_text())["resume"]
+    assert rows and all(r["passed"] and r["from_world_size"] == 2 for r in rows)
+    assert "## Checkpoint resume and resharding" in md.read_text()
+
+
+SECTION_KEYS = {"cells", "injected", "world_size_invariance", "timing", "provenance"}
+
+
+def check_preset_report(data, cells):
+    """Every section present with rows that passed; each cell's full config recorded."""
+    assert SECTION_KEYS <= set(data)
+    rows = data["cells"] + data["injected"]
+    assert len(rows) == len(cells)
+    for row in rows:
+        assert KEYS <= set(row) and row["passed"], row
+        assert set(row["config"]) >= {"clip_norm", "units", "overlap", "delays", "gradients"}
+        assert (row["gradients"] == "backward") == (row in data["cells"])
+        # no vacuous cell: at least one step reached the optimizer and was compared
+        assert row["skipped_steps"] < row["steps"], row["config"]
+        # the delays really slowed collectives down where asked, and nowhere else
+        delayed = row["config"]["delays"] and row["world_size"] > 1
+        assert (row["delayed_launches"] > 0) == delayed, row["config"]
+    # each row's config is the full configuration: it rebuilds the very cell that ran
+    assert sorted(json.dumps(r["config"], sort_keys=True) for r in rows) == sorted(
+        json.dumps(c.as_dict(), sort_keys=True) for c in cells
+    )
+    ran = [Cell.from_config(r["config"]) for r in rows]
+    assert sorted(map(repr, ran)) == sorted(map(repr, cells))
+    for bug, observable in matrix.OBSERVABLE.items():
+        assert any(observable(c) for c in ran), f"no cell in the report where {bug} shows"
+    inv = data["world_size_invariance"]
+    assert inv and all(r["passed"] for r in inv)
+    return inv
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(400)
+def test_quick_preset_passes_and_has_teeth(tmp_path, capsys):
+    """python -m verify --quick: the CI preset. Every cell and invariance row passes, and for
+    every planted bug (tests/test_verify_planted.py) a cell where it is observable ran."""
+    out, md = tmp_path / "quick.json", tmp_path / "quick.md"
+    started = time.time()
+    assert main(["--quick", "--json", str(out), "--markdown", str(md)]) == 0
+    took = time.time() - started
+    data = json.loads(out.read_text())
+    cells, runs = matrix.quick()
+    inv = check_preset_report(data, cells)
+    assert {(r["stage"], r["world_size"]) for r in inv} == {
+        (s, n) for s in range(4) for n in (1, 2, 4, 8)
+    }
+    assert {c["world_size"] for c in (r["config"] for r in data["cells"] + data["injected"])} == {
+        1,
+        2,
+        3,
+        4,
+        8,
+    }
+    text = md.read_text()
+    assert "## World-size invariance" in text and "## Injected gradients" in text
+    printed = capsys.readouterr().out
+    assert re.search(r"\d+/\d+ cells passed", printed)
+    print(f"--quick took {took:.0f} s")  # visible with -s; the CLI's JSON keeps timing too
+
+
+@pytest.mark.full
+@pytest.mark.dist
+@pytest.mark.timeout(2400)
+def test_complete_preset_passes(tmp_path):
+    """python -m verify --complete: the 3-wise covering run with its slices; release tier."""
+    out = tmp_path / "complete.json"
+    assert main(["--complete", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    cells, runs = matrix.complete()
+    inv = check_preset_report(data, cells)
+    assert len(inv) == 4 * len(runs)  # every run at N = 1, 2, 4, 8

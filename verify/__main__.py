@@ -1,36 +1,61 @@
 """python -m verify: run the engine against the reference over a matrix of cells.
 
+    python -m verify --quick                                  # the CI preset (verify/matrix.py)
+    python -m verify --complete --json v.json --markdown v.md # the release covering run
     python -m verify --stages 0 1 2 --world-sizes 1 2 4 --precisions fp32 bf16 fp16 \\
                      --optimizers sgd adam adamw --mode deterministic --steps 3 --json out.json
 
 Launched plainly, it starts one long-lived pool of local gloo ranks per world size and runs all
 of that world size's cells on it. Under torchrun (`torchrun --nproc-per-node 8 -m verify ...`)
-it uses the world it was given and runs the cells of that world size only. One row per cell;
-the exit status is non-zero if any cell fails. Deterministic cells must be bitwise equal on every
-rank. Fast cells run in lock-step (verify/lockstep.py): each step starts from the reference's
-state and the reduced gradient, master, optimizer states and working copy must each lie within
-their derived bound; the row prints the worst ratio observed/bound (a cell passes at <= 1).
+it uses the world it was given and runs the cells of that world size only (the world-size
+invariance table needs several worlds and is skipped there). One row per cell; the exit status
+is non-zero if any row fails. Deterministic cells must be bitwise equal on every rank. Fast
+cells run in lock-step (verify/lockstep.py): each step starts from the reference's state and
+the reduced gradient, master, optimizer states and working copy must each lie within their
+derived bound; the row prints the worst check's measured error beside its bound (a cell passes
+at ratio <= 1).
+
+Sections of the report (verify/report.py): "cells" (gradients from backward), "injected"
+(gradients fed in by verify/inject.py), "world_size_invariance" (verify/invariance.py) and,
+with --resume, "resume" (checkpoint resume and resharding, from verify/resume.py when present).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import itertools
 import os
 import sys
-import time
 
-from zero.results import provenance, write_json
+from zero.results import provenance, write_atomic, write_json
 
-from .harness import Cell, run_cells
+from . import matrix
+from .harness import Cell
+from .report import SECTIONS, markdown, sanitize
+from .run import run_matrix
 
 MODES = ("deterministic", "fast")
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m verify", description=__doc__.split("\n\n")[0])
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument(
+        "--quick", action="store_true", help="the CI preset: pairwise covering + teeth cells"
+    )
+    preset.add_argument(
+        "--complete", action="store_true", help="the release preset: 3-wise covering + slices"
+    )
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="default 1 2 4; with a preset: run only its cells of these world sizes",
+    )
     p.add_argument(
         "--precisions",
         nargs="+",
@@ -44,21 +69,44 @@ def parse(argv=None) -> argparse.Namespace:
         choices=["sgd", "adam", "adamw"],
     )
     p.add_argument("--mode", default="deterministic", choices=["deterministic", "fast", "both"])
-    p.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
+    p.add_argument(
+        "--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "mlp-uneven", "gpt"]
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--accumulation", type=int, default=2, help="M/N micro-steps per step")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument(
+        "--invariance",
+        action="store_true",
+        help="also run the world-size-invariance table (presets always do)",
+    )
+    p.add_argument(
+        "--no-invariance", action="store_true", help="skip the invariance table of a preset"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="add the resume/reshard table (verify/resume.py)"
+    )
+    p.add_argument("--json", default=None, help="write the JSON report here")
+    p.add_argument("--markdown", default=None, help="write the Markdown report here")
+    p.add_argument("--list", action="store_true", help="print the cells per world size, run none")
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
     args = p.parse_args(argv)
-    if any(n < 1 for n in args.world_sizes):
+    if args.world_sizes is not None and any(n < 1 for n in args.world_sizes):
         p.error(f"--world-sizes {args.world_sizes}: each must be >= 1")
+    if args.steps < 1 or args.accumulation < 1:
+        p.error(f"--steps {args.steps} --accumulation {args.accumulation}: each must be >= 1")
     return args
 
 
 def cells_for(args) -> list[Cell]:
+    """The explicit grid of the selection options (no preset)."""
     modes = MODES if args.mode == "both" else (args.mode,)
     grid = itertools.product(
-        args.world_sizes, args.stages, args.precisions, args.optimizers, modes, args.models
+        args.world_sizes or [1, 2, 4],
+        args.stages,
+        args.precisions,
+        args.optimizers,
+        modes,
+        args.models,
     )
     return [
         Cell(
@@ -75,48 +123,41 @@ def cells_for(args) -> list[Cell]:
     ]
 
 
-def merge(cell: Cell, per_rank: list[dict]) -> dict:
-    """One row from every rank's verdict: a cell passes only if it passed on every rank."""
-    return {
-        "stage": cell.stage,
-        "world_size": cell.world_size,
-        "precision": cell.precision,
-        "optimizer": cell.optimizer,
-        "mode": cell.mode,
-        "steps": cell.steps,
-        # fast cells are checked against bounds, not bits
-        "bitwise": all(r["bitwise"] for r in per_rank) if cell.mode == "deterministic" else None,
-        "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
-        "max_ulp": max(r["max_ulp"] for r in per_rank),
-        "tolerance": 0 if cell.mode == "deterministic" else "derived bound (verify/lockstep.py)",
-        "bound_ratio": {
-            k: max(r["ratios"].get(k, 0.0) for r in per_rank) for k in per_rank[0]["ratios"]
-        },
-        "passed": all(r["passed"] for r in per_rank),
-        "first_mismatch": next(
-            (f"rank {r['rank']}: {r['first']}" for r in per_rank if r["first"]), ""
-        ),
-        "skipped_steps": per_rank[0]["skipped_steps"],
-        "config": cell.as_dict(),
-    }
+def plan(args) -> tuple[list[Cell], list[dict]]:
+    """(cells, invariance runs) that this invocation runs."""
+    if args.quick or args.complete:
+        cells, runs = matrix.quick() if args.quick else matrix.complete()
+        if args.world_sizes is not None:
+            cells = [c for c in cells if c.world_size in args.world_sizes]
+    else:
+        cells = cells_for(args)
+        runs = matrix.invariance_runs(full=False) if args.invariance else []
+        runs = [r for r in runs if r["stage"] in args.stages]
+    if args.no_invariance:
+        runs = []
+    return cells, runs
 
 
-def run_world(n: int, cells: list[Cell], timeout_s: float) -> list[list[dict]]:
-    """Per-rank results for every cell of world size n, here or under torchrun."""
-    from zero import launch
-
-    if launch.under_torchrun():
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            launch.init_from_env()
-        if dist.get_world_size() != n:
-            return []
-        mine = run_cells(dist.get_rank(), n, cells)
-        every: list = [None] * n
-        dist.all_gather_object(every, mine)
-        return every
-    return launch.get_pool(n).run(run_cells, cells, timeout_s=timeout_s)
+def resume_section(args, say) -> list[dict] | None:
+    """The optional checkpoint resume/reshard table (verify/resume.py): rows with `passed`,
+    or None without --resume. The quick cases, or every case with --complete."""
+    if not args.resume:
+        return None
+    if importlib.util.find_spec("verify.resume") is None:
+        say("--resume: verify/resume.py is not in this checkout; no resume table")
+        return []
+    module = importlib.import_module("verify.resume")
+    kwargs = {"timeout_s": args.timeout, "quick": not args.complete}
+    if args.world_sizes is not None:
+        kwargs["world_sizes"] = tuple(args.world_sizes)
+    rows = module.run_table(**kwargs)
+    say("resume (train k steps, save, load at another N and stage, train on; bitwise):")
+    for r in rows:
+        where = f"N={r['from_world_size']} stage {r['from_stage']} -> "
+        where += f"N={r['to_world_size']} stage {r['to_stage']}"
+        verdict = "PASS" if r["passed"] else "FAIL " + r.get("first_mismatch", "")
+        say(f"  {where} {r.get('precision', '')} {r.get('optimizer', '')}  {verdict}")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -128,35 +169,35 @@ def main(argv=None) -> int:
         if lead:
             print(*a, flush=True)
 
-    cells = cells_for(args)
-    rows, started = [], time.time()
-    header = (
-        f"{'stage':>5} {'N':>3} {'prec':>5} {'optim':>6} {'model':>5} {'mode':>13} "
-        f"{'bitwise':>7} {'max_ulp':>8} {'skipped':>7} {'worst/bound':>11}  result"
+    cells, runs = plan(args)
+    sizes = sorted({c.world_size for c in cells})
+    if args.list:
+        for n in sizes:
+            say(f"N={n}: {sum(c.world_size == n for c in cells)} cells")
+        say(f"{len(cells)} cells, {len(runs)} invariance runs")
+        return 0
+    report = run_matrix(
+        cells, runs, timeout_s=args.timeout, say=say, invariance_sizes=args.world_sizes
     )
-    say(header)
-    for n in args.world_sizes:
-        mine = [c for c in cells if c.world_size == n]
-        per_rank = run_world(n, mine, args.timeout)
-        if not per_rank:
-            say(f"(world size {n} skipped: this torchrun world has another size)")
-            continue
-        for i, cell in enumerate(mine):
-            row = merge(cell, [r[i] for r in per_rank])
-            rows.append(row)
-            worst = max(row["bound_ratio"].values(), default=0.0)
-            bitwise = "-" if row["bitwise"] is None else str(row["bitwise"])
-            say(
-                f"{cell.stage:>5} {n:>3} {cell.precision:>5} {cell.optimizer:>6} "
-                f"{cell.model:>5} {cell.mode:>13} {bitwise:>7} {row['max_ulp']:>8} "
-                f"{row['skipped_steps']:>7} {worst:>11.3f}  "
-                f"{'PASS' if row['passed'] else 'FAIL ' + row['first_mismatch']}"
-            )
-    failed = [r for r in rows if not r["passed"]]
-    say(f"{len(rows) - len(failed)}/{len(rows)} cells passed in {time.time() - started:.1f} s")
-    if args.json and lead:
-        write_json(args.json, {"cells": rows, "provenance": provenance()})
-    return 1 if failed or not rows else 0
+    resume = resume_section(args, say)
+    if resume is not None:
+        report["resume"] = resume
+    report["provenance"] = provenance()
+    timing = report["timing"]
+    every = [r for name in SECTIONS for r in report.get(name) or []]
+    failed = [r for r in every if not r["passed"]]
+    cell_rows = report["cells"] + report["injected"]
+    ok = sum(r["passed"] for r in cell_rows)
+    say(f"{ok}/{len(cell_rows)} cells passed in {timing['total_s']:.1f} s")
+    for name in SECTIONS[2:]:
+        if report.get(name):
+            ok = sum(r["passed"] for r in report[name])
+            say(f"{name}: {ok}/{len(report[name])} passed")
+    if lead and args.json:
+        write_json(args.json, sanitize(report))
+    if lead and args.markdown:
+        write_atomic(args.markdown, markdown(report))
+    return 1 if failed or not every else 0
 
 
 if __name__ == "__main__":

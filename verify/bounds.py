@@ -20,6 +20,12 @@ q = m/d, e_q <= (e_m + |q|·e_d) / (d - e_d). For sqrt, sqrt(v + e) - sqrt(v) <=
 min(e / (2·sqrt(v)), sqrt(e)), which stays finite at v = 0. Magnitudes are taken from one of the
 two trajectories (the reference's); the bound is first order in u, which is exact enough when
 it is ~1e-6 relative (second-order terms are ~1e-12).
+
+Underflow. The relative model fl(x op y) = (x op y)(1 + δ) fails where a result falls among
+the subnormals: there the rounding error is absolute, at most half the smallest subnormal, η =
+2^-150 in float32 (Higham §2.1: fl(x op y) = (x op y)(1 + δ) + η'). Gradients drawn down to the
+subnormal range make g·g and m·b1 underflow, so every line is also charged
+IMPLEMENTATIONS·LINE_ROUNDINGS·η absolutely (about 1.4e-44: nothing next to any normal value).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11, "fp64": 2.0**-53}
 LINE_ROUNDINGS = 5
 IMPLEMENTATIONS = 2
+ETA = {"fp32": 2.0**-150, "fp64": 2.0**-1075}  # half the smallest subnormal
 
 
 def gamma(k: int, u: float) -> float:
@@ -64,9 +71,10 @@ def optimizer_step_error(kind, hp, t, p, g, state, err, *, u=UNIT_ROUNDOFF["fp32
     e = {k: np.asarray(err.get(k, 0.0), f) for k in ("p", "g", *state)}
     new_p, new_state = optim.step(kind, p, g, state, hp, t)
     c, lr, wd = _c(u), hp.lr, hp.weight_decay
+    a = IMPLEMENTATIONS * LINE_ROUNDINGS * (ETA["fp32"] if u >= 2.0**-24 else ETA["fp64"])
     out = {}
     if kind == "sgd":
-        eg = e["g"] + (wd * e["p"] + c * (G + wd * P) if wd else 0.0)
+        eg = e["g"] + (wd * e["p"] + c * (G + wd * P) + a if wd else 0.0)
         Gw = G + wd * P
         h, eh = Gw, eg
         if hp.momentum:
@@ -76,23 +84,25 @@ def optimizer_step_error(kind, hp, t, p, g, state, err, *, u=UNIT_ROUNDOFF["fp32
                 eb = eg
             else:
                 prev = np.abs(state["momentum_buffer"].astype(f))
-                eb = mom * e["momentum_buffer"] + keep * eg + c * (mom * prev + keep * Gw)
+                eb = mom * e["momentum_buffer"] + keep * eg + c * (mom * prev + keep * Gw) + a
             out["momentum_buffer"] = eb
-            h, eh = (Gw + mom * B, eg + mom * eb + c * (Gw + mom * B)) if hp.nesterov else (B, eb)
-        out["p"] = e["p"] + lr * eh + c * (np.abs(new_p.astype(f)) + lr * h)
+            h, eh = (
+                (Gw + mom * B, eg + mom * eb + c * (Gw + mom * B) + a) if hp.nesterov else (B, eb)
+            )
+        out["p"] = e["p"] + lr * eh + c * (np.abs(new_p.astype(f)) + lr * h) + a
         return out, new_p, new_state
 
     b1, b2 = hp.betas
     ep, eg, Gw = e["p"], e["g"], G
     if kind == "adamw" and wd:
-        ep = (1 - lr * wd) * ep + c * P
+        ep = (1 - lr * wd) * ep + c * P + a
     elif wd:
-        eg, Gw = eg + wd * ep + c * (G + wd * P), G + wd * P
+        eg, Gw = eg + wd * ep + c * (G + wd * P) + a, G + wd * P
     m0, v0 = np.abs(state["exp_avg"].astype(f)), state["exp_avg_sq"].astype(f)
     M = np.abs(new_state["exp_avg"].astype(f))
     V = new_state["exp_avg_sq"].astype(f)
-    em = b1 * e["exp_avg"] + (1 - b1) * eg + c * (b1 * m0 + (1 - b1) * Gw)
-    ev = b2 * e["exp_avg_sq"] + (1 - b2) * 2 * Gw * eg + c * (b2 * v0 + (1 - b2) * Gw * Gw)
+    em = b1 * e["exp_avg"] + (1 - b1) * eg + c * (b1 * m0 + (1 - b1) * Gw) + a
+    ev = b2 * e["exp_avg_sq"] + (1 - b2) * 2 * Gw * eg + c * (b2 * v0 + (1 - b2) * Gw * Gw) + a
     s2 = 1.0 / math.sqrt(1.0 - b2**t)
     root = np.sqrt(V)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -104,5 +114,5 @@ def optimizer_step_error(kind, hp, t, p, g, state, err, *, u=UNIT_ROUNDOFF["fp32
         eq = np.where(D > ed, (em + Q * ed) / (D - ed), np.inf) + c * Q
     step = lr / (1.0 - b1**t)
     out.update(exp_avg=em, exp_avg_sq=ev)
-    out["p"] = ep + step * eq + c * (np.abs(new_p.astype(f)) + step * Q)
+    out["p"] = ep + step * eq + c * (np.abs(new_p.astype(f)) + step * Q) + a
     return out, new_p, new_state

@@ -33,14 +33,19 @@ def ordered(x: np.ndarray) -> np.ndarray:
     return np.where(b & sign, -(b & (sign - 1)), b)
 
 
-def bitwise_equal(a, b) -> bool:
+def bitwise_equal(a, b, *, nan_equal: bool = False) -> bool:
+    """Same shape, dtype and bits. nan_equal: a NaN matches any NaN, whatever its payload
+    (torch and NumPy/ml_dtypes make different NaN bits, MACHINE_NOTES.md); every other value,
+    signed zeros and infinities included, must still match bit for bit."""
     a, b = to_numpy(a), to_numpy(b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     width = BITS[dtype_name(a.dtype)]
-    return bool(
-        np.array_equal(np.ascontiguousarray(a).view(width), np.ascontiguousarray(b).view(width))
-    )
+    same = np.ascontiguousarray(a).view(width) == np.ascontiguousarray(b).view(width)
+    if nan_equal:
+        with np.errstate(invalid="ignore"):
+            same |= np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32))
+    return bool(same.all())
 
 
 def max_ulp(a, b) -> int:

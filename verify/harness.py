@@ -1,18 +1,29 @@
 """One verification cell: run the engine on every rank and the reference beside it, compare.
 
-A cell is (stage, N, precision, optimizer, mode, ...). On every rank, `run_cells` builds the
-model and the engine, and runs the single-process reference on the same data: the per-micro-
-batch gradients g_j are computed by a plain copy of the model on the reference's working copy,
-through the engine's own input cast and backward (zero.engine.cast_inputs, backward_scaled),
-so in one process they are the bits each rank's backward produces. After every step each rank
-compares what it holds (its master extent, its optimizer-state extent, its working copy, the
-global norm and the skip decision) with the reference:
-  deterministic  bit for bit;
-  fast           within the bound stated in verify/bounds.py (lock-step, see run_fast_step).
+A cell is one point of the matrix: (stage, N, precision, optimizer, mode, clipping, M/N, unit
+size, parameter sizes, overlap, where the gradients come from). On every rank, `run_cells`
+builds the model and the engine and runs the single-process reference on the same gradients:
+  backward   the per-micro-batch gradients g_j are computed by a plain copy of the model on the
+             reference's working copy, through the engine's own input cast and backward
+             (zero.engine.cast_inputs, backward_scaled), so in one process they are the bits
+             each rank's backward produces; the engine trains on the data itself;
+  injected   g_j come from a GradientDraw (verify/inject.py) and go into the engine through
+             ZeroEngine.inject_gradients on the rank that owns micro-batch j.
+After every step each rank compares what it holds with the reference: its master extent, its
+optimizer-state extent, its working copy, the global norm, the loss scale and the skip
+decision. Which extent a rank must hold is derived here from the stage (`expected_extents`),
+not asked of the engine, so an engine that shifts its own shard cannot shift the check with it.
+  deterministic  bit for bit (NaN compared as NaN-ness: torch and NumPy differ in payloads);
+  fast           within the bound stated in verify/lockstep.py (lock-step: every step starts
+                 from the reference's state).
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
+import time
+import traceback
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -21,20 +32,30 @@ import torch
 from reference import ModelSpec, init_state, train_step, working_copy
 from reference.optim import Hyper
 from reference.precision import DTYPES
+from zero import collectives
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
 from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches, mlp_microbatches
 from zero.train import train_steps
 
 from .compare import bitwise_equal, max_abs_diff, max_ulp, to_numpy
+from .inject import GradientDraw, ParamModel, draw_for, to_torch
 from .lockstep import check_fast_step
 
 MODELS = {
     "mlp": (lambda: MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)), mlp_microbatches),
+    # numel 481, 37, 1369, 37, 185, 5: none divisible by any N > 1
+    "mlp-uneven": (
+        lambda: MLP(MLPConfig(d_in=13, d_hidden=37, d_out=5, n_layer=3)),
+        mlp_microbatches,
+    ),
     "gpt": (
         lambda: GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)),
         gpt_microbatches,
     ),
+    # no forward: injected gradients only (verify/inject.py)
+    "params-even": (lambda: ParamModel("even"), None),
+    "params-uneven": (lambda: ParamModel("uneven"), None),
 }
 GROUPS = {  # group 0: matrices (decayed), group 1: biases and norms
     "sgd": (
@@ -44,6 +65,9 @@ GROUPS = {  # group 0: matrices (decayed), group 1: biases and norms
     "adam": (Hyper(lr=1e-2, weight_decay=0.01), Hyper(lr=2e-2)),
     "adamw": (Hyper(lr=1e-2, weight_decay=0.1), Hyper(lr=2e-2, betas=(0.8, 0.99))),
 }
+GRADIENTS = ("backward", "random", "extreme", "nonfinite", "drawn")
+UNIT_SIZES = {"tiny": 128, "huge": 4096}  # clipping chunk C; see Cell.units
+DELAY_S = 0.004  # upper end of the random sleep before each collective launch (Cell.delays)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +80,7 @@ class Cell:
     optimizer: str
     mode: str  # "deterministic" or "fast"
     steps: int = 3
-    model: str = "mlp"
+    model: str = "mlp"  # a key of MODELS
     accumulation: int = 2  # M/N micro-steps per step
     clip_norm: float | None = 1.0
     overlap: bool = True
@@ -64,10 +88,51 @@ class Cell:
     batch_size: int = 4
     seed: int = 0
     persist_below: int = 0  # stage 3: units this small stay whole
+    units: str = "tiny"
+    """'tiny': every block its own unit and clipping chunks of 128 elements (many small
+    buckets, parameters straddling shards); 'huge': one unit holding everything and chunks of
+    4096 (one bucket; at large N most ranks hold only padding)."""
+    gradients: str = "backward"
+    """'backward' (the model's own), or injected: 'random', 'extreme', 'nonfinite'
+    (verify.inject.draw_for) or 'drawn' (the explicit `draw`)."""
+    draw: GradientDraw | None = None
+    delays: bool = False
+    """Sleep 0-4 ms (seeded per rank) before every collective launch, so that asynchronous
+    collectives complete in other orders and interleavings."""
+    nonfinite: str = "raise"  # fp32/bf16: 'skip' steps with non-finite gradients instead
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r}: allowed are {sorted(MODELS)}")
+        if self.gradients not in GRADIENTS:
+            raise ValueError(f"gradients={self.gradients!r}: allowed are {GRADIENTS}")
+        if self.units not in UNIT_SIZES:
+            raise ValueError(f"units={self.units!r}: allowed are {sorted(UNIT_SIZES)}")
+        if self.mode not in ("deterministic", "fast"):
+            raise ValueError(f"mode={self.mode!r}: allowed are 'deterministic', 'fast'")
+        if self.gradients == "backward" and MODELS[self.model][1] is None:
+            raise ValueError(f"model={self.model!r} has no forward: use injected gradients")
+        if (self.gradients == "drawn") != (self.draw is not None):
+            raise ValueError("draw: give a GradientDraw exactly when gradients='drawn'")
 
     @property
     def micro_batches(self) -> int:
         return self.world_size * self.accumulation
+
+    @property
+    def injected(self) -> bool:
+        return self.gradients != "backward"
+
+    def gradient_draw(self) -> GradientDraw:
+        if self.draw is not None:
+            return self.draw
+        return draw_for(
+            self.gradients,
+            self.precision,
+            seed=self.seed,
+            world_size=self.world_size,
+            micro_batches=self.micro_batches,
+        )
 
     def zero_config(self, units) -> ZeroConfig:
         return ZeroConfig(
@@ -80,14 +145,31 @@ class Cell:
             group_of=decay_matrices_only,
             micro_batches=self.micro_batches,
             clip_norm=self.clip_norm,
-            units=tuple(units),
+            units=tuple(units) if self.units == "tiny" else (),
             overlap=self.overlap,
-            chunk=128,
+            chunk=UNIT_SIZES[self.units],
             persist_below=self.persist_below,
+            nonfinite=self.nonfinite,
         )
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["micro_batches"] = self.micro_batches
+        return d
+
+    @classmethod
+    def from_config(cls, config: dict) -> Cell:
+        """The cell of a JSON record's `config` (as_dict's output), e.g. to re-run a failure."""
+        d = {k: v for k, v in config.items() if k != "micro_batches"}
+        if d.get("draw") is not None:
+            g = d["draw"]
+            d["draw"] = GradientDraw(
+                seed=g["seed"],
+                exponents=tuple(g["exponents"]),
+                zeros=g["zeros"],
+                specials=tuple(tuple(x) for x in g["specials"]),
+            )
+        return cls(**d)
 
 
 def microbatch_grads(model, working, batch, dtype, scale) -> dict[str, np.ndarray]:
@@ -110,42 +192,140 @@ def flat(lay, arrays, n) -> np.ndarray:
     return lay.flatten(arrays, n, np.float32)
 
 
+def expected_extents(stage: int, persist_below: int, lay, rank: int, n: int):
+    """(master/optimizer extent, working extent) that rank must hold, from the stage alone:
+    stage 0 (and stage 3's persistent units) everything; stages 1-2 the master shard r and
+    the whole working copy; stage 3 shard r of both. Shard r is [r·L, (r+1)·L)."""
+    whole = slice(0, lay.padded_numel(n))
+    shard = lay.shard_numel(n)
+    own = slice(rank * shard, (rank + 1) * shard)
+    if stage == 0 or (stage == 3 and lay.numel <= persist_below):
+        return whole, whole
+    return (own, whole) if stage in (1, 2) else (own, own)
+
+
 def compare_rank(eng: ZeroEngine, ref, rcfg) -> tuple[bool, float, int, str]:
     """This rank's extents against the reference state: (bitwise, max |diff|, max ULP, first
-    mismatch)."""
-    n, ok, worst_abs, worst_ulp, first = eng.world_size, True, 0.0, 0, ""
+    mismatch). NaN equals NaN whatever its payload; every other value must match in bits."""
+    n, rank, ok, worst_abs, worst_ulp, first = eng.world_size, eng.rank, True, 0.0, 0, ""
+    stage, persist = eng.config.stage, eng.config.persist_below
     work = working_copy(ref, rcfg)
     for u in eng.units:
-        lay, ext = u.part.layout, eng.impl.master_extent(u)
+        lay = u.part.layout
+        ext, held = expected_extents(stage, persist, lay, rank, n)
+        where = f"unit {u.index} ({u.name or 'root'})"
+        claimed = (eng.impl.master_extent(u), eng.impl.working_extent(u)[1])
+        if claimed != (ext, held):
+            ok, first = (
+                False,
+                first or f"{where} extents {claimed}, stage {stage} needs {ext, held}",
+            )
         pairs = [("master", u.master, flat(lay, ref.master, n)[ext])]
         for x, t in u.opt.items():
             states = {
                 s.name: ref.opt[s.name].get(x, np.zeros(s.shape, np.float32)) for s in lay.slots
             }
             pairs.append((x, t, flat(lay, states, n)[ext]))
-        resident, held = eng.impl.working_extent(u)
+        resident = eng.impl.working_extent(u)[0]
         pairs.append(("working", resident, lay.flatten(work, n, DTYPES[rcfg.precision])[held]))
         for what, ours, theirs in pairs:
             ours = to_numpy(ours)
-            if not bitwise_equal(ours, theirs):
+            if not bitwise_equal(ours, theirs, nan_equal=True):
                 ok = False
-                first = first or f"unit {u.index} ({u.name or 'root'}) {what}"
-                worst_abs = max(worst_abs, max_abs_diff(ours, theirs))
-                worst_ulp = max(worst_ulp, max_ulp(ours, theirs))
+                first = first or f"{where} {what}"
+                if ours.shape == theirs.shape and ours.dtype == theirs.dtype:
+                    worst_abs = max(worst_abs, max_abs_diff(ours, theirs))
+                    worst_ulp = max(worst_ulp, max_ulp(ours, theirs))
+                else:
+                    first = first + f" (shape {ours.shape} {ours.dtype}, need {theirs.shape})"
     return ok, worst_abs, worst_ulp, first
+
+
+@contextlib.contextmanager
+def injected_delays(enabled: bool, seed: int, rank: int):
+    """Every collective launch sleeps a seeded 0..DELAY_S s first, differently on every rank.
+    Yields a one-element list counting the delayed launches (so a report shows they ran)."""
+    count = [0]
+    if not enabled:
+        yield count
+        return
+    original = collectives._launch
+    rng = random.Random(f"delays:{seed}:{rank}")
+
+    def late(*a, **kw):
+        count[0] += 1
+        time.sleep(rng.uniform(0, DELAY_S))
+        return original(*a, **kw)
+
+    collectives._launch = late
+    try:
+        yield count
+    finally:
+        collectives._launch = original
+
+
+class _Injected:
+    """The gradient source of an injected cell: every rank materialises all M micro-batches."""
+
+    def __init__(self, cell: Cell, eng: ZeroEngine):
+        self.cell, self.eng, self.draw = cell, eng, cell.gradient_draw()
+        self.shapes = {n: tuple(p.shape) for n, p in eng.module.named_parameters()}
+        self.names = sorted(self.shapes)
+
+    def grads(self, step: int, ref) -> list[dict[str, np.ndarray]]:
+        del ref
+        return self.draw.materialise(
+            step, self.names, self.shapes, self.cell.micro_batches, self.cell.precision
+        )
+
+    def feed(self, step: int, grads):
+        """This rank's micro-batches of the step, then the step; returns its StepResult."""
+        n, rank = self.eng.world_size, self.eng.rank
+        for k in range(self.cell.accumulation):  # micro-batch j = kN + r (DESIGN.md §2)
+            g = grads[k * n + rank]
+            self.eng.inject_gradients({name: to_torch(g[name]) for name in self.names})
+        return self.eng.step()
+
+
+class _Backward:
+    """The gradient source of a model cell: the model's own backward on the step's data."""
+
+    def __init__(self, cell: Cell, eng: ZeroEngine, ref_model, rcfg):
+        self.cell, self.eng, self.ref_model, self.rcfg = cell, eng, ref_model, rcfg
+        self.data = MODELS[cell.model][1]
+
+    def grads(self, step: int, ref) -> list[dict[str, np.ndarray]]:
+        self.batches = self.data(
+            self.eng.module.cfg,
+            seed=self.cell.seed,
+            data_step=step,
+            count=self.cell.micro_batches,
+            batch_size=self.cell.batch_size,
+        )
+        scale = None if ref.scaler is None else ref.scaler.scale
+        work = working_copy(ref, self.rcfg)
+        dtype = self.eng.config.compute_dtype
+        return [microbatch_grads(self.ref_model, work, b, dtype, scale) for b in self.batches]
+
+    def feed(self, step: int, grads):
+        """One step of the training loop on the step's data; returns its StepResult."""
+        del grads
+        (res,) = train_steps(self.eng, lambda s, j, b=self.batches: b[j], 1, start_step=step)
+        return res
 
 
 def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     """Run one cell on this rank; returns this rank's verdict."""
     assert cell.world_size == world_size, (cell.world_size, world_size)
-    build, data = MODELS[cell.model]
-    model, ref_model = build(), build()
+    build = MODELS[cell.model][0]
+    model = build()
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     cfg = cell.zero_config(model.unit_names())
     eng = ZeroEngine(model, cfg)
     spec = ModelSpec.build(eng.unit_specs(), eng.group_index, chunk=cfg.chunk)
     rcfg = cfg.step_config(world_size)
     ref = init_state(init, spec, rcfg)
+    source = _Injected(cell, eng) if cell.injected else _Backward(cell, eng, build(), rcfg)
     verdict = {
         "rank": rank,
         "bitwise": True,
@@ -153,16 +333,12 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
         "max_ulp": 0,
         "first": "",
         "skipped_steps": 0,
+        "clipped_steps": 0,  # steps whose clip coefficient was < 1 (clipping did something)
         "ratios": {},
+        "errors": {},
     }
-    m = cell.micro_batches
     for step in range(cell.steps):
-        batches = data(
-            model.cfg, seed=cell.seed, data_step=step, count=m, batch_size=cell.batch_size
-        )
-        scale = None if ref.scaler is None else ref.scaler.scale
-        work = working_copy(ref, rcfg)
-        grads = [microbatch_grads(ref_model, work, b, cfg.compute_dtype, scale) for b in batches]
+        grads = source.grads(step, ref)
         before = ref
         ref, info = train_step(before, grads, spec, rcfg)
         if cell.mode == "fast":  # lock-step: start from the reference's state every step
@@ -173,17 +349,21 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
                 data_step=before.data_step,
                 scaler=before.scaler,
             )
-        (res,) = train_steps(eng, lambda s, j, b=batches: b[j], 1, start_step=step)
+        res = source.feed(step, grads)
         verdict["skipped_steps"] += int(info.skipped)
-        if res.skipped != info.skipped:
+        verdict["clipped_steps"] += int(info.clip_coef is not None)
+        if res.skipped != info.skipped or res.scale != info.scale:
             verdict["bitwise"] = False
-            verdict["first"] = verdict["first"] or f"step {step}: skip decisions differ"
+            what = "skip decisions" if res.skipped != info.skipped else "loss scales"
+            verdict["first"] = verdict["first"] or f"step {step}: {what} differ"
             continue
         if cell.mode == "fast":
             if not info.skipped:
-                ratios = check_fast_step(eng, spec, rcfg, before, ref, info, grads)
-                for key, r in ratios.items():
-                    verdict["ratios"][key] = max(verdict["ratios"].get(key, 0.0), r)
+                detail = check_fast_step(eng, spec, rcfg, before, ref, info, grads, detail=True)
+                for key, (r, err, bound) in detail.items():
+                    if r >= verdict["ratios"].get(key, -1.0):
+                        verdict["ratios"][key] = r
+                        verdict["errors"][key] = (err, bound)
             continue
         same_norm = res.norm == (None if info.norm is None else float(info.norm))
         ok, worst_abs, worst_ulp, first = compare_rank(eng, ref, rcfg)
@@ -205,6 +385,33 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
 
 
 def run_cells(rank: int, world_size: int, cells: list[Cell]) -> list[dict]:
-    """Every cell of one world size, in one pass over the same process group."""
+    """Every cell of one world size, in one pass over the same process group.
+
+    An exception in a cell is that cell's failure (reported with its last line), not the
+    batch's: a broken engine must show up as a failing row. An exception on some ranks only
+    can leave the others waiting in a collective; the pool's timeout names them then.
+    """
     torch.set_num_threads(1)
-    return [run_cell(rank, world_size, c) for c in cells]
+    out = []
+    for c in cells:
+        try:
+            with injected_delays(c.delays, c.seed, rank) as delayed:
+                out.append(run_cell(rank, world_size, c))
+            out[-1]["delayed_launches"] = delayed[0]
+        except Exception as exc:  # reported as the cell's failure
+            last = traceback.format_exception_only(exc)[-1].strip()
+            out.append(
+                {
+                    "rank": rank,
+                    "bitwise": False,
+                    "max_abs_diff": 0.0,
+                    "max_ulp": 0,
+                    "first": f"raised {last}",
+                    "skipped_steps": 0,
+                    "clipped_steps": 0,
+                    "ratios": {},
+                    "errors": {},
+                    "passed": False,
+                }
+            )
+    return out

@@ -1,0 +1,289 @@
+"""The verification matrix: its dimensions, the --quick and --complete presets, and where each
+planted bug is observable.
+
+Dimensions (DIMENSIONS): stage 0-3; N ∈ {1, 2, 3, 4, 8}; fp32 / bf16 / fp16 (loss scaling);
+SGD / Adam / AdamW; clipping on/off; M ∈ {N, 4N}; unit size tiny/huge (verify.harness.Cell.units);
+parameter counts even/uneven (numel % N != 0); overlap off / on / on with injected delays;
+deterministic / fast mode; gradients from backward or injected (random, extreme, non-finite).
+The product is 4·5·3·3·2·2·2·2·3·2·4 = 69,120 cells. The presets cover it instead
+(verify/covering.py):
+
+  quick     every *pair* of values (about 25 cells), the slice stage × N × precision with
+            injected gradients (60 cells), the cells of TEETH, three of extras(), and the
+            world-size-invariance table at every stage × precision for N ∈ {1, 2, 4, 8}
+            (AdamW). The CI preset: under a minute on 2 cores.
+  complete  every *4-tuple* of values (about 350 cells; so every triple and pair too), the
+            slices stage × N × precision for each kind of injected gradients, for backward and
+            in fast mode, the GPT at every stage × precision, TEETH and extras() (persistent
+            stage-3 units, reduction in the compute dtype), and world-size invariance for every
+            stage × precision × optimizer.
+
+N = 3 is compared with the reference at N = 3 (its own tree); world-size invariance is claimed
+for powers of two only (DESIGN.md §2).
+
+[Note: observable] A planted bug can only fail a cell that exercises it: a different summation
+order needs N >= 3 (at N = 2, a + b = b + a), and sums that round: a few bf16 or fp16 values of
+similar size add up exactly in the fp32 reduction (8 or 11 significant bits each, 24 in the
+sum), so an order shows in fp32 cells or with widely spread ("extreme") gradients; 1/N in
+place of 1/M needs M > N; a scale error hides under clipping (and mostly under Adam's scale
+invariance, though not from bitwise checks); a bias correction off by a step needs Adam and two
+optimizer steps; a stale prefetched unit needs stage 3, overlap, a real forward and a second
+step. OBSERVABLE states these conditions
+as predicates on cells; tests/test_verify_planted.py checks that --quick holds a cell for each
+and that the harness reports those cells failing with the bug planted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from .covering import covering_array
+from .harness import Cell
+
+DIMENSIONS: dict[str, tuple] = {
+    "stage": (0, 1, 2, 3),
+    "world_size": (1, 2, 3, 4, 8),
+    "precision": ("fp32", "bf16", "fp16"),
+    "optimizer": ("sgd", "adam", "adamw"),
+    "clip": ("on", "off"),
+    "accumulation": (1, 4),  # M = N or M = 4N
+    "units": ("tiny", "huge"),
+    "sizes": ("even", "uneven"),
+    "overlap": ("off", "on", "delays"),
+    "mode": ("deterministic", "fast"),
+    "gradients": ("backward", "random", "extreme", "nonfinite"),
+}
+CLIP_NORM = 0.5  # below the norms of these workloads' gradients, so "on" really clips
+INVARIANT_WORLD_SIZES = (1, 2, 4, 8)
+
+
+def cell_of(row: dict, *, seed: int = 0, steps: int = 3) -> Cell:
+    """The Cell of one matrix row (a dict over DIMENSIONS)."""
+    injected = row["gradients"] != "backward"
+    if injected:
+        model = f"params-{row['sizes']}"
+    else:
+        model = "mlp" if row["sizes"] == "even" else "mlp-uneven"
+    return Cell(
+        stage=row["stage"],
+        world_size=row["world_size"],
+        precision=row["precision"],
+        optimizer=row["optimizer"],
+        mode=row["mode"],
+        # non-finite draws skip steps 0 and 2 (verify.inject.draw_for): 4 steps leave 2 real ones
+        steps=4 if row["gradients"] == "nonfinite" else steps,
+        model=model,
+        accumulation=row["accumulation"],
+        clip_norm=CLIP_NORM if row["clip"] == "on" else None,
+        overlap=row["overlap"] != "off",
+        delays=row["overlap"] == "delays",
+        units=row["units"],
+        gradients=row["gradients"],
+        nonfinite="skip" if injected else "raise",
+        seed=seed,
+    )
+
+
+def covering_cells(strength: int, *, seed: int = 0) -> list[Cell]:
+    """Every strength-tuple of DIMENSIONS' values, as cells (verify/covering.py)."""
+    rows = covering_array(DIMENSIONS, strength=strength, seed=seed)
+    return [cell_of(r, seed=i) for i, r in enumerate(rows)]
+
+
+def slice_cells(**fixed) -> list[Cell]:
+    """The full slice stage × N × precision, the other dimensions fixed (DEFAULT_ROW, then
+    `fixed`)."""
+    out = []
+    for s in DIMENSIONS["stage"]:
+        for n in DIMENSIONS["world_size"]:
+            for p in DIMENSIONS["precision"]:
+                row = {**DEFAULT_ROW, **fixed, "stage": s, "world_size": n, "precision": p}
+                out.append(cell_of(row, seed=1000 + len(out)))
+    return out
+
+
+DEFAULT_ROW = {
+    "optimizer": "adamw",
+    "clip": "on",
+    "accumulation": 1,
+    "units": "tiny",
+    "sizes": "uneven",
+    "overlap": "on",
+    "mode": "deterministic",
+    "gradients": "random",
+}
+
+# Cells that --quick holds whatever the covering array happens to contain, one per line of
+# [Note: observable]; each comment says which planted bugs it exposes.
+TEETH = (
+    # stale prefetch (stage 3, overlap, real forward, 3 steps); ring order (N = 4); 1/N for
+    # 1/M (M = 4N, no clipping); bias correction (AdamW); one ULP and shard offsets (N > 1)
+    cell_of(
+        {
+            **DEFAULT_ROW,
+            "stage": 3,
+            "world_size": 4,
+            "precision": "bf16",
+            "clip": "off",
+            "accumulation": 4,
+            "gradients": "backward",
+        },
+        seed=2000,
+    ),
+    # overflow skip on one rank only (stage 0, inf on rank N-1); ring order at N = 3; 1/N for
+    # 1/M under SGD without clipping
+    cell_of(
+        {
+            **DEFAULT_ROW,
+            "stage": 0,
+            "world_size": 3,
+            "precision": "fp16",
+            "optimizer": "sgd",
+            "clip": "off",
+            "accumulation": 4,
+            "gradients": "nonfinite",
+        },
+        seed=2001,
+    ),
+    # N = 3 at stage 2 with extremes, uneven sizes and delays; Adam's bias correction
+    cell_of(
+        {
+            **DEFAULT_ROW,
+            "stage": 2,
+            "world_size": 3,
+            "precision": "fp32",
+            "optimizer": "adam",
+            "overlap": "delays",
+            "gradients": "extreme",
+        },
+        seed=2002,
+    ),
+)
+
+
+def _det(c: Cell) -> bool:
+    return c.mode == "deterministic"
+
+
+def _optimizer_steps(c: Cell) -> int:
+    """Steps that reach the optimizer: non-finite draws skip steps 0 and 2."""
+    return c.steps - (min(2, (c.steps + 1) // 2) if c.gradients == "nonfinite" else 0)
+
+
+OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
+    # every rank's extents are compared, so one ULP anywhere fails a bitwise cell
+    "one_ulp": lambda c: _det(c) and c.world_size >= 2,
+    # a shifted shard exists only where state is partitioned
+    "shard_offset": lambda c: _det(c) and c.world_size >= 2 and c.stage >= 1,
+    "one_over_n_for_m": lambda c: _det(c) and c.accumulation > 1 and c.clip_norm is None,
+    "bias_correction_t_minus_1": lambda c: (
+        _det(c) and c.optimizer in ("adam", "adamw") and _optimizer_steps(c) >= 2
+    ),
+    "reduce_order": lambda c: (
+        _det(c) and c.world_size >= 3 and (c.precision == "fp32" or c.gradients == "extreme")
+    ),
+    "stale_prefetch": lambda c: (
+        c.stage == 3
+        and c.overlap
+        and c.gradients == "backward"
+        and c.units == "tiny"
+        and c.persist_below == 0
+        and c.steps >= 2
+    ),
+    # at stages 1-3 a rank that ignores the agreed flag leaves collectives unmatched (a hang,
+    # which the pool's timeout reports); at stage 0 the update has no collective to miss
+    "overflow_one_rank": lambda c: (
+        c.stage == 0 and c.world_size >= 2 and c.gradients == "nonfinite"
+    ),
+}
+
+
+def invariance_runs(*, full: bool) -> list[dict]:
+    """World-size-invariance runs (verify/invariance.py): the same run at N = 1, 2, 4, 8."""
+    precisions = DIMENSIONS["precision"]
+    optimizers = DIMENSIONS["optimizer"] if full else ("adamw",)
+    return [
+        {"stage": s, "precision": p, "optimizer": o}
+        for s in DIMENSIONS["stage"]
+        for p in precisions
+        for o in optimizers
+    ]
+
+
+def quick() -> tuple[list[Cell], list[dict]]:
+    """The CI preset: (cells, invariance runs)."""
+    cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3]
+    return cells, invariance_runs(full=False)
+
+
+def small() -> tuple[list[Cell], list[dict]]:
+    """A part of --quick that runs in well under a minute (the notebook's small profile): the
+    injected slice stage × N × precision at N ∈ {1, 2, 4}, its fast-mode twin at N = 2, the
+    first TEETH cell, and the invariance table of bf16 at N ∈ {1, 2, 4}."""
+    cells = [c for c in slice_cells() if c.world_size in (1, 2, 4)] + [TEETH[0]]
+    cells += [c for c in slice_cells(mode="fast") if c.world_size == 2]
+    runs = [{**r, "micro_batches": 4} for r in invariance_runs(full=False)]
+    return cells, [r for r in runs if r["precision"] == "bf16"]
+
+
+def extras() -> list[Cell]:
+    """Options outside DIMENSIONS, each at a few points: stage 3's persistent small units
+    (persist_below) and gradients reduced in the compute dtype (the paper's configuration)."""
+    out = [
+        Cell(
+            stage=3,
+            world_size=n,
+            precision=p,
+            optimizer="adam",
+            mode=m,
+            model="mlp",
+            persist_below=1000,
+            seed=4000,
+        )
+        for n, p, m in (
+            (2, "bf16", "deterministic"),
+            (3, "fp32", "deterministic"),
+            (4, "fp16", "fast"),
+        )
+    ]
+    # fp16 sums of injected fp16 values overflow at once (every step skipped, nothing tested);
+    # the model's own gradients let the loss scaler find its level, over 5 steps
+    for s, n, p, g in (
+        (0, 2, "bf16", "random"),
+        (1, 3, "fp16", "backward"),
+        (2, 4, "bf16", "random"),
+        (3, 8, "fp16", "backward"),
+    ):
+        row = {**DEFAULT_ROW, "stage": s, "world_size": n, "precision": p, "gradients": g}
+        cell = cell_of(row, seed=4100 + s, steps=5 if g == "backward" else 3)
+        out.append(dataclasses.replace(cell, reduce_dtype=p))
+    return out
+
+
+def complete() -> tuple[list[Cell], list[dict]]:
+    """The release preset: (cells, invariance runs). Every 4-tuple of values (which holds
+    every triple and pair), the slices stage × N × precision for each gradient source and for
+    fast mode, the GPT (tied embedding and head) at every stage × precision for N ∈ {2, 3, 4},
+    the extras, TEETH; invariance for every stage × precision × optimizer."""
+    cells = covering_cells(4)
+    for kind in ("random", "extreme", "nonfinite", "backward"):
+        cells += slice_cells(gradients=kind, accumulation=4 if kind == "random" else 1)
+    cells += slice_cells(mode="fast", sizes="even")
+    cells += [
+        Cell(
+            stage=s,
+            world_size=n,
+            precision=p,
+            optimizer="adamw",
+            mode="deterministic",
+            model="gpt",
+            accumulation=2,
+            seed=3000,
+        )
+        for s in DIMENSIONS["stage"]
+        for p in DIMENSIONS["precision"]
+        for n in (2, 3, 4)
+    ]
+    cells += extras() + list(TEETH)
+    return cells, invariance_runs(full=True)

@@ -1,0 +1,119 @@
+"""Running a verification plan: cells batched per world size, then the invariance table.
+
+`run_matrix(cells, runs)` is what `python -m verify` and notebooks/05_verification.ipynb call.
+Each world size's cells go to one long-lived worker pool in one call (zero.launch.get_pool), so a
+world starts once per run; under torchrun only the launched world's cells run. A world that dies
+(a rank raising outside a cell, or a hang that the pool's timeout ends) fails all its cells
+with the reason, and the run goes on with the next world.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from . import invariance
+from .harness import Cell, run_cells
+from .report import CONSOLE_HEADER, console_row, failed_rows, merge
+
+
+def pool_run(n: int, fn, items, timeout_s: float):
+    """Per-rank results of fn(rank, n, items) on world size n, on local ranks or under
+    torchrun; None when this torchrun world has another size."""
+    from zero import launch
+
+    if launch.under_torchrun():
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            launch.init_from_env()
+        if dist.get_world_size() != n:
+            return None
+        mine = fn(dist.get_rank(), n, items)
+        every: list = [None] * n
+        dist.all_gather_object(every, mine)
+        return every
+    return launch.get_pool(n).run(fn, items, timeout_s=timeout_s)
+
+
+def run_world(n: int, cells: list[Cell], timeout_s: float) -> list[list[dict]]:
+    """Per-rank verdicts for every cell of world size n ([] if this torchrun world has
+    another size)."""
+    return pool_run(n, run_cells, cells, timeout_s) or []
+
+
+def run_matrix(
+    cells: list[Cell],
+    runs: list[dict] = (),
+    *,
+    timeout_s: float = 900,
+    say: Callable[..., None] = print,
+    invariance_sizes: list[int] | None = None,
+) -> dict:
+    """Run cells (batched per world size) and the invariance runs; returns the report dict
+    (verify/report.py) with "cells", "injected", "world_size_invariance" and "timing"."""
+    report = {"cells": [], "injected": [], "world_size_invariance": []}
+    timing, started = {}, time.time()
+    if cells:
+        say(CONSOLE_HEADER)
+    for n in sorted({c.world_size for c in cells}):
+        mine = [c for c in cells if c.world_size == n]
+        t0 = time.time()
+        try:
+            per_rank = run_world(n, mine, timeout_s)
+        except Exception as exc:  # a world that died fails all its cells
+            rows = failed_rows(mine, f"world N={n} failed: {str(exc).splitlines()[0]}")
+        else:
+            if not per_rank:
+                say(f"(world size {n} skipped: this torchrun world has another size)")
+                continue
+            rows = [merge(c, [r[i] for r in per_rank]) for i, c in enumerate(mine)]
+        timing[f"cells_n{n}_s"] = round(time.time() - t0, 1)
+        for cell, row in zip(mine, rows, strict=True):
+            report["injected" if cell.injected else "cells"].append(row)
+            say(console_row(row))
+    if runs:
+        t0 = time.time()
+        report["world_size_invariance"] = invariance_table(
+            list(runs), timeout_s=timeout_s, say=say, sizes=invariance_sizes
+        )
+        timing["invariance_s"] = round(time.time() - t0, 1)
+    timing["total_s"] = round(time.time() - started, 1)
+    report["timing"] = timing
+    return report
+
+
+def invariance_table(
+    runs: list[dict], *, timeout_s: float, say=print, sizes: list[int] | None = None
+) -> list[dict]:
+    """The world-size-invariance rows: every run at each power-of-two N dividing M."""
+    from zero import launch
+
+    if launch.under_torchrun():
+        say("(world-size invariance skipped: it needs several worlds; run without torchrun)")
+        return []
+    every = invariance.world_sizes_for(runs)
+    sizes = [n for n in every if sizes is None or n in sizes]
+    if not sizes:
+        return []
+    per_n = {}
+    for n in sizes:
+        try:
+            per_n[n] = pool_run(n, invariance.run_digests, runs, timeout_s)
+        except Exception as exc:  # reported as failing rows
+            say(f"invariance at N={n} failed: {str(exc).splitlines()[0]}")
+            per_n[n] = [[["failed"] * invariance.run_config(r)["steps"] for r in runs]]
+    rows = invariance.table(runs, per_n)
+    say(f"world-size invariance (full-state digests after every step, against N={sizes[0]}):")
+    for r in rows:
+        if r["passed"]:
+            mark = "PASS"
+        elif r["first_difference"] is not None:
+            mark = f"FAIL first difference at step {r['first_difference']}"
+        else:
+            mark = "FAIL " + ("ranks disagree" if not r["ranks_agree"] else "differs from stage 0")
+        say(
+            f"  stage {r['stage']} {r['precision']:>4} {r['optimizer']:>5} N={r['world_size']} "
+            f"steps={r['steps']} digest {r['digest'][:12]}  {mark}"
+        )
+    return rows
