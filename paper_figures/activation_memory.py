@@ -21,17 +21,16 @@ Legend: b batch, s sequence length, h hidden size, l layers (transformer blocks)
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from paper_figures.common import (
     Outputs,
     SummaryRow,
     compute_then_render,
+    label_above,
     markdown_table,
+    new_figure,
+    save_figure,
 )
 from zero.results import make_record, provenance, write_atomic
 
@@ -175,8 +174,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         for name, cs in (("plain", plain), ("ckpt", ckpt))
     }
 
-    fig = Figure(figsize=(12, 5), dpi=150)
-    FigureCanvasAgg(fig)
+    fig = new_figure((12, 5))
     left, right = fig.subplots(1, 2)
     for cs, label, marker in (
         (plain, "no checkpointing", "o"),
@@ -230,12 +228,11 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     right.bar([1.1], [ckpts + hi / gb], 0.2, color="#c7e9c0", label="+ its attention scores")
     right.bar([1.3], [PAPER_GB["checkpointing"]], 0.2, color="#d9d9d9", hatch="..")
     for patch in right.patches:
-        right.annotate(
+        label_above(
+            right,
             f"{patch.get_height():.1f}",
             (patch.get_x() + patch.get_width() / 2, patch.get_height()),
-            xytext=(0, 2),
-            textcoords="offset points",
-            ha="center",
+            points=2,
             fontsize=7,
         )
     right.set_xticks([0, 1])
@@ -244,10 +241,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     right.set_title("GPT-2 1.5B, seq 1K, batch 32 (paper §3.2)", fontsize=10)
     right.legend(fontsize=7, loc="upper right")
     fig.suptitle("Residual memory: activations, formula against measurement", fontsize=11)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png")
-    path = write_atomic(out.figure(NAME), png.getvalue())
+    path = save_figure(fig, out.figure(NAME))
 
     rows = [
         [

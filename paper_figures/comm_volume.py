@@ -27,18 +27,17 @@ shard length.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from paper_figures.common import (
     Outputs,
     SummaryRow,
     compute_then_render,
     count_line,
+    label_above,
     markdown_table,
+    new_figure,
+    save_figure,
 )
 from zero.memory import STAGE_LABELS
 from zero.results import make_record, provenance, write_atomic
@@ -240,8 +239,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     sums = [summarise(r) for r in payload["records"]]
     exact = sum(s["exact"] for s in sums)
 
-    fig = Figure(figsize=(13, 5.8), dpi=150)
-    FigureCanvasAgg(fig)
+    fig = new_figure((13, 5.8))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.6]})
     at_n = [s for s in sums if s["k"] == 1 and s["mode"] == "deterministic"]
     groups = [
@@ -250,14 +248,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     ]
     centres = _bars(left, groups, "M = N (the paper's setting): 2Ψ, 2Ψ, 2Ψ, 3Ψ")
     for stage, value in PAPER_FACTOR.items():
-        left.annotate(
-            f"paper {value}Ψ",
-            (centres[stage], value),
-            xytext=(0, 4),
-            textcoords="offset points",
-            ha="center",
-            fontsize=8,
-        )
+        label_above(left, f"paper {value}Ψ", (centres[stage], value), points=4, fontsize=8)
     at_4n = [s for s in sums if s["k"] == 4]
     groups = [
         (
@@ -282,10 +273,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         f"(root = {100 * root:.1f}% of Ψ)",
         fontsize=10,
     )
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png")
-    path = write_atomic(out.figure(NAME), png.getvalue())
+    path = save_figure(fig, out.figure(NAME))
 
     rows = []
     for s in sums:

@@ -93,3 +93,31 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
 def count_line(matched: int, total: int, what: str) -> str:
     """A match count as the tables print it and the tests read it, e.g. "54/54 cells ..."."""
     return f"{matched}/{total} {what}"
+
+
+def new_figure(figsize: tuple[float, float]):
+    """A matplotlib Figure on the Agg canvas (no display needed), at the sections' 150 dpi."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=150)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay ``fig`` out tightly and write it as a PNG at ``path``, atomically; returns the path."""
+    import io
+
+    from zero.results import write_atomic
+
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    return write_atomic(path, png.getvalue())
+
+
+def label_above(ax, text: str, xy: tuple[float, float], *, points: float = 3, **style) -> None:
+    """Write ``text`` centred ``points`` typographic points above the data point ``xy`` (a bar's
+    top): the offset is in points so that it stays the same whatever the axis' scale."""
+    ax.annotate(text, xy, xytext=(0, points), textcoords="offset points", ha="center", **style)

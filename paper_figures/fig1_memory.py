@@ -14,16 +14,20 @@ GB = 1e9 bytes.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from paper_figures import paper
-from paper_figures.common import Outputs, SummaryRow, compute_then_render, count_line
+from paper_figures.common import (
+    Outputs,
+    SummaryRow,
+    compute_then_render,
+    count_line,
+    label_above,
+    new_figure,
+    save_figure,
+)
 from zero.memory import GB, model_state_breakdown
-from zero.results import make_record, provenance, read_json, write_atomic
+from zero.results import make_record, provenance, read_json
 
 NAME = "fig1_memory"
 SERIES = (("memory.analytic", "ours, analytic"), ("memory.measured", "ours, measured"))
@@ -53,6 +57,8 @@ CATEGORIES = (  # (label, result keys summed, colour): the paper's Figure 1 colo
     ("fp16 gradients (2Ψ)", ("grads",), "#e08a3c"),
     ("fp32 master + Adam m, v (KΨ)", ("master", "optimizer"), "#5a9e5a"),
 )
+BOLD = {"fontsize": 9, "fontweight": "bold"}
+"""How our totals are labelled above their bars."""
 
 
 def compute(profile: str, *, ranks: dict | None = None) -> dict:
@@ -108,8 +114,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     measured = measured_bars(payload)
     series = [(kind, label) for kind, label in SERIES if kind in by_kind]
 
-    fig = Figure(figsize=(9, 5.6), dpi=150)
-    FigureCanvasAgg(fig)
+    fig = new_figure((9, 5.6))
     ax = fig.add_subplot()
     width = 0.8 / (len(series) + 1)
     top = max(paper.FIG1_GB.values())
@@ -130,24 +135,13 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
                         if stage == min(measured)
                         else None,
                     )
-                    ax.annotate(
-                        f"{value:.3g}",
-                        (stage + offset, value),
-                        xytext=(0, 3),
-                        textcoords="offset points",
-                        ha="center",
-                        va="bottom",
-                        fontsize=9,
-                        fontweight="bold",
-                    )
+                    label_above(ax, f"{value:.3g}", (stage + offset, value), va="bottom", **BOLD)
                     top = max(top, value)
                 else:
-                    ax.annotate(
+                    label_above(
+                        ax,
                         "not\nmeasured",
                         (stage + offset, 0),
-                        xytext=(0, 3),
-                        textcoords="offset points",
-                        ha="center",
                         va="bottom",
                         fontsize=7,
                         color="#666666",
@@ -169,15 +163,12 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
                 )
                 bottom += height
             total = result["total"] / GB
-            ax.annotate(
+            label_above(
+                ax,
                 paper.format_number(paper.paper_round(total)),
                 (stage + offset, total),
-                xytext=(0, 3),
-                textcoords="offset points",
-                ha="center",
                 va="bottom",
-                fontsize=9,
-                fontweight="bold",
+                **BOLD,
             )
             top = max(top, total)
 
@@ -195,12 +186,10 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
             linewidth=0.8,
             label="paper, Figure 1 (printed)" if stage == 0 else None,
         )
-        ax.annotate(
+        label_above(
+            ax,
             paper.format_number(value),
             (stage + offset, value),
-            xytext=(0, 3),
-            textcoords="offset points",
-            ha="center",
             va="bottom",
             fontsize=9,
             color="#444444",
@@ -229,11 +218,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         f"K = {paper.FIG1_K} (mixed-precision Adam)\n{what}",
         fontsize=10,
     )
-    fig.tight_layout()
-
-    png = io.BytesIO()
-    fig.savefig(png, format="png")
-    path = write_atomic(out.figure(NAME), png.getvalue())
+    path = save_figure(fig, out.figure(NAME))
 
     # Figure 1 prints one decimal even under 2 GB (1.875 -> 1.9), hence fine_below=0.
     analytic = by_kind.get("memory.analytic", {})

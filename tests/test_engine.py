@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine_tools import failures, mlp_engine, one_step, patched
 from reference.precision import DTYPES
 from verify.harness import Cell, run_cells
 from zero import collectives
@@ -33,15 +34,6 @@ def cells(n, **kw):
         for s in (0, 1, 2, 3)
         for p in ("fp32", "bf16", "fp16")
         for o in ("sgd", "adam", "adamw")
-    ]
-
-
-def failures(n, todo):
-    per_rank = get_pool(n).run(run_cells, todo, timeout_s=600)
-    return [
-        (c, [r[i]["first"] for r in per_rank])
-        for i, c in enumerate(todo)
-        if not all(r[i]["passed"] for r in per_rank)
     ]
 
 
@@ -80,28 +72,6 @@ CALLS = {
     (False, 1): lambda k: {"reduce_scatter": 1, "all_gather": 1},
     (False, 2): lambda k: {"reduce_scatter": k, "all_gather": 1},
 }
-
-
-def mlp_engine(stage, n, k, deterministic=True, precision="fp32", **kw):
-    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3))
-    cfg = ZeroConfig(
-        stage=stage,
-        micro_batches=n * k,
-        deterministic=deterministic,
-        precision=precision,
-        units=tuple(model.unit_names()),
-        chunk=128,
-        **kw,
-    )
-    return model, ZeroEngine(model, cfg)
-
-
-def one_step(eng, model, rank, n, k, step=0):
-    batches = mlp_microbatches(model.cfg, seed=0, data_step=step, count=n * k, batch_size=4)
-    for i in range(k):
-        _, loss = eng(*batches[i * n + rank])
-        eng.backward(loss)
-    return eng.step()
 
 
 def measure_traffic(rank, n, stage, deterministic, k):
@@ -225,15 +195,11 @@ def bits_with_delays(rank, n, stage, delayed):
         time.sleep(rng.uniform(0, 0.02))
         return original(*a, **kw)
 
-    if delayed:
-        collectives._launch = late
-    try:
+    with patched(collectives, **({"_launch": late} if delayed else {})):
         model, eng = mlp_engine(stage, n, 2, precision="bf16", overlap=True)
         for step in range(2):
             one_step(eng, model, rank, n, 2, step)
         return [u.master.clone().view(torch.int32) for u in eng.units]
-    finally:
-        collectives._launch = original
 
 
 def stage3_traffic(rank, n, k, overlap):
@@ -324,12 +290,8 @@ def cells_with_sequential_reduce(rank, n, todo):
             acc = acc + x
         return acc
 
-    original = collectives.tree_sum
-    collectives.tree_sum = sequential
-    try:
+    with patched(collectives, tree_sum=sequential):
         return run_cells(rank, n, todo)
-    finally:
-        collectives.tree_sum = original
 
 
 @pytest.mark.dist
@@ -500,16 +462,15 @@ def fast_with_planted_bug(rank, n, bug, todo):
         return originals[1](kind, replace(hp, lr=hp.lr * 1.001), *a)
 
     if bug == "reduce":  # fast mode on gloo reduce-scatters through the all-to-all too
-        collectives.reduce_scatter_fast = skew(originals[0])
-        collectives.reduce_scatter_tree = skew(originals[2])
-    else:
-        zoptim.fast_step = skewed_lr
-    try:
-        return run_cells(rank, n, todo)
-    finally:
-        (collectives.reduce_scatter_fast, zoptim.fast_step, collectives.reduce_scatter_tree) = (
-            originals
+        planted = patched(
+            collectives,
+            reduce_scatter_fast=skew(originals[0]),
+            reduce_scatter_tree=skew(originals[2]),
         )
+    else:
+        planted = patched(zoptim, fast_step=skewed_lr)
+    with planted:
+        return run_cells(rank, n, todo)
 
 
 @pytest.mark.dist

@@ -6,12 +6,9 @@ buffers moved from the device to the host.
 
 import pytest
 
+from engine_tools import OptCell, failures, mlp_engine, one_step
 from reference.precision import DTYPES
-from test_zero_r import OptCell, failures
-from zero.config import ZeroConfig
-from zero.engine import ZeroEngine
 from zero.launch import get_pool
-from zero.models import MLP, MLPConfig, mlp_microbatches
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -71,25 +68,18 @@ def test_offloaded_fast_cells_stay_within_their_bounds():
 
 
 def offload_traffic(rank, n, stage, k, precision, reduce_dtype, deterministic=True):
-    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3))
-    cfg = ZeroConfig(
-        stage=stage,
-        micro_batches=n * k,
-        precision=precision,
+    model, eng = mlp_engine(
+        stage,
+        n,
+        k,
+        deterministic,
+        precision,
         reduce_dtype=reduce_dtype,
-        deterministic=deterministic,
         optimizer="adam",
-        units=tuple(model.unit_names()),
-        chunk=128,
         offload_optimizer=True,
     )
-    eng = ZeroEngine(model, cfg)
     for step in range(2):
-        batches = mlp_microbatches(model.cfg, seed=0, data_step=step, count=n * k, batch_size=4)
-        for i in range(k):
-            _, loss = eng(*batches[i * n + rank])
-            eng.backward(loss)
-        eng.step()
+        one_step(eng, model, rank, n, k, step)
     recs = [
         (r.phase, r.unit, r.elements, r.padding, r.nbytes)
         for r in eng.counter.of_step(1, "offload")
@@ -148,22 +138,16 @@ def test_ranks_move_their_shards_once_per_step(stage, deterministic, k):
 
 
 def split_of(rank, n, stage, precision, reduce_dtype, offload):
-    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3))
-    cfg = ZeroConfig(
-        stage=stage,
-        micro_batches=n,
+    model, eng = mlp_engine(
+        stage,
+        n,
+        1,
         precision=precision,
         reduce_dtype=reduce_dtype,
         optimizer="adam",
-        units=tuple(model.unit_names()),
-        chunk=128,
         offload_optimizer=offload,
     )
-    eng = ZeroEngine(model, cfg)
-    batches = mlp_microbatches(model.cfg, seed=0, data_step=0, count=n, batch_size=4)
-    _, loss = eng(*batches[rank])
-    eng.backward(loss)
-    eng.step()
+    one_step(eng, model, rank, n, 1)
     extent = sum(
         eng.impl.master_extent(u).stop - eng.impl.master_extent(u).start for u in eng.units
     )

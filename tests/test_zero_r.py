@@ -5,40 +5,19 @@ Multi-process tests use zero.launch's shared worker pools; the functions they ru
 level so that forked workers can unpickle them by reference.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
-from verify.harness import Cell, run_cells
+from engine_tools import OptCell, failures, mlp_engine, one_step, patched
+from verify.harness import run_cells
 from zero.activations import saved_activation_bytes
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
 from zero.launch import RankError, get_pool
-from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches, mlp_microbatches
+from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches
 from zero.stage3 import PartitionState
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OptCell(Cell):
-    """A verify cell with extra ZeroConfig fields (verify.harness builds the rest)."""
-
-    options: tuple = ()  # ((field, value), ...)
-
-    def zero_config(self, units) -> ZeroConfig:
-        return dataclasses.replace(super().zero_config(units), **dict(self.options))
-
-
-def failures(n, todo):
-    per_rank = get_pool(n).run(run_cells, todo, timeout_s=600)
-    return [
-        (c, [r[i]["first"] for r in per_rank])
-        for i, c in enumerate(todo)
-        if not all(r[i]["passed"] for r in per_rank)
-    ]
-
 
 CKPT = (("activation_checkpointing", True),)
 CKPT_CPU = CKPT + (("offload_activations", True),)
@@ -136,11 +115,8 @@ def cells_with_a_recomputation_that_differs(rank, n, todo):
 
         return real(once_more, *args, **kw)
 
-    activations.checkpoint = broken
-    try:
+    with patched(activations, checkpoint=broken):
         return run_cells(rank, n, todo)
-    finally:
-        activations.checkpoint = real
 
 
 @pytest.mark.dist
@@ -154,8 +130,12 @@ def test_cells_catch_a_recomputation_that_differs():
 # -- stage 3: recomputation finds its unit gathered ---------------------------------------------
 
 
+B, S, H, HEADS = 2, 32, 64, 2  # batch, sequence, hidden, heads of the probe GPT
+
+
 def gpt_engine(stage, n, k, layers=4, **kw):
-    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=layers, n_head=2, n_embd=64))
+    """The probe GPT (bf16, one unit per block and the root) and its engine, M = N·k."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=S, n_layer=layers, n_head=HEADS, n_embd=H))
     cfg = ZeroConfig(
         stage=stage,
         precision="bf16",
@@ -216,23 +196,12 @@ def test_stage3_recomputation_needs_no_extra_gather(overlap):
 
 # -- activation memory -------------------------------------------------------------------------
 
-B, S, H, HEADS = 2, 32, 64, 2  # batch, sequence, hidden, heads of the probe GPT
-
 
 def saved_bytes(rank, n, stage, layers, options):
     """Bytes autograd keeps for backward in one bf16 forward (parameters excluded), and the
     elements the activation offload moved down / up (kind 'offload')."""
     torch.set_num_threads(1)
-    model = GPT(GPTConfig(vocab_size=64, block_size=S, n_layer=layers, n_head=HEADS, n_embd=H))
-    cfg = ZeroConfig(
-        stage=stage,
-        precision="bf16",
-        micro_batches=n,
-        chunk=128,
-        units=tuple(model.unit_names()),
-        **dict(options),
-    )
-    eng = ZeroEngine(model, cfg)
+    model, eng = gpt_engine(stage, n, 1, layers, **dict(options))
     x, y = gpt_microbatches(model.cfg, seed=0, data_step=rank, count=1, batch_size=B)[0]
     with saved_activation_bytes(eng) as saved:
         _, loss = eng(x, y)
@@ -327,22 +296,8 @@ def test_bucketed_release_grid(n):
 
 
 def bucket_traffic(rank, n, stage, deterministic, k, hidden, cap):
-    model = MLP(MLPConfig(d_in=16, d_hidden=hidden, d_out=4, n_layer=3))
-    cfg = ZeroConfig(
-        stage=stage,
-        micro_batches=n * k,
-        deterministic=deterministic,
-        precision="bf16",
-        units=tuple(model.unit_names()),
-        chunk=128,
-        bucket_elements=cap,
-    )
-    eng = ZeroEngine(model, cfg)
-    batches = mlp_microbatches(model.cfg, seed=0, data_step=0, count=n * k, batch_size=4)
-    for i in range(k):
-        _, loss = eng(*batches[i * n + rank])
-        eng.backward(loss)
-    eng.step()
+    model, eng = mlp_engine(stage, n, k, deterministic, "bf16", hidden, bucket_elements=cap)
+    one_step(eng, model, rank, n, k)
     calls = {}
     for r in eng.counter.of_step(0):
         if r.op == "reduce_scatter":
