@@ -28,7 +28,7 @@ TABLE = {
 }
 
 
-def check(n, stage, deterministic, k):
+def check_volume(n, stage, deterministic, k):
     ranks = get_pool(n).run(traffic_of, stage, deterministic, k, timeout_s=600)
     f = TABLE[(stage, deterministic)](k)
     # Stage 3's root stays gathered from its forward to the end of backward: one all-gather
@@ -51,14 +51,14 @@ CASES = [(stage, det, k) for stage in range(4) for det in (True, False) for k in
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize(("stage", "deterministic", "k"), CASES)
 def test_counted_volume_equals_the_theory(n, stage, deterministic, k):
-    check(n, stage, deterministic, k)
+    check_volume(n, stage, deterministic, k)
 
 
 @pytest.mark.dist
 @pytest.mark.full
 @pytest.mark.parametrize(("stage", "deterministic", "k"), CASES)
 def test_counted_volume_equals_the_theory_at_8(stage, deterministic, k):
-    check(8, stage, deterministic, k)
+    check_volume(8, stage, deterministic, k)
 
 
 @pytest.mark.dist
@@ -74,13 +74,13 @@ def test_per_collective_at_m_equals_n():
             out[key] = d["elements"]
         return out
 
-    r = check(n, 0, True, 1)[0]
+    r = check_volume(n, 0, True, 1)[0]
     psi = (n - 1) * r["shard_sum"]
     assert sum(v for k, v in by_op([r]).items() if k.startswith("reduce_scatter")) == psi
     assert sum(v for k, v in by_op([r]).items() if k.startswith("all_gather")) == psi
-    r = check(n, 0, False, 1)[0]
+    r = check_volume(n, 0, False, 1)[0]
     assert by_op([r]) == {"all_reduce:grad": 2 * psi}
-    r = check(n, 3, True, 1)[0]
+    r = check_volume(n, 3, True, 1)[0]
     ops = by_op([r])
     root = (n - 1) * r["root_shard_sum"]
     assert ops["all_gather:param_fwd"] == psi
