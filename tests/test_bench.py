@@ -144,7 +144,7 @@ def test_unavailable_system_is_reported_not_fatal():
         ({"model": "huge"}, "model"),
         ({"systems": ("ddp", "megatron")}, "systems"),
         ({"systems": ("ddp", "ddp")}, "systems"),
-        ({"world_sizes": (1,)}, "world_sizes"),
+        ({"world_sizes": (0,)}, "world_sizes"),
         ({"repeats": 0}, "repeats"),
         ({"steps": 0}, "steps"),
         ({"warmup": -1}, "warmup"),

@@ -100,6 +100,11 @@ class Cell:
     """Sleep 0-4 ms (seeded per rank) before every collective launch, so that asynchronous
     collectives complete in other orders and interleavings."""
     nonfinite: str = "raise"  # fp32/bf16: 'skip' steps with non-finite gradients instead
+    checkpointing: bool = False
+    """ZeRO-R: every unit's forward under activation checkpointing (with `offload` too, the
+    checkpoints are kept in host memory)."""
+    offload: bool = False
+    """ZeRO-Offload: master, optimizer states and the gradient shard in host memory."""
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -112,6 +117,8 @@ class Cell:
             raise ValueError(f"mode={self.mode!r}: allowed are 'deterministic', 'fast'")
         if self.gradients == "backward" and MODELS[self.model][1] is None:
             raise ValueError(f"model={self.model!r} has no forward: use injected gradients")
+        if self.checkpointing and self.injected:
+            raise ValueError("checkpointing=True: recomputation needs a forward, not injection")
         if (self.gradients == "drawn") != (self.draw is not None):
             raise ValueError("draw: give a GradientDraw exactly when gradients='drawn'")
 
@@ -150,6 +157,9 @@ class Cell:
             chunk=UNIT_SIZES[self.units],
             persist_below=self.persist_below,
             nonfinite=self.nonfinite,
+            activation_checkpointing=self.checkpointing,
+            offload_activations=self.checkpointing and self.offload,
+            offload_optimizer=self.offload,
         )
 
     def as_dict(self) -> dict:

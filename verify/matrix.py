@@ -11,12 +11,13 @@ The product is 4·5·3·3·2·2·2·2·3·2·4 = 69,120 cells. The presets cover
   quick     every *pair* of values (about 25 cells), the slice stage × N × precision with
             injected gradients (60 cells), the cells of TEETH, three of extras(), and the
             world-size-invariance table at every stage × precision for N ∈ {1, 2, 4, 8}
-            (AdamW). The CI preset: under a minute on 2 cores.
+            (AdamW), and zero_r_cells() (activation checkpointing, optimizer offload, both, at
+            every stage, N = 2). The CI preset: under a minute on 2 cores.
   complete  every *4-tuple* of values (about 350 cells; so every triple and pair too), the
             slices stage × N × precision for each kind of injected gradients, for backward and
             in fast mode, the GPT at every stage × precision, TEETH and extras() (persistent
-            stage-3 units, reduction in the compute dtype), and world-size invariance for every
-            stage × precision × optimizer.
+            stage-3 units, reduction in the compute dtype), zero_r_cells() at N ∈ {2, 3, 4},
+            and world-size invariance for every stage × precision × optimizer.
 
 N = 3 is compared with the reference at N = 3 (its own tree); world-size invariance is claimed
 for powers of two only (DESIGN.md §2).
@@ -211,9 +212,34 @@ def invariance_runs(*, full: bool) -> list[dict]:
     ]
 
 
+def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
+    """ZeRO-R and offload at every stage: activation checkpointing, optimizer offload, and both
+    (checkpoints then kept on the host), with the model's own gradients (recomputation needs a
+    forward). They change memory, never the bits: deterministic cells must stay bitwise."""
+    precisions = DIMENSIONS["precision"]
+    out = []
+    for n in world_sizes:
+        for s in DIMENSIONS["stage"]:
+            for i, (ckpt, off) in enumerate(((True, False), (False, True), (True, True))):
+                out.append(
+                    Cell(
+                        stage=s,
+                        world_size=n,
+                        precision=precisions[(s + i) % len(precisions)],
+                        optimizer="adam",
+                        mode="deterministic",
+                        model="mlp",
+                        checkpointing=ckpt,
+                        offload=off,
+                        seed=5000 + s,
+                    )
+                )
+    return out
+
+
 def quick() -> tuple[list[Cell], list[dict]]:
     """The CI preset: (cells, invariance runs)."""
-    cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3]
+    cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3] + zero_r_cells()
     return cells, invariance_runs(full=False)
 
 
@@ -285,5 +311,5 @@ def complete() -> tuple[list[Cell], list[dict]]:
         for p in DIMENSIONS["precision"]
         for n in (2, 3, 4)
     ]
-    cells += extras() + list(TEETH)
+    cells += extras() + list(TEETH) + zero_r_cells((2, 3, 4))
     return cells, invariance_runs(full=True)

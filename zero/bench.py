@@ -152,7 +152,8 @@ class BenchConfig:
     systems: tuple[str, ...] = SYSTEMS
     """Which of SYSTEMS to time; the ratios need 'ddp' (×DDP) and the fast stage (×fast)."""
     world_sizes: tuple[int, ...] = (2, 4)
-    """N values, each >= 2; one pool of N ranks each, all systems built in it."""
+    """N values, each >= 1; one pool of N ranks each, all systems built in it. At N = 1 there is
+    no communication: the step is the systems' software overhead around the same compute."""
     repeats: int = 5
     """Rounds of [Note: alternating repeats]; the spread is over repeats × steps samples."""
     steps: int = 6
@@ -185,9 +186,9 @@ class BenchConfig:
         if bad or not self.systems or len(set(self.systems)) != len(self.systems):
             raise ValueError(f"systems={self.systems!r}: allowed are distinct names from {SYSTEMS}")
         if not self.world_sizes or any(
-            isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.world_sizes
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.world_sizes
         ):
-            raise ValueError(f"world_sizes={self.world_sizes!r}: allowed are integers >= 2")
+            raise ValueError(f"world_sizes={self.world_sizes!r}: allowed are integers >= 1")
         for name, low in (("repeats", 1), ("steps", 1), ("warmup", 0), ("retries", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
