@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paper_figures.common import Outputs, SummaryRow, compute_then_render
+from paper_figures.common import Outputs, SummaryRow, compute_then_render, save_figure
 from zero import perfmodel
 from zero.results import write_atomic
 
@@ -34,15 +34,11 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         ]
     )
     write_atomic(out.table(NAME), table)
-    fig = perfmodel.draw(records)
-    import io
-
     import matplotlib.pyplot as plt
 
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig = perfmodel.draw(records)  # a pyplot figure (the notebook shows it): closed after saving
+    path = save_figure(fig, out.figure(NAME))
     plt.close(fig)
-    path = write_atomic(out.figure(NAME), buf.getvalue())
     errors = next(r for r in records if r["kind"] == perfmodel.KIND_FIT)["result"]["errors"]
     held = [e["mape"] for k, e in errors.items() if k.startswith("held out")]
     return path, f"held-out mean |error| {100 * min(held):.0f}-{100 * max(held):.0f}%"

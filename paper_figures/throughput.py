@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
-from paper_figures.common import Outputs, SummaryRow, compute_then_render
+from paper_figures.common import (
+    Outputs,
+    SummaryRow,
+    compute_then_render,
+    new_figure,
+    save_figure,
+)
 from zero import bench
 from zero.results import read_json, write_atomic
 
@@ -42,8 +45,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         + "\n",
     )
     sizes = sorted({r["config"]["world_size"] for r in records})
-    fig = Figure(figsize=(6 * len(sizes), 5), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = new_figure((6 * len(sizes), 5))
     axes = fig.subplots(1, len(sizes), squeeze=False)[0]
     for ax, n in zip(axes, sizes, strict=True):
         here = [r for r in records if r["config"]["world_size"] == n]
@@ -57,12 +59,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         ax.set_ylabel("system (blue: ours)")
         ax.set_title(f"N = {n}, anchor GPT, fp32 AdamW, gloo")
     fig.suptitle("Step time beside DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed")
-    fig.tight_layout()
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    path = write_atomic(out.figure("throughput_cpu"), buf.getvalue())
+    path = save_figure(fig, out.figure("throughput_cpu"))
     return path, f"{len(records)} systems × N timed ({payload['source']})"
 
 
