@@ -21,6 +21,7 @@ from paper_figures import (
     table1_memory,
     table2_max_model,
     throughput,
+    zero_r_configs,
 )
 from paper_figures.common import Outputs, SummaryRow, markdown_table
 from zero.memory import GB, STAGE_LABELS, model_state_bytes
@@ -231,6 +232,11 @@ SOURCES = (
     (activation_memory.NAME, activation_rows, "figures/activation_memory.png"),
     (perf_model.NAME, perf_model.index_rows, "figures/perf_model.png, tables/perf_model.md"),
     (throughput.NAME, throughput.index_rows, "figures/throughput_cpu.png, tables/throughput.md"),
+    (
+        zero_r_configs.NAME,
+        zero_r_configs.index_rows,
+        "figures/zero_r_configs.png, tables/zero_r_configs.md",
+    ),
 )
 
 

@@ -103,6 +103,25 @@ TABLE2_MEASURED = {
 """Italics as in the original; its caption does not explain them."""
 
 
+# --- Figures 6-8 (PAPER.md §1.6, §1.7, §1.8): configurations C1-C5, MP = 16, 400 V100 32GB. ---
+FIG6_MAX_BILLIONS = {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}
+"""Largest model at batch 16 per GPU. C1, C2, C4 and C5 are stated in the text; C3 is read off
+the plot (≈50), consistent with the 50B row of the SC20 appendix."""
+FIG7_MODELS = ("40B", "100B")
+FIG7_GB = {
+    "40B": {"C1": 30, "C2": 24, "C3": 25.5, "C4": 20, "C5": 20},
+    "100B": {"C4": 30, "C5": 26.5},
+}
+"""Max cache allocated per GPU, read off the plot (approximate); no bars for C1-C3 at 100B."""
+FIG8_TFLOPS = {
+    "60B": {"C1": 12, "C2": 12.5, "C3": 17, "C4": 35, "C5": 32},
+    "170B": {"C5": 21},
+}
+"""TFLOP/s per GPU, read off the plot; at 170B only C5 ran (C1-C4 marked as failing)."""
+FIG8_BATCH_60B = {"C1": 2, "C2": 4, "C3": 32, "C4": 32, "C5": 8}
+"""Batch per GPU of each configuration on the 60B model (PAPER.md §1.9)."""
+
+
 # --- The paper's rounding rules (PAPER.md §1.2 and §1.3). ---------------------------------------
 def _decimal(x: float) -> Decimal:
     # The shortest repr is the decimal number the float stands for (41.25 -> "41.25"), so rounding

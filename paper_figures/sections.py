@@ -21,6 +21,7 @@ from paper_figures import (
     table1_memory,
     table2_max_model,
     throughput,
+    zero_r_configs,
 )
 from paper_figures.common import Section
 
@@ -53,6 +54,11 @@ SECTIONS: list[Section] = [
         name=throughput.NAME,
         run=throughput.run,
         about="step time vs DDP, ZeRO-R, FSDP2, DeepSpeed (quick: the committed measurement)",
+    ),
+    Section(
+        name=zero_r_configs.NAME,
+        run=zero_r_configs.run,
+        about="C1-C5 (Figures 6-8): largest model, memory, throughput (quick: committed)",
     ),
     Section(name=index.NAME, run=index.run, about="INDEX.md: the paper's numbers beside ours"),
 ]

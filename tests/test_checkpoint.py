@@ -63,6 +63,23 @@ def test_resume_at_another_world_size_and_stage_is_bitwise(case, tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize(
+    "case",
+    [
+        ResumeCase(n1=2, s1=2, n2=1, s2=3, offload=True, micro_batches=4),
+        ResumeCase(n1=1, s1=3, n2=2, s2=1, offload=True, micro_batches=4, precision="fp16"),
+    ],
+    ids=str,
+)
+def test_resume_with_optimizer_offload_is_bitwise(case, tmp_path):
+    """offload_optimizer keeps the master and states in host memory: they are saved from there
+    and loaded back there, at another N and stage, with the same bits as the run never saved."""
+    assert case.engine_config(case.s1, ()).offload_optimizer  # every engine of the case offloads
+    row = run_case(case, tmp_path)
+    assert row["passed"], row["first_mismatch"]
+
+
+@pytest.mark.dist
 @pytest.mark.full
 @pytest.mark.parametrize("case", resume_cases(quick=False)[9:], ids=str)
 def test_resume_release_grid(case, tmp_path):

@@ -105,6 +105,9 @@ class Cell:
     checkpoints are kept in host memory)."""
     offload: bool = False
     """ZeRO-Offload: master, optimizer states and the gradient shard in host memory."""
+    contiguous: bool = False
+    """ZeRO-R's M_D: gradient buffers (and, with `checkpointing`, the checkpoints) in
+    pre-allocated contiguous arenas (ZeroConfig.contiguous_memory)."""
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -160,6 +163,7 @@ class Cell:
             activation_checkpointing=self.checkpointing,
             offload_activations=self.checkpointing and self.offload,
             offload_optimizer=self.offload,
+            contiguous_memory=self.contiguous,
         )
 
     def as_dict(self) -> dict:

@@ -11,8 +11,9 @@ The product is 4·5·3·3·2·2·2·2·3·2·4 = 69,120 cells. The presets cover
   quick     every *pair* of values (about 25 cells), the slice stage × N × precision with
             injected gradients (60 cells), the cells of TEETH, three of extras(), and the
             world-size-invariance table at every stage × precision for N ∈ {1, 2, 4, 8}
-            (AdamW), and zero_r_cells() (activation checkpointing, optimizer offload, both, at
-            every stage, N = 2). The CI preset: under a minute on 2 cores.
+            (AdamW), and zero_r_cells() (activation checkpointing, optimizer offload, both,
+            and contiguous memory, at every stage, N = 2). The CI preset: under a minute on 2
+            cores.
   complete  every *4-tuple* of values (about 350 cells; so every triple and pair too), the
             slices stage × N × precision for each kind of injected gradients, for backward and
             in fast mode, the GPT at every stage × precision, TEETH and extras() (persistent
@@ -215,12 +216,17 @@ def invariance_runs(*, full: bool) -> list[dict]:
 def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
     """ZeRO-R and offload at every stage: activation checkpointing, optimizer offload, and both
     (checkpoints then kept on the host), with the model's own gradients (recomputation needs a
-    forward). They change memory, never the bits: deterministic cells must stay bitwise."""
+    forward); and one cell per stage with contiguous memory (M_D) and checkpointing, offload on
+    at stages 1 and 3, so that the device and host arenas of gradients and checkpoints all run
+    (the MLP's units have inputs of two sizes: the checkpoint arena also grows once). They
+    change memory, never the bits: deterministic cells must stay bitwise."""
     precisions = DIMENSIONS["precision"]
     out = []
     for n in world_sizes:
         for s in DIMENSIONS["stage"]:
-            for i, (ckpt, off) in enumerate(((True, False), (False, True), (True, True))):
+            options = ((True, False, False), (False, True, False), (True, True, False))
+            options += ((True, s % 2 == 1, True),)
+            for i, (ckpt, off, contiguous) in enumerate(options):
                 out.append(
                     Cell(
                         stage=s,
@@ -231,6 +237,7 @@ def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
                         model="mlp",
                         checkpointing=ckpt,
                         offload=off,
+                        contiguous=contiguous,
                         seed=5000 + s,
                     )
                 )

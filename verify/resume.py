@@ -46,6 +46,9 @@ class ResumeCase:
     steps_before: int = 2
     steps_after: int = 2
     micro_batches: int = ACCUMULATE_M
+    offload: bool = False
+    """Every engine of the case (before, after, uninterrupted) with offload_optimizer: the
+    saved master and states come from host memory and load back into it."""
 
     def engine_config(self, stage: int, units) -> ZeroConfig:
         """The verify matrix's numerics (its groups, clipping at 1.0, chunks of 128) at a stage."""
@@ -60,6 +63,7 @@ class ResumeCase:
             clip_norm=1.0,
             units=tuple(units),
             chunk=128,
+            offload_optimizer=self.offload,
         )
 
 

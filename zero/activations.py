@@ -23,7 +23,10 @@ recomputed forward saves fresh views of the gathered buffer, consumed within the
 [Note: what the offload hook sees] Hooks nest: the innermost saved_tensors_hooks wins. The
 offload hook is entered around the checkpoint call, and non-reentrant checkpointing saves its
 inputs before entering its own hook for the region's insides, so exactly the unit inputs (the
-checkpoints) pass through the offload hook; everything else is recomputed.
+checkpoints) pass through the offload hook; everything else is recomputed. With
+contiguous_memory (ZeRO-R's M_D) a hook in the same place copies each checkpoint into
+engine.activation_arena, a host one under offload_activations ([Note: checkpoint generations]
+in zero/contiguous.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 
@@ -50,14 +54,19 @@ def check_not_nested(names) -> None:
 
 def checkpoint_units(engine, modules: dict[str, torch.nn.Module]) -> None:
     """Run every non-root unit's forward under non-reentrant checkpointing (and, with
-    config.offload_activations, keep its checkpointed inputs in host memory)."""
+    config.offload_activations, keep its checkpointed inputs in host memory; with
+    config.contiguous_memory, copy them into engine.activation_arena)."""
     check_not_nested(list(engine.config.units))
-    offload = engine.config.offload_activations
+    offload, arena = engine.config.offload_activations, engine.activation_arena
     for u in engine.units:
         if not u.name:
             continue
         m = modules[u.name]
-        hooks = (lambda u=u: ActivationOffload(engine, u.index)) if offload else None
+        hooks = None  # a fresh hook context per call: each one records its unit's transfers
+        if offload:
+            hooks = functools.partial(ActivationOffload, engine, u.index, arena)
+        elif arena is not None:
+            hooks = functools.partial(saved_tensors_hooks, arena.store, arena.load)
         m.forward = _checkpointed(m.forward, hooks)
 
 
@@ -73,16 +82,20 @@ def _checkpointed(forward, hooks):
     return run
 
 
-class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
+class ActivationOffload(saved_tensors_hooks):
     """Keep the tensors saved inside the block in host memory; bring them back when unpacked.
 
     On CUDA the host copy is pinned and both copies are non-blocking: the download is ordered
     before any later kernel on the stream that could reuse the device memory, and the upload
     before the recomputation that reads it. A CPU tensor is kept as it is (no copy): on a
     CPU-only machine this is a change of accounting only. Every transfer is counted in the
-    engine's CommCounter (kind='offload', phases activation_down / activation_up)."""
+    engine's CommCounter (kind='offload', phases activation_down / activation_up).
 
-    def __init__(self, engine, unit: int):
+    With contiguous_memory, `arena` (engine.activation_arena, a host CheckpointArena, pinned
+    on CUDA) replaces the per-checkpoint host tensors: each checkpoint is copied into the next
+    host slot (on CPU as well: the arena is the point), counted exactly as before."""
+
+    def __init__(self, engine, unit: int, arena=None):
         counter = engine.counter
 
         def record(t: torch.Tensor, phase: str, op: str) -> None:
@@ -98,6 +111,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
         def pack(t: torch.Tensor):
             record(t, "activation_down", "d2h")
+            if arena is not None:
+                return t.device, arena.store(t)  # the handle keeps the slot's generation alive
             if t.device.type != "cuda":
                 return t.device, t
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -106,6 +121,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
         def unpack(packed):
             device, host = packed
+            if arena is not None:
+                host = arena.load(host)
             record(host, "activation_up", "h2d")
             return host.to(device, non_blocking=host.is_pinned())
 
@@ -135,7 +152,8 @@ def saved_activation_bytes(engine):
     runs, so it is looked up at each save). Under checkpointing the region's own saved tensors
     go to the checkpoint's inner hook and are not seen here: exactly the checkpoints are. Under
     offload_activations the checkpoints go to the offload hook instead ([Note: what the offload
-    hook sees]): they are host bytes, counted in engine.counter (kind='offload')."""
+    hook sees]): they are host bytes, counted in engine.counter (kind='offload'). Under
+    contiguous_memory they go to the arena's hook: they are engine.activation_arena's bytes."""
     saved = SavedBytes()
 
     def pack(t: torch.Tensor):
@@ -145,5 +163,5 @@ def saved_activation_bytes(engine):
             saved.storages[s.data_ptr()] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_tensors_hooks(pack, lambda t: t):
         yield saved

@@ -89,6 +89,14 @@ class ZeroConfig:
     unit's gradient reduce-scatter is then done in pieces of at most this many elements (the
     tree sum is elementwise, so the pieces give the same bits). None: one piece per unit.
     Must be at least the world size (every rank gets at least one element per piece)."""
+    contiguous_memory: bool = False
+    """ZeRO-R's M_D (paper §6.3): every unit's resident gradient buffer is a view into one
+    gradient arena allocated at construction (with offload_optimizer, the host gradient
+    buffers come from one host arena), and with activation_checkpointing the checkpointed unit
+    inputs are copied into one checkpoint arena reused across micro-steps (the host one with
+    offload_activations). Long-lived buffers then stop cutting the allocator's free memory into
+    pieces between short-lived activations ([Note: contiguous memory] in zero/contiguous.py).
+    Bits unchanged (the copies are exact); `python -m zero.fragmentation` measures it on a GPU."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -103,6 +111,7 @@ class ZeroConfig:
             "activation_checkpointing",
             "offload_activations",
             "offload_optimizer",
+            "contiguous_memory",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")

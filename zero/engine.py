@@ -39,6 +39,7 @@ from reference.tree import global_norm
 from . import collectives as C
 from .activations import check_not_nested, checkpoint_units
 from .config import ZeroConfig
+from .contiguous import Arena, CheckpointArena, span
 from .offload import HostOffload
 from .optim import step_runs
 from .partition import UnitPartition
@@ -124,14 +125,18 @@ class ZeroEngine(nn.Module):
         self.pad_rs, self.pad_ag, self.extra_partials = [], [], []
         self.impl = STAGE_CLASSES[config.stage](self)
         self.offload = HostOffload(self) if config.offload_optimizer else None
-        for i, (uname, params) in enumerate(named):
-            part = UnitPartition.build(
+        parts = [
+            UnitPartition.build(
                 [(p_name, p.shape) for p_name, p in params],
                 world_size=n,
                 rank=self.rank,
                 groups=[self.group_index[p_name] for p_name, _ in params],
                 chunk=config.chunk,
             )
+            for _, params in named
+        ]
+        self.grad_arena, self.host_grad_arena = self._grad_arenas(parts)
+        for i, ((uname, params), part) in enumerate(zip(named, parts, strict=True)):
             u = FlatUnit(i, uname, params, part, config.compute_dtype, device, values)
             if u.replaced:
                 self._rebind(u.replaced)
@@ -144,8 +149,10 @@ class ZeroEngine(nn.Module):
             # allocate now, unit by unit: at stage 3 a rank never holds more than one full unit
             self.impl.allocate(u)
             if self.offload is not None:  # ZeRO-Offload (zero/offload.py)
-                self.offload.place(u, self.impl.grad_on_host(u))
+                self.offload.place(u, self.impl.grad_on_host(u.part))
             u.initial = None  # the fp32 start values are now in the master
+        for arena in (self.grad_arena, self.host_grad_arena):  # each handed out exactly
+            assert arena is None or arena.cursor == arena.nbytes, (arena.cursor, arena.nbytes)
         self.runs = [self.impl.runs(u) for u in self.units]
         self.counter.step = 0
         self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
@@ -157,10 +164,40 @@ class ZeroEngine(nn.Module):
                 p.register_post_accumulate_grad_hook(self._hook(u))
         mods = dict(self.module.named_modules())
         self.impl.register_hooks({u.name: mods[u.name] for u in self.units} | {"": self.module})
+        self.activation_arena: CheckpointArena | None = None
         if config.activation_checkpointing:  # ZeRO-R (zero/activations.py)
+            if config.contiguous_memory:  # M_D: checkpoints in one buffer (zero/contiguous.py)
+                host = config.offload_activations
+                self.activation_arena = CheckpointArena(
+                    units=sum(1 for u in self.units if u.name),
+                    device="cpu" if host else device,
+                    pin=host and device.type == "cuda",
+                )
             checkpoint_units(self, mods)
 
     # -- construction helpers ----------------------------------------------------------------
+
+    def _grad_arenas(self, parts: list[UnitPartition]) -> tuple[Arena | None, Arena | None]:
+        """contiguous_memory: (device, host) gradient arenas, each sized to exactly the sum of
+        the buffers it will hand out, in unit order ([Note: contiguous memory]). Device: every
+        u.grad that stays on the device. Host (offload_optimizer): every unit's host gradient
+        buffer, the reduced gradient of its extent (at stages 2-3 that is u.grad itself, so
+        the device arena then holds only stage-3 persistent units, or is not created at all).
+        One dtype (the reduction dtype) for all gradients: one arena per placement."""
+        if not self.config.contiguous_memory:
+            return None, None
+        dtype, impl, off = self.config.grad_dtype, self.impl, self.offload
+        on_device = [
+            span(impl.grad_numel(p), dtype)
+            for p in parts
+            if off is None or not impl.grad_on_host(p)
+        ]
+        device = Arena.zeros(sum(on_device), device=self.device) if sum(on_device) else None
+        host = None
+        if off is not None:
+            ext = [impl.extent(p) for p in parts]
+            host = Arena(off.empty(sum(span(e.stop - e.start, dtype) for e in ext), torch.uint8))
+        return device, host
 
     def _collect_units(self) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
         """[(unit name, [(param name, param)])], root first; shared parameters go to the root."""
@@ -253,6 +290,8 @@ class ZeroEngine(nn.Module):
 
     def forward(self, *args, **kwargs):
         """The wrapped module's forward; floating inputs are cast to the compute dtype."""
+        if self.activation_arena is not None and torch.is_grad_enabled():
+            self.activation_arena.begin()  # [Note: checkpoint generations]
         return self.module(*cast_inputs(args, self.config.compute_dtype), **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -446,8 +485,9 @@ class ZeroEngine(nn.Module):
         return out
 
     def memory_report(self) -> dict[str, int]:
-        """Resident bytes by category, each storage counted once (a view owns nothing new),
-        wherever they live (memory_split() tells device from host)."""
+        """Resident bytes by category, each storage counted once (a view owns nothing new:
+        with contiguous_memory each gradient arena counts once, whole, under grads), wherever
+        they live (memory_split() tells device from host)."""
         split = self.memory_split()
         return {k: split["device"][k] + split["host"][k] for k in split["device"]}
 

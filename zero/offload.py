@@ -53,6 +53,7 @@ class HostOffload:
     # -- placement -----------------------------------------------------------------------------
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new host buffer of zeros (pinned on CUDA), registered as host memory."""
         t = torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
         self.host_ptrs.add(t.untyped_storage().data_ptr())
         return t
@@ -68,16 +69,24 @@ class HostOffload:
 
     def place(self, u: FlatUnit, grad_shard: bool) -> None:
         """After the stage allocated u: master and states to the host; the gradient shard too
-        (grad_shard, stages 2-3), else a host buffer for the extent's gradient. The master gets
-        its own storage even where it was a view of the working copy (pure fp32)."""
+        (grad_shard, stages 2-3: the stage left a placeholder), else a host buffer for the
+        extent's gradient. The master gets its own storage even where it was a view of the
+        working copy (pure fp32). With contiguous_memory the host gradient buffers are views of
+        one host arena (engine.host_grad_arena, registered here as host memory): like the
+        device arena, one allocation instead of one per unit, and on CUDA one pinned block
+        rather than many (pinned allocations are slow and rounded up by the host allocator)."""
         u.master = self.copy(u.master)
         u.opt = {k: self.empty(v.numel(), v.dtype) for k, v in u.opt.items()}  # zeros at start
         u.host_stage = None
-        if grad_shard:
-            u.grad = self.empty(u.grad.numel(), u.grad.dtype)
-            u.host_grad = u.grad
+        dtype = self.eng.config.grad_dtype
+        arena = self.eng.host_grad_arena
+        if arena is None:
+            u.host_grad = self.empty(u.master.numel(), dtype)
         else:
-            u.host_grad = self.empty(u.master.numel(), u.grad.dtype)
+            u.host_grad = arena.take(u.master.numel(), dtype)
+            assert u.host_grad is not None, "the host arena was sized from the same extents"
+        if grad_shard:  # the reduced shard's extent is the master's (stages 2-3)
+            u.grad = u.host_grad
         compute = self.eng.config.compute_dtype
         u.staging = None if compute == torch.float32 else self.empty(u.master.numel(), compute)
 

@@ -51,11 +51,15 @@ HEADROOM_BYTES = 2 * 1024**3
 """Memory left to everything else on the machine when a large simulated rank starts."""
 
 
-def _gpt(params: float, *, seq: int, vocab_size: int):
-    from .models import GPT, gpt_config_for
+def _gpt(params: float, *, seq: int, vocab_size: int, shape: dict | None = None):
+    """The GPT of `gpt_config_for(params)`, or of `shape` (n_layer, n_embd, n_head) when given."""
+    from .models import GPT, GPTConfig, gpt_config_for
 
-    cfg, _ = gpt_config_for(params, vocab_size=vocab_size)
-    cfg = type(cfg)(**{**cfg.__dict__, "block_size": max(seq, 16)})
+    if shape:
+        cfg = GPTConfig(vocab_size=vocab_size, block_size=max(seq, 16), **shape)
+    else:
+        cfg, _ = gpt_config_for(params, vocab_size=vocab_size)
+        cfg = type(cfg)(**{**cfg.__dict__, "block_size": max(seq, 16)})
     return cfg, GPT(cfg, device="meta").num_params()
 
 
@@ -108,8 +112,15 @@ def simulate_rank(
     batch: int = 1,
     vocab_size: int = 50257,
     device: str = "cpu",
+    shape: dict | None = None,
+    options: dict | None = None,
 ) -> dict:
     """Build and step rank `rank` of a fake world; returns measurements (bytes).
+
+    `shape` ({"n_layer", "n_embd", "n_head"}) replaces `gpt_config_for(params)`; `options` holds
+    further ZeroConfig fields (the ZeRO-R options activation_checkpointing, offload_activations,
+    bucket_elements, contiguous_memory; chunk). Each step is timed (collectives on the fake group
+    cost nothing, so the time is this rank's compute, copies and optimizer).
 
     Measured outside the engine with zero.measure.MemoryProbe (RSS on CPU, allocator bytes on
     CUDA), the baseline taken after the fake process group exists and before the model is
@@ -130,7 +141,7 @@ def simulate_rank(
     from .memory import model_state_breakdown
     from .models import GPT
 
-    cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size)
+    cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size, shape=shape)
     probe = MemoryProbe(device=device)
     model = GPT(cfg, device="meta")
     zcfg = ZeroConfig(
@@ -141,6 +152,7 @@ def simulate_rank(
         micro_batches=world_size,
         units=tuple(model.unit_names()),
         nonfinite="skip",
+        **(options or {}),
     )
     t0 = time.perf_counter()
     engine = ZeroEngine(model, zcfg, device=device, init_seed=None)
@@ -148,16 +160,27 @@ def simulate_rank(
     padded = sum(u.part.padded_numel for u in engine.units)
     analytic = model_state_breakdown(num_params=padded, world_size=world_size, stage=stage)
     tokens = torch.zeros((batch, seq), dtype=torch.long, device=device)
-    after = []
+    after, step_seconds = [], []
     for i in range(steps):
         probe.reset_peak()
+        t_step = time.perf_counter()
         for _k in range(zcfg.micro_batches // world_size):
             _, loss = engine(tokens, tokens)
             engine.backward(loss)
         engine.step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(torch.device(device))
+        step_seconds.append(time.perf_counter() - t_step)
         del loss
         after.append(probe.sample(f"after step {i + 1}"))
     report = engine.memory_report()
+    # Activation checkpoints kept in host memory by offload_activations, per micro-step: all of
+    # a micro-step's checkpoints are held at once, from their forward to their recomputation.
+    offloaded = [
+        r.nbytes
+        for r in engine.counter.records
+        if r.kind == "offload" and r.phase == "activation_down"
+    ]
     return {
         "config": {
             "params_requested": params,
@@ -175,6 +198,8 @@ def simulate_rank(
             "reduce_dtype": "bf16",
             "optimizer": "adam",
             "device": device,
+            "n_head": cfg.n_head,
+            "options": dict(options or {}),
         },
         "measurement": probe.describe(),
         "peak_resettable": probe.peak_resettable,
@@ -195,17 +220,22 @@ def simulate_rank(
         "analytic_paper_formula": model_state_breakdown(
             num_params=count, world_size=world_size, stage=stage
         ).total,
+        "step_seconds": step_seconds,
+        "activation_host_bytes": sum(offloaded) // max(1, steps * zcfg.micro_batches // world_size),
         "seconds": time.perf_counter() - t0,
     }
 
 
-def measure_rank(*, timeout_s: float = 1800, check_fits: bool = True, **kwargs) -> dict:
+def measure_rank(
+    *, timeout_s: float = 1800, check_fits: bool = True, env: dict | None = None, **kwargs
+) -> dict:
     """simulate_rank in a fresh process (its own baseline and peak, and the fake group of its
     own world size), or a skip when it would not fit the machine now.
 
     Returns {"ran": True, "result": simulate_rank's dict} or {"ran": False, "reason": ...}.
-    kwargs are simulate_rank's. The child is `python -m zero.simulate`; its record comes back
-    through a temporary JSON file.
+    kwargs are simulate_rank's; `env` adds environment variables for the child (e.g. malloc's
+    settings). The child is `python -m zero.simulate`; its record comes back through a
+    temporary JSON file.
     """
     device = kwargs.get("device", "cpu")
     if check_fits:
@@ -229,6 +259,8 @@ def measure_rank(*, timeout_s: float = 1800, check_fits: bool = True, **kwargs) 
         "batch": "--batch",
         "vocab_size": "--vocab-size",
         "device": "--device",
+        "shape": "--shape",
+        "options": "--options",
     }
     unknown = set(kwargs) - set(flags)
     if unknown:
@@ -237,8 +269,15 @@ def measure_rank(*, timeout_s: float = 1800, check_fits: bool = True, **kwargs) 
         path = os.path.join(tmp, "rank.json")
         argv = [sys.executable, "-m", "zero.simulate", "--json", path, "--quiet"]
         for key, value in kwargs.items():
-            argv += [flags[key], str(value)]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+            if value is not None:
+                argv += [flags[key], json.dumps(value) if isinstance(value, dict) else str(value)]
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=None if not env else {**os.environ, **env},
+        )
         if done.returncode != 0:
             raise RuntimeError(
                 f"simulated rank {kwargs} failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
@@ -258,6 +297,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--vocab-size", type=int, default=50257)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
+    p.add_argument(
+        "--shape", type=json.loads, default=None, help='JSON {"n_layer", "n_embd", "n_head"}'
+    )
+    p.add_argument(
+        "--options", type=json.loads, default=None, help="JSON of further ZeroConfig fields"
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--quiet", action="store_true", help="print nothing (for measure_rank)")
     a = p.parse_args(argv)
@@ -271,6 +316,8 @@ def main(argv=None) -> int:
         batch=a.batch,
         vocab_size=a.vocab_size,
         device=a.device,
+        shape=a.shape,
+        options=a.options,
     )
     if not a.quiet:
         gb = 1e9

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from .partition import UnitPartition
 from .unit import FlatUnit
 
 
@@ -57,17 +58,39 @@ class Stage0:
             for x in self.eng.state_names(g)
         }
         u.opt = {x: torch.zeros_like(u.master) for x in sorted(names)}
-        u.grad = torch.zeros(
-            u.part.padded_numel, dtype=self.cfg.grad_dtype, device=u.working.device
-        )
+        u.grad = self.new_grad(u)
+
+    def grad_numel(self, part: UnitPartition) -> int:
+        """Elements of the resident gradient buffer u.grad: the whole padded unit (N·L)."""
+        return part.padded_numel
+
+    def new_grad(self, u: FlatUnit) -> torch.Tensor:
+        """u.grad, zeros: a view of the engine's gradient arena with contiguous_memory
+        ([Note: contiguous memory] in zero/contiguous.py), else an allocation of its own. A
+        buffer that offload_optimizer places on the host is only a placeholder here: the host
+        buffer replaces it (HostOffload.place), so no device memory is spent on it."""
+        dtype, device = self.cfg.grad_dtype, u.working.device
+        if self.eng.offload is not None and self.grad_on_host(u.part):
+            return torch.empty(0, dtype=dtype, device=device)
+        arena = self.eng.grad_arena
+        if arena is None:
+            return torch.zeros(self.grad_numel(u.part), dtype=dtype, device=device)
+        view = arena.take(self.grad_numel(u.part), dtype)
+        assert view is not None, "the gradient arena was sized from these same partitions"
+        return view
 
     def own_master(self, u: FlatUnit) -> torch.Tensor:
         """The whole fp32 master (the working copy itself when training in fp32)."""
         return u.initial
 
+    def extent(self, part: UnitPartition) -> slice:
+        """Which elements of the padded buffer this rank's optimizer updates (known from the
+        partition alone, so the engine can size its arenas before any unit exists)."""
+        return slice(0, part.padded_numel)
+
     def master_extent(self, u: FlatUnit) -> slice:
-        """Which elements of the padded buffer this rank's optimizer updates."""
-        return slice(0, u.part.padded_numel)
+        """extent() of u's partition."""
+        return self.extent(u.part)
 
     def working_extent(self, u: FlatUnit):
         """The resident working copy and which elements of the padded buffer it holds."""
@@ -242,7 +265,7 @@ class Stage0:
         else:
             self.eng.offload.up(u, dst)
 
-    def grad_on_host(self, u: FlatUnit) -> bool:
+    def grad_on_host(self, part: UnitPartition) -> bool:
         """Whether offload_optimizer moves u.grad itself to the host: only where it is the
         reduced shard (stages 2-3). Here it is the full-size buffer the collectives use."""
         return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .partition import UnitPartition
 from .stage0 import Stage0
 from .unit import FlatUnit
 
@@ -24,8 +25,8 @@ class Stage1(Stage0):
         own = u.initial[u.part.own]
         return own if u.initial is u.working else own.clone()
 
-    def master_extent(self, u: FlatUnit) -> slice:
-        return u.part.own
+    def extent(self, part: UnitPartition) -> slice:
+        return part.own
 
     def runs(self, u: FlatUnit):
         return u.part.runs()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .partition import UnitPartition
 from .stage1 import Stage1
 from .unit import FlatUnit
 
@@ -20,9 +21,9 @@ from .unit import FlatUnit
 class Stage2(Stage1):
     stage = 2
 
-    def allocate(self, u: FlatUnit) -> None:
-        super().allocate(u)
-        u.grad = torch.zeros(u.part.shard_numel, dtype=self.cfg.grad_dtype, device=u.working.device)
+    def grad_numel(self, part: UnitPartition) -> int:
+        """u.grad is this rank's shard of the reduced gradient (L)."""
+        return part.shard_numel
 
     def post_backward(self, u: FlatUnit) -> None:
         if self.cfg.bucket_elements is not None:  # no full-size arrival buffer: pieces of C_B
@@ -39,7 +40,7 @@ class Stage2(Stage1):
         self.launched(u, self.reduce_scatter(u, arrival))
         self.eng.note_transient(arrival)
 
-    def grad_on_host(self, u: FlatUnit) -> bool:
+    def grad_on_host(self, part: UnitPartition) -> bool:
         return True
 
     def complete(self, u: FlatUnit, pending) -> None:

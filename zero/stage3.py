@@ -36,6 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .partition import UnitPartition
 from .stage0 import Stage0
 from .stage2 import Stage2
 from .unit import FlatUnit
@@ -131,10 +132,16 @@ class Stage3(Stage2):
     # every rank, no parameter traffic).
 
     def persistent(self, u: FlatUnit) -> bool:
-        return u.numel <= self.cfg.persist_below
+        return self.persists(u.part)
 
-    def master_extent(self, u: FlatUnit) -> slice:
-        return Stage0.master_extent(self, u) if self.persistent(u) else super().master_extent(u)
+    def persists(self, part: UnitPartition) -> bool:
+        return part.layout.numel <= self.cfg.persist_below
+
+    def extent(self, part: UnitPartition) -> slice:
+        return Stage0.extent(self, part) if self.persists(part) else super().extent(part)
+
+    def grad_numel(self, part: UnitPartition) -> int:
+        return Stage0.grad_numel(self, part) if self.persists(part) else super().grad_numel(part)
 
     def own_master(self, u: FlatUnit) -> torch.Tensor:
         return Stage0.own_master(self, u) if self.persistent(u) else super().own_master(u)
@@ -148,8 +155,8 @@ class Stage3(Stage2):
         super().post_backward(u)  # copy the gradients out, launch the reduce-scatter
         self.transition(u, PartitionState.SHARDED)
 
-    def grad_on_host(self, u: FlatUnit) -> bool:
-        return not self.persistent(u)
+    def grad_on_host(self, part: UnitPartition) -> bool:
+        return not self.persists(part)
 
     def reduce_accumulated(self, u: FlatUnit):
         # only persistent units accumulate locally (fast mode): they reduce as at stage 0

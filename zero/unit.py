@@ -59,7 +59,9 @@ class FlatUnit:
                 self.params.append((pname, p))
         self.master: torch.Tensor  # 1D, fp32, N·L (stage 0) or L; a view of working in fp32
         self.opt: dict[str, torch.Tensor] = {}  # 1D, fp32, the master's extent
-        self.grad: torch.Tensor  # 1D, reduction dtype, N·L (stages 0-1) or L (stage 2)
+        # 1D, reduction dtype, N·L (stages 0-1) or L (stages 2-3); with contiguous_memory a view
+        # of the engine's gradient arena (zero/contiguous.py), with offload (stages 2-3) on the host
+        self.grad: torch.Tensor
         # offload_optimizer only (zero/offload.py), host memory, None otherwise:
         self.host_grad: torch.Tensor | None = None  # 1D, reduction dtype, the master's extent
         self.host_stage: torch.Tensor | None = None  # 1D, reduction dtype, L: fast-mode addend

@@ -1,0 +1,334 @@
+"""What fits a per-rank memory budget: the paper's configurations C1-C5 (Table 3) at our scale.
+
+The paper compares five configurations of ZeRO-DP and ZeRO-R (PAPER.md §1.6) by the largest model
+each trains at batch 16 per GPU (Figure 6), the memory each takes for two fixed models (Figure 7)
+and the throughput each reaches on a fixed model at the largest batch it fits (Figure 8), all with
+model parallelism 16. Without model parallelism (out of scope, DESIGN.md §3) P_a has nothing to
+partition a checkpoint over, so C2 ≡ C1 and C4 ≡ C3, and C5's P_a+cpu becomes "activation
+checkpoints kept in host memory". Every configuration keeps one checkpoint per transformer block,
+as the paper's runs did:
+
+    C1  P_os   + C_B + M_D            stage 1, checkpointing, bucket_elements, contiguous_memory
+    C2  C1 + P_a                      = C1 here
+    C3  P_os+g + C_B + M_D            stage 2, checkpointing, bucket_elements, contiguous_memory
+    C4  C3 + P_a                      = C3 here
+    C5  C3 + P_a+cpu                  C3 with offload_activations
+
+[Note: measured, not modelled] Every number comes from one simulated rank (zero.simulate: rank 0
+of an N-rank job on a fake process group, measured outside the engine by zero.measure.MemoryProbe)
+running one real step: the rank's *device peak* is its peak above the baseline over construction
+and the step. On CUDA that is the allocator's peak. On a CPU-only machine the host *is* the
+device, so checkpoints kept "in host memory" stay in the process and show in the RSS: their bytes,
+counted exactly by the engine (kind='offload'), are subtracted, since they are all held at once
+from their forward to the start of backward, where the peak lies. The largest model is found by a
+search over the number of blocks with measured probes; a linear fit of two small probes only
+guides where the search starts.
+
+Legend: L transformer blocks, h hidden size, b batch per rank (one micro-batch), s sequence length,
+N = N_d data-parallel ranks, B the per-rank budget in bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from .simulate import measure_rank
+
+__all__ = [
+    "CONFIGURATIONS",
+    "Configuration",
+    "Setup",
+    "device_peak",
+    "largest_fitting",
+    "probe",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Configuration:
+    """One of the paper's configurations (Table 3) as engine options."""
+
+    name: str
+    paper: str
+    """The paper's ZeRO-DP + ZeRO-R column, verbatim."""
+    stage: int
+    offload_activations: bool = False
+    same_as: str | None = None
+    """Set where the configuration is identical to another one without model parallelism."""
+
+    def options(self, setup: Setup) -> dict:
+        """ZeroConfig fields beyond the stage: ZeRO-R's C_B and M_D and the checkpointing."""
+        out = {
+            "activation_checkpointing": True,
+            "offload_activations": self.offload_activations,
+            "bucket_elements": setup.bucket_elements,
+            "chunk": setup.chunk,
+        }
+        if setup.contiguous_memory:
+            out["contiguous_memory"] = True
+        return out
+
+
+CONFIGURATIONS: tuple[Configuration, ...] = (
+    Configuration(name="C1", paper="P_os + C_B+M_D", stage=1),
+    Configuration(name="C2", paper="P_os + C_B+M_D+P_a", stage=1, same_as="C1"),
+    Configuration(name="C3", paper="P_os+g + C_B+M_D", stage=2),
+    Configuration(name="C4", paper="P_os+g + C_B+M_D+P_a", stage=2, same_as="C3"),
+    Configuration(name="C5", paper="P_os+g + C_B+M_D+P_a+cpu", stage=2, offload_activations=True),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """The scaled-down experiment: a GPT of L blocks of width h on rank 0 of N, one step.
+
+    The defaults keep the paper's proportions where they matter: batch 16 per rank (Figure 6's
+    fixed batch), and checkpoint bytes per block about 1.2× a block's P_os model states and 2.3×
+    its P_os+g states (the paper's 40B and 50B models at MP 16, N_d = 25: 1.2× and 2.1×)."""
+
+    world_size: int = 64
+    hidden: int = 64
+    heads: int = 1
+    seq: int = 128
+    batch: int = 16
+    vocab_size: int = 256
+    chunk: int = 128
+    """The clipping chunk: shards are padded to N·chunk elements per unit, so a small chunk
+    keeps padding a small part of a block of 12h² parameters."""
+    bucket_elements: int = 1 << 16
+    """C_B: the fused reduction buffer's cap in elements."""
+    contiguous_memory: bool = True
+    """M_D: gradients and checkpoints in pre-allocated contiguous buffers."""
+    malloc_mmap_threshold: int | None = 1 << 16
+    """[Note: the CPU allocator] glibc's MALLOC_MMAP_THRESHOLD_ for the probes: tensors of at
+    least this many bytes get their own mapping, returned to the system when freed. None keeps
+    glibc's default (a threshold that rises to 32 MiB as blocks are freed), with which a step's
+    freed temporaries stay in a heap that cannot shrink, and the RSS peak measures the heap's
+    fragmentation as much as the configuration: at 145 blocks of C3, 192 MiB against 104 MiB
+    with the threshold fixed. `fragmentation()` measures both."""
+    budget_bytes: int = 128 * 2**20
+    """B: what one rank may hold above its baseline at its peak."""
+    device: str = "cpu"
+
+    def __post_init__(self):
+        for name in ("world_size", "hidden", "heads", "seq", "batch", "vocab_size", "budget_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden}: must be a multiple of heads={self.heads}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def device_peak(result: dict) -> int:
+    """The rank's peak device bytes above its baseline ([Note: measured, not modelled])."""
+    peak = result["rss_peak"]
+    if not result["config"]["device"].startswith("cuda"):
+        peak -= result["activation_host_bytes"]
+    return peak
+
+
+@dataclass
+class Probe:
+    """One measured step of configuration `name` with L blocks at batch b."""
+
+    name: str
+    layers: int
+    batch: int
+    num_params: int
+    device_peak: int
+    rss_peak: int
+    activation_host_bytes: int
+    model_states: int
+    step_seconds: list[float] = field(default_factory=list)
+
+    def fits(self, budget: int) -> bool:
+        return self.device_peak <= budget
+
+
+def probe(
+    setup: Setup, conf: Configuration, *, layers: int, batch: int | None = None, steps: int = 1
+) -> Probe:
+    """Measure one step of `conf` on a GPT of `layers` blocks (fresh process, fake group)."""
+    b = setup.batch if batch is None else batch
+    got = measure_rank(
+        check_fits=False,
+        params=0,  # unused: the shape is given
+        world_size=setup.world_size,
+        rank=0,
+        stage=conf.stage,
+        steps=steps,
+        seq=setup.seq,
+        batch=b,
+        vocab_size=setup.vocab_size,
+        device=setup.device,
+        shape={"n_layer": layers, "n_embd": setup.hidden, "n_head": setup.heads},
+        options=conf.options(setup),
+        env=None
+        if setup.malloc_mmap_threshold is None
+        else {"MALLOC_MMAP_THRESHOLD_": str(setup.malloc_mmap_threshold)},
+    )["result"]
+    return Probe(
+        name=conf.name,
+        layers=layers,
+        batch=b,
+        num_params=got["config"]["num_params"],
+        device_peak=device_peak(got),
+        rss_peak=got["rss_peak"],
+        activation_host_bytes=got["activation_host_bytes"],
+        model_states=got["engine_model_states"],
+        step_seconds=got["step_seconds"],
+    )
+
+
+def largest_fitting(fits: Callable[[int], bool], *, guess: int, resolution: float = 0.01) -> int:
+    """The largest x >= 1 with fits(x), for fits monotone (True up to some x, then False).
+
+    Starts at `guess` (a model's prediction), widens a bracket geometrically (4%, 8%, ... of the
+    guess) until it holds the boundary, then bisects until the bracket is at most
+    max(1, resolution·x) wide. Returns 0 when not even x = 1 fits. Each fits(x) is one probe,
+    so the count of calls is what a search costs; a good guess makes it about log2(4%/1%) + 2."""
+    if guess < 1:
+        raise ValueError(f"guess={guess}: must be >= 1")
+    lo, hi = 0, None  # fits(lo) (0 fits vacuously), not fits(hi)
+    x, widen = guess, max(1, math.ceil(0.04 * guess))
+    if fits(x):
+        lo = x
+        while hi is None:
+            x = lo + widen
+            if fits(x):
+                lo, widen = x, 2 * widen
+            else:
+                hi = x
+    else:
+        hi = x
+        while lo == 0 and hi > 1:
+            x = max(1, hi - widen)
+            if fits(x):
+                lo = x
+            else:
+                hi, widen = x, 2 * widen
+        if lo == 0:
+            return 0
+    while hi - lo > max(1, int(resolution * lo)):
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def linear_guess(small: Probe, large: Probe, budget: int) -> int:
+    """Blocks at which the line through two probes' device peaks reaches the budget."""
+    slope = (large.device_peak - small.device_peak) / (large.layers - small.layers)
+    if slope <= 0:
+        return large.layers
+    return max(1, int((budget - small.device_peak) / slope) + small.layers)
+
+
+def compare(
+    setup: Setup,
+    *,
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    throughput: bool = True,
+    log=None,
+) -> dict:
+    """The C1-C5 comparison at our scale, every number measured (one probe per (C, L, b)).
+
+    - Figure 6: each configuration's largest model (blocks) within the budget at the setup's
+      batch, by largest_fitting, guided by the line through probes at 8 and 32 blocks.
+    - Figure 7: each configuration's device peak on two fixed models: A, C1's largest, and B,
+      half-way between C3's largest and C5's (over the budget for C1 and C3, like the paper's
+      100B model, which had no bars for C1-C3).
+    - Figure 8: on models A and B, each configuration's largest batch in `batches` that fits,
+      and its step time there (the second of two steps; collectives on the fake group cost
+      nothing, so this is one rank's compute, copies and optimizer). Skipped when `throughput`
+      is False.
+
+    Returns plain dicts (JSON-ready) with every probe."""
+    say = log or (lambda _msg: None)
+    budget = setup.budget_bytes
+    probes: dict[tuple, Probe] = {}
+
+    def measured(conf: Configuration, layers: int, batch: int | None = None, steps: int = 1):
+        key = (conf.name, layers, setup.batch if batch is None else batch, steps)
+        if key not in probes:
+            probes[key] = probe(setup, conf, layers=layers, batch=batch, steps=steps)
+            p = probes[key]
+            say(
+                f"{conf.name} L={layers} b={p.batch}: device peak {p.device_peak / 2**20:.1f} MiB "
+                f"({'fits' if p.fits(budget) else 'over'} {budget / 2**20:.0f} MiB)"
+            )
+        return probes[key]
+
+    distinct = [c for c in CONFIGURATIONS if c.same_as is None]
+    largest: dict[str, dict] = {}
+    for conf in distinct:
+        small, large = measured(conf, 8), measured(conf, 32)
+        guess = linear_guess(small, large, budget)
+        layers = largest_fitting(lambda x, c=conf: measured(c, x).fits(budget), guess=guess)
+        largest[conf.name] = {
+            "layers": layers,
+            "num_params": measured(conf, layers).num_params if layers else 0,
+            "guess": guess,
+        }
+    models = {
+        "A": largest["C1"]["layers"],
+        "B": (largest["C3"]["layers"] + largest["C5"]["layers"]) // 2,
+    }
+    memory = {
+        label: {c.name: asdict(measured(c, layers)) for c in distinct}
+        for label, layers in models.items()
+    }
+    timed: dict[str, dict] = {}
+    for label, layers in models.items() if throughput else ():
+        timed[label] = {}
+        for conf in distinct:
+            best = None
+            for b in batches:  # fits is monotone in b: stop at the first batch over the budget
+                p = measured(conf, layers, batch=b, steps=2)
+                if not p.fits(budget):
+                    break
+                best = p
+            timed[label][conf.name] = None if best is None else asdict(best)
+    return {
+        "setup": setup.to_dict(),
+        "fragmentation": fragmentation(setup, layers=largest["C3"]["layers"], log=say),
+        "configurations": [asdict(c) for c in CONFIGURATIONS],
+        "largest": largest,
+        "models": models,
+        "memory": memory,
+        "throughput": timed,
+        "probes": [asdict(p) for p in probes.values()],
+    }
+
+
+def fragmentation(setup: Setup, *, layers: int, log=None) -> list[dict]:
+    """C3's device peak at `layers` blocks with M_D on and off, under glibc's default allocator
+    and with the setup's fixed mmap threshold ([Note: the CPU allocator]): four probes."""
+    from dataclasses import replace
+
+    c3 = next(c for c in CONFIGURATIONS if c.name == "C3")
+    rows = []
+    for threshold in (None, setup.malloc_mmap_threshold or 1 << 16):
+        for md in (False, True):
+            here = replace(setup, malloc_mmap_threshold=threshold, contiguous_memory=md)
+            p = probe(here, c3, layers=layers)
+            rows.append(
+                {
+                    "malloc_mmap_threshold": threshold,
+                    "contiguous_memory": md,
+                    "device_peak": p.device_peak,
+                    "model_states": p.model_states,
+                }
+            )
+            if log:
+                log(
+                    f"C3 L={layers} M_D={md} threshold={threshold}: {p.device_peak / 2**20:.1f} MiB"
+                )
+    return rows
