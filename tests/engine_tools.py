@@ -74,3 +74,24 @@ def one_step(eng, model, rank, n, k, step=0):
         _, loss = eng(*batches[i * n + rank])
         eng.backward(loss)
     return eng.step()
+
+
+def probe_gpt_engine(stage, n, k, *, seq, hidden, heads, layers, **kw):
+    """A probe GPT (vocabulary 64, bf16, one unit per block and the root) and its engine at
+    M = N·k, chunks of 128; kw are further ZeroConfig fields."""
+    from zero.config import ZeroConfig
+    from zero.engine import ZeroEngine
+    from zero.models import GPT, GPTConfig
+
+    model = GPT(
+        GPTConfig(vocab_size=64, block_size=seq, n_layer=layers, n_head=heads, n_embd=hidden)
+    )
+    cfg = ZeroConfig(
+        stage=stage,
+        precision="bf16",
+        micro_batches=n * k,
+        chunk=128,
+        units=tuple(model.unit_names()),
+        **kw,
+    )
+    return model, ZeroEngine(model, cfg)

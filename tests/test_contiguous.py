@@ -8,16 +8,15 @@ level so that forked workers can unpickle them by reference.
 import pytest
 import torch
 
-from engine_tools import OptCell, failures, mlp_engine, one_step, patched
+from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe_gpt_engine
 from reference.layout import unit_layout
 from reference.precision import DTYPES
 from zero import contiguous as md
 from zero.activations import saved_activation_bytes
 from zero.config import ZeroConfig
-from zero.engine import ZeroEngine
 from zero.fragmentation import fragmentation, main
 from zero.launch import get_pool
-from zero.models import GPT, GPTConfig, gpt_microbatches, mlp_microbatches
+from zero.models import gpt_microbatches, mlp_microbatches
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,16 +38,7 @@ def test_a_non_bool_is_refused_naming_the_field(value):
 
 def gpt_engine(stage, n, k, **kw):
     """The probe GPT (bf16, one unit per block and the root) and its engine, M = N·k."""
-    model = GPT(GPTConfig(vocab_size=64, block_size=S, n_layer=L, n_head=HEADS, n_embd=H))
-    cfg = ZeroConfig(
-        stage=stage,
-        precision="bf16",
-        micro_batches=n * k,
-        chunk=128,
-        units=tuple(model.unit_names()),
-        **kw,
-    )
-    return model, ZeroEngine(model, cfg)
+    return probe_gpt_engine(stage, n, k, seq=S, hidden=H, heads=HEADS, layers=L, **kw)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

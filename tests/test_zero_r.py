@@ -8,13 +8,13 @@ level so that forked workers can unpickle them by reference.
 import pytest
 import torch
 
-from engine_tools import OptCell, failures, mlp_engine, one_step, patched
+from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe_gpt_engine
 from verify.harness import run_cells
 from zero.activations import saved_activation_bytes
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
 from zero.launch import RankError, get_pool
-from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches
+from zero.models import MLP, MLPConfig, gpt_microbatches
 from zero.stage3 import PartitionState
 
 pytestmark = pytest.mark.timeout(600)
@@ -135,16 +135,7 @@ B, S, H, HEADS = 2, 32, 64, 2  # batch, sequence, hidden, heads of the probe GPT
 
 def gpt_engine(stage, n, k, layers=4, **kw):
     """The probe GPT (bf16, one unit per block and the root) and its engine, M = N·k."""
-    model = GPT(GPTConfig(vocab_size=64, block_size=S, n_layer=layers, n_head=HEADS, n_embd=H))
-    cfg = ZeroConfig(
-        stage=stage,
-        precision="bf16",
-        micro_batches=n * k,
-        chunk=128,
-        units=tuple(model.unit_names()),
-        **kw,
-    )
-    return model, ZeroEngine(model, cfg)
+    return probe_gpt_engine(stage, n, k, seq=S, hidden=H, heads=HEADS, layers=layers, **kw)
 
 
 def recompute_probe(rank, n, k, checkpointing, overlap):
