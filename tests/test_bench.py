@@ -6,11 +6,12 @@ the benchmark's targets are goals reported in the README, not tests (DESIGN.md �
 
 import dataclasses
 import math
+import statistics
 import sys
 
 import pytest
 
-from zero import bench
+from zero import bench, mfu
 from zero.bench import BenchConfig, format_table, run_bench
 from zero.launch import WorkerPool, get_pool
 from zero.results import SCHEMA_VERSION, read_json, write_json
@@ -73,6 +74,18 @@ def test_timings_are_positive_and_complete(records):
         assert res["p75_ms"] <= res["max_ms"]
         assert all(math.isfinite(x) and x > 0 for x in res["losses"][0])
     ours, ddp = (r["result"] for r in records)
+    # MFU is made of the model FLOPs (tests/test_mfu.py proves them = torch's count), the median
+    # step time and the peak every rank measured; both systems do the same FLOPs on one peak
+    flops = mfu.step_flops(SMALL.workload.gpt, SMALL.workload.batch_size)
+    for rec in records:
+        res = rec["result"]
+        assert rec["config"]["peak_dtype"] == "float32"
+        assert res["flops_per_rank_step"] == flops
+        assert len(res["rank_peak_flops"]) == 2 and min(res["rank_peak_flops"]) > 0
+        assert res["peak_flops_per_rank"] == statistics.median(res["rank_peak_flops"])
+        assert res["achieved_flops_per_rank"] == flops / (res["median_ms"] / 1e3)
+        assert res["mfu"] == res["achieved_flops_per_rank"] / res["peak_flops_per_rank"]
+    assert ours["peak_flops_per_rank"] == ddp["peak_flops_per_rank"]
     assert ddp["ratio_vs_ddp"] == 1.0
     assert ours["ratio_vs_ddp"] == pytest.approx(ours["median_ms"] / ddp["median_ms"])
     # the same model and data from the same seeds: both train the same thing
@@ -86,6 +99,8 @@ def test_table_has_a_ratio_column_and_rebuilds_from_json(records, tmp_path, caps
     table = format_table(records)
     head, *rows = table.splitlines()
     assert "×DDP" in head.split() and "ms/step" in head.split()
+    col = head.split().index("MFU")
+    assert [r.split()[col] for r in rows] == [f"{100 * r['result']['mfu']:.1f}%" for r in records]
     col = head.split().index("×DDP")
     assert [r.split()[col] for r in rows] == [
         f"{records[0]['result']['ratio_vs_ddp']:.2f}",
@@ -130,7 +145,7 @@ def test_deepspeed_missing_is_reported_and_the_rest_runs(monkeypatch):
 def test_unavailable_system_is_reported_not_fatal():
     """A peer that cannot run (DeepSpeed not installed) gets a record and a table row saying so."""
     built = [{"status": "not installed"}, {"status": "not installed"}]
-    rec = bench._record("deepspeed-s2", 2, SMALL, built, None, None, {"date_utc": "x"}, {})
+    rec = bench._record("deepspeed-s2", 2, SMALL, built, None, None, {"date_utc": "x"}, {}, None)
     assert rec["result"] == {"status": "not installed"}
     assert rec["config"]["stage"] == 2 and rec["config"]["family"] == "peer"
     bench.add_ratios([rec])

@@ -14,6 +14,9 @@ Legend:
     step       forward + backward + optimizer step of one micro-batch on every rank
     ms/step    one step's time on the slowest rank (max over ranks: the slowest rank sets the pace)
     median     over every timed step of every repeat; IQR, its 25th-75th percentiles, is the spread
+    MFU        model FLOPs of a rank's step ÷ the median step time ÷ the peak FLOP/s each rank
+               measured at the same time (zero/mfu.py: bf16 on a GPU, fp32 on a CPU); every
+               system does the same model FLOPs, so MFU ranks them as the step time does
     ×DDP       median / DDP's median at the same N (below 1 is faster than DDP)
     ×fast      a deterministic stage's median / the same stage's fast-mode median
     ×<peer>    our median / that peer's median at the same N
@@ -80,6 +83,7 @@ import torch.distributed as dist
 from reference.optim import Hyper
 
 from . import engine as engine_module
+from . import mfu
 from .config import ZeroConfig, decay_matrices_only
 from .models import GPT, GPTConfig, gpt_microbatches
 from .results import make_record, provenance, read_json, write_json
@@ -592,6 +596,19 @@ def _profile(rank: int, n: int, name: str, steps: int) -> dict:
     return {"phases": out, "cpu_s": time.process_time() - cpu0}
 
 
+def _peak(rank: int, n: int) -> dict:
+    """This rank's measured peak FLOP/s, every rank at once ([Note: the peak a rank can reach]
+    in zero/mfu.py)."""
+    device = _device()
+    cpu0 = time.process_time()
+    peak = mfu.measure_peak_flops(device)
+    return {
+        "peak_flops": peak,
+        "dtype": str(mfu.PEAK_DTYPE[device.type]).removeprefix("torch."),
+        "cpu_s": time.process_time() - cpu0,
+    }
+
+
 def _drop_all(rank: int, n: int) -> None:
     """Free every system in this rank (a shared pool outlives the benchmark)."""
     _LIVE.clear()
@@ -660,6 +677,7 @@ def bench_world(n: int, cfg: BenchConfig, *, pool=None, say=print) -> list[dict]
             + ("" if busiest is None else f"; others used <= {busiest:.2f} cores")
             + f"; {sum(len(v) for v in redone.values())} repeats redone so far)"
         )
+    peaks = _undisturbed(world, meter, cfg, _peak)[0] if ready else None
     profiles = {}
     if cfg.profile:
         for name in ready:
@@ -668,7 +686,9 @@ def bench_world(n: int, cfg: BenchConfig, *, pool=None, say=print) -> list[dict]
     world.run(_drop_all)
     prov = provenance()
     return [
-        _record(name, n, cfg, built[name], timings.get(name), profiles.get(name), prov, redone)
+        _record(
+            name, n, cfg, built[name], timings.get(name), profiles.get(name), prov, redone, peaks
+        )
         for name in cfg.systems
     ]
 
@@ -768,7 +788,7 @@ def _base_config(name: str, n: int, cfg: BenchConfig) -> dict:
     }
 
 
-def _record(name, n, cfg, built, timing, profile, prov, redone) -> dict:
+def _record(name, n, cfg, built, timing, profile, prov, redone, peaks) -> dict:
     config = _base_config(name, n, cfg)
     first = built[0]
     if first["status"] != "ok" or timing is None:
@@ -805,6 +825,19 @@ def _record(name, n, cfg, built, timing, profile, prov, redone) -> dict:
         "redone_other_cores": redone.get(name, []),
         "waited_for_quiet_s": sum(rep[0]["waited_s"] for rep in timing),
     }
+    # MFU (zero/mfu.py): this rank's model FLOPs over the step's median time (the slowest
+    # rank's), against the median over ranks of the peak each measured
+    flops = mfu.step_flops(cfg.workload.gpt, cfg.workload.batch_size)
+    peak = float(np.median([p["peak_flops"] for p in peaks]))
+    config["peak_dtype"] = peaks[0]["dtype"]
+    use = mfu.utilisation(flops, result["median_ms"] / 1e3, peak)
+    result.update(
+        flops_per_rank_step=flops,
+        peak_flops_per_rank=peak,
+        rank_peak_flops=[p["peak_flops"] for p in peaks],
+        achieved_flops_per_rank=use["achieved_flops"],
+        mfu=use["mfu"],
+    )
     if profile is not None:
         result["profile_ms"] = _profile_summary(profile)
     return make_record(config=config, result=result, kind=KIND, provenance=prov)
@@ -871,7 +904,7 @@ def add_ratios(records: list[dict]) -> None:
 def format_table(records: list[dict], *, markdown: bool = False) -> str:
     """The results table, drawn from the records (never from numbers typed in)."""
     peers = [p for p in PEER_LABELS if any(r["config"]["system"] == p for r in records)]
-    head = ["system", "N", "ms/step", "IQR", "×DDP", "×fast", "×s2"]
+    head = ["system", "N", "ms/step", "IQR", "MFU", "×DDP", "×fast", "×s2"]
     head += [f"×{PEER_LABELS[p]}" for p in peers] + ["Δloss"]
     rows = []
     for rec in records:
@@ -888,6 +921,7 @@ def format_table(records: list[dict], *, markdown: bool = False) -> str:
         row += [
             f"{res['median_ms']:.0f}",
             f"{res['p25_ms']:.0f}-{res['p75_ms']:.0f}",
+            "—" if res.get("mfu") is None else f"{100 * res['mfu']:.1f}%",
             ratio(res.get("ratio_vs_ddp")),
             ratio(res.get("ratio_vs_fast")),
             ratio(res.get("ratio_vs_stage2")),
