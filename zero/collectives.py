@@ -215,7 +215,13 @@ class Pieces:
     `fill(buf, a, b)` writes. At most `depth` pieces are in flight; wait() completes them in
     order, launching the next as each finishes, and assembles this rank's shard (L elements).
     The deterministic tree sums each element over ranks on its own, so any cut gives the same
-    bits; the volume is the unit's, split over the pieces (each piece is one counted call)."""
+    bits; the volume is the unit's, split over the pieces (each piece is one counted call).
+
+    All-gathers are not cut into pieces, at any stage: each lands in a buffer the unit has
+    anyway (its flat working parameters, or its flat gradient at stage 0), so there is no fused
+    buffer to cap, only the L elements this rank sends. What a gather holds is set by the unit
+    choice instead: one unit's parameters, and at stage 3 at most `max_live` units besides the
+    root (zero/stage3.py), so splitting units, not C_B, bounds it."""
 
     depth = 2
 
