@@ -11,7 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero.budget import CONFIGURATIONS, Probe, Setup, largest_fitting, linear_guess, probe
+from zero.budget import (
+    CONFIGURATIONS,
+    Probe,
+    Setup,
+    largest_fitting,
+    largest_of,
+    linear_guess,
+    probe,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -46,6 +54,25 @@ def test_largest_fitting_costs_few_probes_from_a_good_guess():
     # [1000, 1010) is within 1% of 1000: 4 calls.
     assert got == 1000
     assert calls == [990, 1030, 1010, 1000]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.integers(1, 200), min_size=1, max_size=12, unique=True).map(sorted),
+    threshold=st.integers(0, 210),
+)
+def test_largest_of_finds_the_largest_fitting_value(values, threshold):
+    """Against a plain scan of the list; at most floor(log2(len)) + 1 probes."""
+    calls = []
+    got = largest_of(values, lambda v: calls.append(v) or v <= threshold)
+    fitting = [v for v in values if v <= threshold]
+    assert got == (fitting[-1] if fitting else None)
+    assert len(calls) <= len(values).bit_length()
+
+
+def test_largest_of_rejects_an_unsorted_list():
+    with pytest.raises(ValueError, match="values="):
+        largest_of([4, 2], lambda v: True)
 
 
 def test_largest_fitting_rejects_a_bad_guess():

@@ -42,6 +42,7 @@ __all__ = [
     "Setup",
     "device_peak",
     "largest_fitting",
+    "largest_of",
     "probe",
 ]
 
@@ -223,6 +224,23 @@ def largest_fitting(fits: Callable[[int], bool], *, guess: int, resolution: floa
     return lo
 
 
+def largest_of(values, fits: Callable[[int], bool]):
+    """The largest of the ascending `values` with fits(value), for fits monotone (True up to
+    some value, then False), or None when not even the first fits. Bisects the list: about
+    log2(len(values)) + 1 calls, each one probe."""
+    values = list(values)
+    if values != sorted(set(values)):
+        raise ValueError(f"values={values!r}: must be strictly ascending")
+    lo, hi = -1, len(values)  # values[lo] fits (lo = -1: nothing known to fit), values[hi] not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(values[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return None if lo < 0 else values[lo]
+
+
 def linear_guess(small: Probe, large: Probe, budget: int) -> int:
     """Blocks at which the line through two probes' device peaks reaches the budget."""
     slope = (large.device_peak - small.device_peak) / (large.layers - small.layers)
@@ -245,10 +263,10 @@ def compare(
     - Figure 7: each configuration's device peak on two fixed models: A, C1's largest, and B,
       half-way between C3's largest and C5's (over the budget for C1 and C3, like the paper's
       100B model, which had no bars for C1-C3).
-    - Figure 8: on models A and B, each configuration's largest batch in `batches` that fits,
-      and its step time there (the second of two steps; collectives on the fake group cost
-      nothing, so this is one rank's compute, copies and optimizer). Skipped when `throughput`
-      is False.
+    - Figure 8: on models A and B, each configuration's largest batch in `batches` that fits
+      (largest_of: a bisection of the list), and its step time there (the second of two
+      steps; collectives on the fake group cost nothing, so this is one rank's compute, copies
+      and optimizer). Skipped when `throughput` is False.
 
     Returns plain dicts (JSON-ready) with every probe."""
     say = log or (lambda _msg: None)
@@ -288,13 +306,12 @@ def compare(
     timed: dict[str, dict] = {}
     for label, layers in models.items() if throughput else ():
         timed[label] = {}
-        for conf in distinct:
-            best = None
-            for b in batches:  # fits is monotone in b: stop at the first batch over the budget
-                p = measured(conf, layers, batch=b, steps=2)
-                if not p.fits(budget):
-                    break
-                best = p
+        for conf in distinct:  # fits is monotone in the batch: bisect the list
+            b = largest_of(
+                batches,
+                lambda b, c=conf, n=layers: measured(c, n, batch=b, steps=2).fits(budget),
+            )
+            best = None if b is None else measured(conf, layers, batch=b, steps=2)
             timed[label][conf.name] = None if best is None else asdict(best)
     return {
         "setup": setup.to_dict(),
