@@ -112,6 +112,7 @@ def test_probe_subtracts_exactly_the_host_checkpoints(name):
     conf = next(c for c in CONFIGURATIONS if c.name == name)
     layers = 3
     got = probe(setup, conf, layers=layers)
+    assert len(got.step_seconds) == 2  # the peak covers the steady state: [Note: the second step]
     # One checkpoint per block: its input, b·s·h elements in the bf16 working dtype.
     checkpoints = layers * setup.batch * setup.seq * setup.hidden * 2
     if conf.offload_activations:
