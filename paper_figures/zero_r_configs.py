@@ -36,6 +36,7 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
+from zero.budget import step_time
 from zero.results import provenance, read_json, write_atomic, write_json
 
 NAME = "zero_r_configs"
@@ -143,7 +144,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
             if p is None:
                 label_above(ax8, "✗", (x, 0), fontsize=9)
                 continue
-            rate = p["batch"] * setup["seq"] / p["step_seconds"][-1]
+            rate = p["batch"] * setup["seq"] / step_time(p)
             ax8.bar(x, rate, width, color=f"C{i}", label=f"model {label}" if x == pos[0] else None)
             label_above(ax8, f"b={p['batch']}", (x, rate), fontsize=7)
     ax8.set_xticks(range(len(distinct)), [_with_same(payload, n) for n in distinct])
@@ -243,7 +244,7 @@ def table(payload: dict) -> str:
             if p is None:
                 rows.append([f"{label} ({layers} blocks)", n, "✗", "–", "–", _tflops(theirs)])
                 continue
-            seconds = p["step_seconds"][-1]
+            seconds = step_time(p)
             rows.append(
                 [
                     f"{label} ({layers} blocks)",

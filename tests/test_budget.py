@@ -19,6 +19,7 @@ from zero.budget import (
     largest_of,
     linear_guess,
     probe,
+    step_time,
 )
 
 
@@ -73,6 +74,13 @@ def test_largest_of_finds_the_largest_fitting_value(values, threshold):
 def test_largest_of_rejects_an_unsorted_list():
     with pytest.raises(ValueError, match="values="):
         largest_of([4, 2], lambda v: True)
+
+
+def test_step_time_is_the_median_after_the_first_step():
+    assert step_time({"step_seconds": [9.0, 2.0, 4.0, 3.0]}) == 3.0  # the first step is not used
+    assert step_time({"step_seconds": [9.0, 2.0, 4.0]}) == 3.0
+    with pytest.raises(ValueError, match="step_seconds="):
+        step_time({"step_seconds": [1.0]})
 
 
 def test_largest_fitting_rejects_a_bad_guess():

@@ -51,6 +51,7 @@ __all__ = [
     "largest_fitting",
     "largest_of",
     "probe",
+    "step_time",
 ]
 
 
@@ -272,9 +273,9 @@ def compare(
       half-way between C3's largest and C5's (over the budget for C1 and C3, like the paper's
       100B model, which had no bars for C1-C3).
     - Figure 8: on models A and B, each configuration's largest batch in `batches` that fits
-      (largest_of: a bisection of the list), and its step time there (the second of two
-      steps; collectives on the fake group cost nothing, so this is one rank's compute, copies
-      and optimizer). Skipped when `throughput` is False.
+      (largest_of: a bisection of the list), and its step time there (step_time of a fresh
+      three-step probe; collectives on the fake group cost nothing, so this is one rank's
+      compute, copies and optimizer). Skipped when `throughput` is False.
 
     Returns plain dicts (JSON-ready) with every probe."""
     say = log or (lambda _msg: None)
@@ -319,8 +320,11 @@ def compare(
                 batches,
                 lambda b, c=conf, n=layers: measured(c, n, batch=b).fits(budget),
             )
-            best = None if b is None else measured(conf, layers, batch=b)
+            # timed on a probe of its own: [Note: step times]
+            best = None if b is None else probe(setup, conf, layers=layers, batch=b, steps=3)
             timed[label][conf.name] = None if best is None else asdict(best)
+            if best is not None:
+                say(f"{conf.name} L={layers} b={b}: step {step_time(asdict(best)):.2f} s")
     return {
         "setup": setup.to_dict(),
         "fragmentation": fragmentation(setup, layers=largest["C3"]["layers"], log=say),
@@ -331,6 +335,18 @@ def compare(
         "throughput": timed,
         "probes": [asdict(p) for p in probes.values()],
     }
+
+
+def step_time(p: dict) -> float:
+    """[Note: step times] A Figure 8 probe's step time: the median of its steps after the
+    first. The first step also creates the optimizer states and the arenas' contents; one
+    sample of a few seconds on a shared machine can be off by 2x, so Figure 8 times a fresh
+    three-step probe at the chosen batch rather than reusing a memory probe's second step."""
+    later = sorted(p["step_seconds"][1:])
+    if not later:
+        raise ValueError(f"step_seconds={p['step_seconds']!r}: a timed probe needs >= 2 steps")
+    mid = len(later) // 2
+    return later[mid] if len(later) % 2 else (later[mid - 1] + later[mid]) / 2
 
 
 def fragmentation(setup: Setup, *, layers: int, log=None) -> list[dict]:
