@@ -128,9 +128,25 @@ def _key(record: dict) -> tuple:
     return (c["num_params"], c["world_size"], c["stage"], c["device"])
 
 
-def compute(profile: str, *, previous: dict | None = None) -> dict:
+def _large_records(payload: dict | None) -> dict[tuple, dict]:
+    """(Ψ, N, stage) -> an earlier run's large-cell record (measured or skipped)."""
+    large = set(large_cells())
+    out = {}
+    for record in (payload or {}).get("records", []):
+        c = record["config"]
+        cell = (c["num_params"], c["world_size"], c["stage"])
+        if record["kind"] in ("memory.measured", "memory.skipped") and cell in large:
+            out[cell] = {**record, "carried": True}
+    return out
+
+
+def compute(profile: str, *, previous: dict | None = None, archive: Path | None = None) -> dict:
     """Measure the small ranks and the control; in the full profile, every large cell that
-    fits. The quick profile carries large records forward from ``previous`` (the old file)."""
+    fits. The quick profile carries large records forward from ``previous`` (the old file).
+
+    archive: in the full profile, where the large records are rewritten after every cell
+    ([Note: archived large ranks]): this run's cells so far, and ``previous``'s for the cells it
+    has not reached yet, so a run stopped part-way keeps what it measured."""
     prov = provenance()
     device = _device()
     records = []
@@ -139,17 +155,21 @@ def compute(profile: str, *, previous: dict | None = None) -> dict:
     records.append(control)
     for psi, n, s in small_cells(profile):
         records.append(measure_cell(psi, n, s, device=device, vocab=SMALL_VOCAB, prov=prov))
+    earlier = _large_records(previous)
     if profile == "full":
-        for psi, n, s in large_cells():
+        done = {}
+        for cell in large_cells():
+            psi, n, s = cell
             print(f"  [{NAME}] Ψ = {psi:g}, N = {n}, stage {s} ...", flush=True)
-            records.append(measure_cell(psi, n, s, device=device, vocab=50257, prov=prov))
-    elif previous is not None:  # an earlier full run's large ranks, measured or skipped, kept
-        large = {(psi, n, s) for psi, n, s in large_cells()}
-        for record in previous.get("records", []):
-            c = record["config"]
-            cell = (c["num_params"], c["world_size"], c["stage"])
-            if record["kind"] in ("memory.measured", "memory.skipped") and cell in large:
-                records.append({**record, "carried": True})
+            done[cell] = measure_cell(psi, n, s, device=device, vocab=50257, prov=prov)
+            if archive is not None:
+                kept = [
+                    done.get(c) or earlier[c] for c in large_cells() if c in done or c in earlier
+                ]
+                write_json(archive, {"section": NAME, "records": kept})
+        records += done.values()
+    else:  # an earlier full run's large ranks, measured or skipped, kept
+        records += earlier.values()
     return {"section": NAME, "records": records}
 
 
@@ -270,8 +290,10 @@ ARCHIVE = Path("measured") / f"{NAME}_large.json"
 """[Note: archived large ranks] results/ is not kept in git, but a large rank takes minutes and
 more memory than most machines have. So a full run also writes its large ranks' records to
 ``measured/simulated_ranks_large.json`` under the output root (tracked in git for the package's
-own directory), and a quick run without its own earlier results carries them from there. Their
-provenance (machine, commit, date) travels with them."""
+own directory), after every cell, atomically: a run stopped part-way (a session's end, the
+machine's memory) keeps the cells it finished and the earlier records of those it did not
+reach. A quick run without its own earlier results carries them from there. Their provenance
+(machine, commit, date) travels with them."""
 
 
 def _previous(profile: str, out: Outputs) -> dict | None:
@@ -285,19 +307,10 @@ def _previous(profile: str, out: Outputs) -> dict | None:
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
     previous = _previous(profile, out)
-    rows = compute_then_render(
+    return compute_then_render(
         NAME,
-        lambda p: compute(p, previous=previous),
+        lambda p: compute(p, previous=previous, archive=out.root / ARCHIVE),
         render,
         profile=profile,
         out=out,
     )
-    if profile == "full":
-        large = {cell for cell in large_cells()}
-        records = [
-            r
-            for r in read_json(out.result(NAME))["records"]
-            if (r["config"]["num_params"], r["config"]["world_size"], r["config"]["stage"]) in large
-        ]
-        write_json(out.root / ARCHIVE, {"section": NAME, "records": records})
-    return rows

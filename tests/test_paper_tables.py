@@ -304,3 +304,36 @@ def test_throughput_and_perf_model_sections_render_their_records(tmp_path):
         "held out: Figure 2 ZeRO",
         "held out: Figure 3",
     ]
+
+
+def test_a_full_run_stopped_part_way_keeps_its_cells_and_the_earlier_ones(monkeypatch, tmp_path):
+    """[Note: archived large ranks]: the archive is rewritten after every large cell, with the
+    earlier run's records for the cells not reached yet; a stop leaves a whole file."""
+    from paper_figures import simulated_ranks as sr
+
+    cells = [(7.5e9, 64, 3), (7.5e9, 64, 2), (7.5e9, 64, 1)]
+    monkeypatch.setattr(sr, "large_cells", lambda: list(cells))
+    monkeypatch.setattr(sr, "small_cells", lambda profile: [])
+
+    def record(psi, n, s, note):
+        c = {"num_params": psi, "world_size": n, "stage": s, "device": "cpu"}
+        return {"kind": "memory.measured", "config": c, "result": {"note": note}}
+
+    calls = []
+
+    def measure_cell(psi, n, stage, *, device, vocab, prov):
+        calls.append((psi, n, stage))
+        if (psi, n, stage) == cells[2]:
+            raise KeyboardInterrupt  # the session ends during the third cell
+        return record(psi, n, stage, "new")
+
+    monkeypatch.setattr(sr, "measure_cell", measure_cell)
+    previous = {"records": [record(*c, "old") for c in cells[1:]]}
+    archive = tmp_path / "measured" / "large.json"
+    with pytest.raises(KeyboardInterrupt):
+        sr.compute("full", previous=previous, archive=archive)
+    kept = read_json(archive)["records"]
+    got = [(r["config"]["stage"], r["result"]["note"], r.get("carried", False)) for r in kept]
+    assert got == [(3, "new", False), (2, "new", False), (1, "old", True)]
+    assert calls[0] == (sr.SMALL_PARAMS, 64, 3) and calls[1:] == cells  # the control, then these
+    assert list(archive.parent.iterdir()) == [archive]  # no temporary left behind
