@@ -30,6 +30,7 @@ Legend: Ψ = num_params, N = N_d = world_size, GB = 1e9 bytes.
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 from paper_figures import paper
@@ -89,6 +90,22 @@ def _cap_bytes() -> float | None:
         ) from None
 
 
+def _rank_timeout_s() -> float:
+    """PAPER_FIGURES_RANK_TIMEOUT_S: seconds one large rank may take (default 1800). A rank that
+    fits the memory may still be far too slow for one core: 128B at N_d = 1024, stage 3, runs
+    the whole 128B model's forward and backward, which took over 30 min on the 2-core machine."""
+    raw = os.environ.get("PAPER_FIGURES_RANK_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw else 1800.0
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(
+            f"PAPER_FIGURES_RANK_TIMEOUT_S={raw!r} is not allowed: expected seconds > 0"
+        )
+    return value
+
+
 def measure_cell(psi: float, n: int, stage: int, *, device: str, vocab: int, prov) -> dict:
     """One record: measured (kind memory.measured) or skipped (kind memory.skipped)."""
     from zero.simulate import estimate_peak_bytes, fits_here, measure_rank
@@ -109,16 +126,23 @@ def measure_cell(psi: float, n: int, stage: int, *, device: str, vocab: int, pro
     if not ok:
         result = {"reason": reason, "estimate": est}
         return make_record(config=config, result=result, kind="memory.skipped", provenance=prov)
-    got = measure_rank(
-        params=psi,
-        world_size=n,
-        stage=stage,
-        steps=1,
-        seq=SEQ,
-        vocab_size=vocab,
-        device=device,
-        check_fits=False,
-    )["result"]
+    timeout = _rank_timeout_s()
+    try:
+        got = measure_rank(
+            params=psi,
+            world_size=n,
+            stage=stage,
+            steps=1,
+            seq=SEQ,
+            vocab_size=vocab,
+            device=device,
+            check_fits=False,
+            timeout_s=timeout,
+        )["result"]
+    except subprocess.TimeoutExpired:  # recorded like a rank that does not fit, with its reason
+        reason = f"{reason}, but the rank did not finish within {timeout:g} s here"
+        result = {"reason": reason, "estimate": est}
+        return make_record(config=config, result=result, kind="memory.skipped", provenance=prov)
     got["estimate"] = est
     return make_record(config=config, result=got, kind="memory.measured", provenance=prov)
 

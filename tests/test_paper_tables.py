@@ -337,3 +337,26 @@ def test_a_full_run_stopped_part_way_keeps_its_cells_and_the_earlier_ones(monkey
     assert got == [(3, "new", False), (2, "new", False), (1, "old", True)]
     assert calls[0] == (sr.SMALL_PARAMS, 64, 3) and calls[1:] == cells  # the control, then these
     assert list(archive.parent.iterdir()) == [archive]  # no temporary left behind
+
+
+def test_a_rank_that_times_out_is_recorded_as_skipped_with_its_reason(monkeypatch):
+    import subprocess
+
+    from paper_figures import simulated_ranks as sr
+    from zero import simulate
+
+    def too_slow(**kwargs):
+        assert kwargs["timeout_s"] == 5.0
+        raise subprocess.TimeoutExpired(cmd="zero.simulate", timeout=kwargs["timeout_s"])
+
+    monkeypatch.setattr(simulate, "measure_rank", too_slow)
+    monkeypatch.setattr(simulate, "fits_here", lambda est, device: (True, "estimated peak fits"))
+    monkeypatch.setenv("PAPER_FIGURES_RANK_TIMEOUT_S", "5")
+    rec = sr.measure_cell(1.28e11, 1024, 3, device="cpu", vocab=50257, prov={})
+    assert rec["kind"] == "memory.skipped"
+    assert rec["result"]["reason"] == (
+        "estimated peak fits, but the rank did not finish within 5 s here"
+    )
+    monkeypatch.setenv("PAPER_FIGURES_RANK_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="PAPER_FIGURES_RANK_TIMEOUT_S='soon'"):
+        sr.measure_cell(1.28e11, 1024, 3, device="cpu", vocab=50257, prov={})
