@@ -316,14 +316,18 @@ more memory than most machines have. So a full run also writes its large ranks' 
 ``measured/simulated_ranks_large.json`` under the output root (tracked in git for the package's
 own directory), after every cell, atomically: a run stopped part-way (a session's end, the
 machine's memory) keeps the cells it finished and the earlier records of those it did not
-reach. A quick run without its own earlier results carries them from there. Their provenance
-(machine, commit, date) travels with them."""
+reach. A quick run carries them from there (the output root's archive, else the package's;
+its own earlier results only when neither exists). Their provenance (machine, commit, date)
+travels with them."""
 
 
 def _previous(profile: str, out: Outputs) -> dict | None:
     if profile == "smoke":
         return None
-    for path in (out.result(NAME), Path(__file__).resolve().parent / ARCHIVE):
+    # the archives first: a results file only holds what an archive had when it was written,
+    # and goes stale when a newer full run (or a pull) replaces the archive
+    here = Path(__file__).resolve().parent / ARCHIVE
+    for path in (out.root / ARCHIVE, here, out.result(NAME)):
         if path.exists():
             return read_json(path)
     return None
