@@ -18,7 +18,7 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero import bench
+from zero import bench_table as bench
 from zero.results import read_json, write_atomic
 
 NAME = "throughput"

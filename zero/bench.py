@@ -84,40 +84,17 @@ from reference.optim import Hyper
 
 from . import engine as engine_module
 from . import mfu
+from .bench_table import (
+    OURS,
+    SYSTEMS,
+    add_ratios,
+    format_profile,
+    format_table,
+)
 from .config import ZeroConfig, decay_matrices_only
 from .models import GPT, GPTConfig, gpt_microbatches
 from .results import make_record, provenance, read_json, write_json
 from .train import train_steps
-
-OURS = (
-    "zero-s0",
-    "zero-s1",
-    "zero-s2",
-    "zero-s3",
-    "zero-s0-det",
-    "zero-s1-det",
-    "zero-s2-det",
-    "zero-s3-det",
-)
-PEERS = (
-    "ddp",
-    "zero-redundancy",
-    "fsdp2",
-    "fsdp2-reshard",
-    "deepspeed-s1",
-    "deepspeed-s2",
-    "deepspeed-s3",
-)
-SYSTEMS = OURS + PEERS
-PEER_LABELS = {
-    "zero-redundancy": "ZeRO-R",
-    "fsdp2": "FSDP2",
-    "fsdp2-reshard": "FSDP2-r",
-    "deepspeed-s1": "DS-1",
-    "deepspeed-s2": "DS-2",
-    "deepspeed-s3": "DS-3",
-}
-"""Short column headings of the ×<peer> ratios."""
 
 KIND = "bench.step_time"
 """The results-record kind (zero.results) of one (system, N) measurement."""
@@ -858,127 +835,6 @@ def _profile_summary(per_rank: list[list[dict[str, float]]]) -> dict[str, float]
         ]
         out[k] = 1e3 * float(np.median(per_step))
     return out
-
-
-def _loss_by_step(res: dict) -> dict[int, float]:
-    out = dict(enumerate(res.get("build_losses", [])))
-    for first, rep in zip(res["first_data_steps"], res["losses"]):
-        out.update((first + i, loss) for i, loss in enumerate(rep))
-    return out
-
-
-def add_ratios(records: list[dict]) -> None:
-    """Fill each ok record's ratios against DDP, the fast mode and the peers, at the same N."""
-    ok = {
-        (r["config"]["system"], r["config"]["world_size"]): r
-        for r in records
-        if r["result"]["status"] == "ok"
-    }
-    for (name, n), rec in ok.items():
-        res, mine = rec["result"], rec["result"]["median_ms"]
-        ddp = ok.get(("ddp", n))
-        res["ratio_vs_ddp"] = mine / ddp["result"]["median_ms"] if ddp else None
-        if ddp:
-            # Paired by round: both ran within seconds of each other ([Note: alternating repeats]).
-            res["ratio_vs_ddp_by_repeat"] = [
-                a / b for a, b in zip(res["repeat_medians_ms"], ddp["result"]["repeat_medians_ms"])
-            ]
-            # matched by data step: a repeat timed again shifts one system's steps
-            mine_at, theirs_at = _loss_by_step(res), _loss_by_step(ddp["result"])
-            pairs = [abs(mine_at[s] - theirs_at[s]) for s in mine_at.keys() & theirs_at.keys()]
-            res["max_abs_loss_diff_vs_ddp"] = max(pairs) if pairs else None
-        if name in OURS:
-            res["ratio_vs"] = {
-                peer: mine / ok[(peer, n)]["result"]["median_ms"]
-                for peer in PEERS
-                if (peer, n) in ok
-            }
-            fast = ok.get((name.removesuffix("-det"), n))
-            if name.endswith("-det") and fast:
-                res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
-            two = ok.get((name.replace("-s3", "-s2"), n))
-            if name.startswith("zero-s3") and two:
-                res["ratio_vs_stage2"] = mine / two["result"]["median_ms"]
-
-
-def format_table(records: list[dict], *, markdown: bool = False) -> str:
-    """The results table, drawn from the records (never from numbers typed in)."""
-    peers = [p for p in PEER_LABELS if any(r["config"]["system"] == p for r in records)]
-    head = ["system", "N", "ms/step", "IQR", "MFU", "×DDP", "×fast", "×s2"]
-    head += [f"×{PEER_LABELS[p]}" for p in peers] + ["Δloss"]
-    rows = []
-    for rec in records:
-        c, res = rec["config"], rec["result"]
-        row = [c["system"], str(c["world_size"])]
-        if res["status"] != "ok":
-            rows.append(row + [res["status"]] + [""] * (len(head) - 3))
-            continue
-
-        def ratio(x):
-            return "—" if x is None else f"{x:.2f}"
-
-        diff = res.get("max_abs_loss_diff_vs_ddp")
-        row += [
-            f"{res['median_ms']:.0f}",
-            f"{res['p25_ms']:.0f}-{res['p75_ms']:.0f}",
-            "—" if res.get("mfu") is None else f"{100 * res['mfu']:.1f}%",
-            ratio(res.get("ratio_vs_ddp")),
-            ratio(res.get("ratio_vs_fast")),
-            ratio(res.get("ratio_vs_stage2")),
-            *(ratio(res.get("ratio_vs", {}).get(p)) for p in peers),
-            "—" if diff is None else f"{diff:.0e}",
-        ]
-        rows.append(row)
-    return _render(head, rows, markdown)
-
-
-PROFILE_COLUMNS = (
-    ("step", "step"),
-    ("forward", "forward"),
-    ("backward", "backward"),
-    ("backward.hooks", "hooks"),
-    ("backward.finalize", "finalize"),
-    ("update", "update"),
-    ("update.reduce", "reduce"),
-    ("update.refresh", "all-gather"),
-    ("update.optimizer", "optimizer"),
-    ("update.finish", "ag-wait"),
-    ("update.control", "control"),
-    ("update.other", "other"),
-)
-"""Phases of --profile (key, heading); a peer has forward, backward and update only. For ours,
-backward holds hooks (flatten + launch, autograd's reductions at stage 2) and finalize (the
-micro-step's waits); update holds reduce (the reduction at step()), all-gather (new working
-parameters, stages 1-2: launched per unit), ag-wait (waiting for those all-gathers after the
-last update), optimizer, control (norm partials and the step's one control exchange: losses,
-overflow flag, partials) and other (the rest: 1/M scaling, clipping, ...)."""
-
-
-def format_profile(records: list[dict], *, markdown: bool = False) -> str:
-    """Phase medians in ms (mean over ranks, median over steps) of the profiled systems."""
-    head = ["system", "N"] + [h for _, h in PROFILE_COLUMNS]
-    rows = []
-    for rec in records:
-        prof = dict(rec["result"].get("profile_ms") or {})
-        if not prof:
-            continue
-        if "update.optimizer" in prof:  # ours: the remainder of update is "other"
-            parts = ("reduce", "refresh", "finish", "optimizer", "control")
-            prof["update.other"] = prof["update"] - sum(prof.get(f"update.{k}", 0.0) for k in parts)
-        row = [rec["config"]["system"], str(rec["config"]["world_size"])]
-        rows.append(row + [f"{prof[k]:.0f}" if k in prof else "" for k, _ in PROFILE_COLUMNS])
-    return _render(head, rows, markdown)
-
-
-def _render(head: list[str], rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(
-        x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths))
-    )
-    return "\n".join([fmt(head), *(fmt(r) for r in rows)])
 
 
 def run_bench(cfg: BenchConfig, *, pools=None, say=print) -> list[dict]:
