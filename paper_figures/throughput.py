@@ -18,7 +18,7 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero import bench_table as bench
+from zero import bench, bench_table
 from zero.results import read_json, write_atomic
 
 NAME = "throughput"
@@ -29,7 +29,7 @@ def compute(profile: str) -> dict:
     if profile == "full":
         cfg = bench.BenchConfig(model="anchor", world_sizes=(2, 4), repeats=6, steps=6)
         records = [r for n in cfg.world_sizes for r in bench.bench_world(n, cfg)]
-        bench.add_ratios(records)
+        bench_table.add_ratios(records)
         return {"section": NAME, "source": "measured by this run", "records": records}
     payload = read_json(MEASURED)
     records = payload["records"] if isinstance(payload, dict) else payload
@@ -41,7 +41,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     write_atomic(
         out.table(NAME),
         "# Step time, CPU/gloo (python -m zero.bench)\n\n"
-        + bench.format_table(payload["records"], markdown=True)
+        + bench_table.format_table(payload["records"], markdown=True)
         + "\n",
     )
     sizes = sorted({r["config"]["world_size"] for r in records})
@@ -51,7 +51,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         here = [r for r in records if r["config"]["world_size"] == n]
         names = [r["config"]["system"] for r in here]
         ratios = [r["result"]["ratio_vs_ddp"] for r in here]
-        colors = ["C0" if s in bench.OURS else "C7" for s in names]
+        colors = ["C0" if s in bench_table.OURS else "C7" for s in names]
         ax.barh(names, ratios, color=colors)
         ax.axvline(1.0, color="k", lw=1)
         ax.invert_yaxis()
@@ -72,7 +72,7 @@ def index_rows(payload: dict) -> list[list[str]]:
     rows = []
     for r in payload["records"]:
         c, res = r["config"], r["result"]
-        if c["system"] in bench.OURS and res["status"] == "ok":
+        if c["system"] in bench_table.OURS and res["status"] == "ok":
             prov = r["provenance"]
             rows.append(
                 [
