@@ -40,6 +40,7 @@ from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
 from zero.launch import RankError, get_pool, spawn
 from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches
+from zero.optim import torch_optimizer
 from zero.train import train_steps
 
 pytestmark = pytest.mark.timeout(600)
@@ -297,21 +298,7 @@ def plain_torch_optimizer(kind, model, hypers):
     (decayed) first, then biases and norms, each in named_parameters() order."""
     named = list(model.named_parameters())
     groups = [[p for k, p in named if decay_matrices_only(k, p) == g] for g in range(len(hypers))]
-    specs = []
-    for hp, params in zip(hypers, groups):
-        if kind == "sgd":
-            h = dict(
-                lr=hp.lr,
-                momentum=hp.momentum,
-                dampening=hp.dampening,
-                nesterov=hp.nesterov,
-                weight_decay=hp.weight_decay,
-            )
-        else:
-            h = dict(lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-        specs.append({"params": params, **h})
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
-    return cls(specs, foreach=False)
+    return torch_optimizer(kind, list(zip(groups, hypers)), foreach=False)
 
 
 @pytest.mark.dist

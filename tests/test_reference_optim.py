@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from reference import optim
 from reference.optim import Hyper
 from verify.bounds import optimizer_step_error
+from zero import optim as zero_optim
 
 STEPS = 20
 
@@ -25,20 +26,7 @@ CASES = {
 
 
 def torch_optimizer(kind, hp, params):
-    if kind == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=hp.lr,
-            momentum=hp.momentum,
-            dampening=hp.dampening,
-            nesterov=hp.nesterov,
-            weight_decay=hp.weight_decay,
-            foreach=False,
-        )
-    cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
-    return cls(
-        params, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay, foreach=False
-    )
+    return zero_optim.torch_optimizer(kind, [(params, hp)], foreach=False)
 
 
 def trajectories(kind, hp, seed, n=4096):

@@ -70,6 +70,26 @@ def test_cli_writes_the_documented_json(tmp_path, capsys):
 
 
 @pytest.mark.dist
+def test_baseline_flags_a_cell_whose_final_digest_changed(tmp_path, capsys):
+    """--baseline compares each cell's end-state digest with an earlier report: the same code
+    passes; a report whose digest for one cell was changed makes the run fail naming it."""
+    base = tmp_path / "base.json"
+    argv = ["--stages", "0", "2", "--world-sizes", "2", "--precisions", "fp32"]
+    argv += ["--optimizers", "adamw", "--models", "mlp", "--steps", "2"]
+    assert main([*argv, "--json", str(base)]) == 0
+    data = json.loads(base.read_text())
+    digests = [c["digest"] for c in data["cells"]]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", d) for d in digests)
+    assert main([*argv, "--baseline", str(base)]) == 0
+    data["cells"][1]["digest"] = "0" * 32
+    base.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main([*argv, "--baseline", str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "1/2 common cells end in the same digest" in out and "changed:" in out
+
+
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_under_torchrun_it_uses_the_given_world(tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))

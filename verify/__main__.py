@@ -26,14 +26,16 @@ import argparse
 import importlib
 import importlib.util
 import itertools
+import json
 import os
 import sys
+from pathlib import Path
 
 from zero.results import provenance, write_atomic, write_json
 
 from . import matrix
 from .harness import Cell
-from .report import SECTIONS, markdown, sanitize
+from .report import SECTIONS, console_row, markdown, sanitize
 from .run import run_matrix
 
 MODES = ("deterministic", "fast")
@@ -87,6 +89,12 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--json", default=None, help="write the JSON report here")
     p.add_argument("--markdown", default=None, help="write the Markdown report here")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="a JSON report of an earlier run: every cell run by both must end in the same "
+        "state digest (a refactoring check)",
+    )
     p.add_argument("--list", action="store_true", help="print the cells per world size, run none")
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
     args = p.parse_args(argv)
@@ -160,6 +168,23 @@ def resume_section(args, say) -> list[dict] | None:
     return rows
 
 
+def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
+    """Rows whose final state digest differs from the same cell's in the report at `path`.
+    Cells are matched by their full configuration; cells in only one report are counted."""
+    key = lambda r: json.dumps(r["config"], sort_keys=True)
+    old = json.loads(Path(path).read_text())
+    before = {key(r): r.get("digest") for s in ("cells", "injected") for r in old.get(s) or []}
+    common = [r for r in rows if key(r) in before]
+    changed = [r for r in common if r.get("digest") != before[key(r)]]
+    say(
+        f"baseline {path}: {len(common) - len(changed)}/{len(common)} common cells end in the "
+        f"same digest ({len(rows) - len(common)} cells only here)"
+    )
+    for r in changed[:20]:
+        say(f"  changed: {console_row(r)}")
+    return changed
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     # under torchrun every rank computes; rank 0 alone prints and writes
@@ -193,11 +218,12 @@ def main(argv=None) -> int:
         if report.get(name):
             ok = sum(r["passed"] for r in report[name])
             say(f"{name}: {ok}/{len(report[name])} passed")
+    changed = compare_baseline(args.baseline, cell_rows, say) if args.baseline else []
     if lead and args.json:
         write_json(args.json, sanitize(report))
     if lead and args.markdown:
         write_atomic(args.markdown, markdown(report))
-    return 1 if failed or not every else 0
+    return 1 if failed or changed or not every else 0
 
 
 if __name__ == "__main__":

@@ -115,6 +115,7 @@ import torch
 from reference import ModelSpec, StepConfig, init_state, train_step, working_copy
 from reference.precision import UNIT_ROUNDOFF
 from reference.step import CLIP_EPS, StepInfo, TrainState
+from zero import optim as zero_optim
 from zero.config import decay_matrices_only
 
 from .bounds import gamma, optimizer_step_error
@@ -271,13 +272,9 @@ def torch_optimizer(model, a: Anchor, recipe: Recipe) -> torch.optim.Optimizer:
     members = [[] for _ in hps]
     for name, p in model.named_parameters():
         members[a.group_of(name, p)].append(p)
-    groups = [
-        dict(params=ps, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-        for ps, hp in zip(members, hps)
-        if ps
-    ]
-    cls = getattr(torch.optim, recipe.torch_optimizer)
-    return cls(groups, foreach=False)  # A4: the single-tensor kernel
+    kind = recipe.torch_optimizer.lower()
+    groups = [(ps, hp) for ps, hp in zip(members, hps) if ps]
+    return zero_optim.torch_optimizer(kind, groups, foreach=False)  # A4: the single-tensor kernel
 
 
 def load_state(model, opt, master, opt_state, t: int) -> None:

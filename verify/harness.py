@@ -21,6 +21,7 @@ not asked of the engine, so an engine that shifts its own shard cannot shift the
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 import time
 import traceback
@@ -278,6 +279,32 @@ def injected_delays(enabled: bool, seed: int, rank: int):
         collectives._launch = original
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    width = {4: torch.int32, 2: torch.int16}[t.element_size()]
+    return t.view(width).numpy().tobytes()
+
+
+def state_digest(eng, result) -> str:
+    """blake2b of every full state's bits in name order, the step counter, the loss scale, the
+    norm and the skip decision (not the loss: its cross-rank mean is a float64 sum whose order
+    depends on N, and it is not model state)."""
+    h = hashlib.blake2b(digest_size=16)
+    master, opt = eng.gather_state()
+    with eng.gathered_params():
+        working = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+    for name in sorted(master):
+        h.update(name.encode())
+        h.update(_bits(master[name]))
+        for key in sorted(opt[name]):
+            h.update(key.encode())
+            h.update(_bits(opt[name][key]))
+        h.update(_bits(working[name]))
+    scale = None if eng.scaler is None else eng.scaler.scale
+    h.update(repr((eng.t, scale, result.norm, result.skipped)).encode())
+    return h.hexdigest()
+
+
 class _Injected:
     """The gradient source of an injected cell: every rank materialises all M micro-batches."""
 
@@ -395,6 +422,9 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
             verdict["first"] = f"bound exceeded: {verdict['ratios']}"
     else:
         verdict["passed"] = verdict["bitwise"]
+    # the bits the engine ends with, so that two versions of the code can be compared cell by
+    # cell (python -m verify --baseline): a refactoring must leave every digest unchanged
+    verdict["digest"] = state_digest(eng, res)
     return verdict
 
 

@@ -16,11 +16,9 @@ MLP, M = 8 micro-batches, 3 steps, clipping on, overlap on, tiny units).
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
-from .harness import MODELS, Cell
+from .harness import MODELS, Cell, state_digest
 from .matrix import CLIP_NORM, INVARIANT_WORLD_SIZES
 
 RUN_DEFAULTS = {
@@ -56,32 +54,6 @@ def cell_for(run: dict, n: int) -> Cell:
         units=r["units"],
         seed=r["seed"],
     )
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
-    width = {4: torch.int32, 2: torch.int16}[t.element_size()]
-    return t.view(width).numpy().tobytes()
-
-
-def state_digest(eng, result) -> str:
-    """blake2b of every full state's bits in name order, the step counter, the loss scale, the
-    norm and the skip decision (not the loss: its cross-rank mean is a float64 sum whose order
-    depends on N, and it is not model state)."""
-    h = hashlib.blake2b(digest_size=16)
-    master, opt = eng.gather_state()
-    with eng.gathered_params():
-        working = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
-    for name in sorted(master):
-        h.update(name.encode())
-        h.update(_bits(master[name]))
-        for key in sorted(opt[name]):
-            h.update(key.encode())
-            h.update(_bits(opt[name][key]))
-        h.update(_bits(working[name]))
-    scale = None if eng.scaler is None else eng.scaler.scale
-    h.update(repr((eng.t, scale, result.norm, result.skipped)).encode())
-    return h.hexdigest()
 
 
 def run_digests(rank: int, world_size: int, runs: list[dict]) -> list[list[str]]:

@@ -53,6 +53,8 @@ def merge(cell, per_rank: list[dict]) -> dict:
         "clipped_steps": per_rank[0].get("clipped_steps", 0),
         # collective launches that Cell.delays slowed down, over all ranks
         "delayed_launches": sum(r.get("delayed_launches", 0) for r in per_rank),
+        # every rank gathers the full state, so one digest means the ranks agree
+        "digest": ",".join(sorted({str(r.get("digest")) for r in per_rank})),
         "config": cell.as_dict(),
     }
 

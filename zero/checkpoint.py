@@ -57,12 +57,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .optim import TORCH_OPTIMIZERS, torch_kwargs
+
 FORMAT = "zero-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"step-\d{8,}(-\d+)?")
-OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}  # torch.optim class names
 
 _after_write = None
 """Fault injection for tests: called with each path right after it is durably written (shard
@@ -652,21 +653,13 @@ def load(engine, directory) -> CheckpointInfo:
 # -- consolidation -------------------------------------------------------------------------------
 
 
-def _torch_hyper(kind: str, hp: dict) -> dict:
-    if kind == "sgd":
-        keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
-    else:
-        keys = ("lr", "betas", "eps", "weight_decay")
-    return {k: tuple(hp[k]) if k == "betas" else hp[k] for k in keys}
-
-
 def _torch_param_groups(kind: str, hypers: list[dict], indices: list[list[int]]) -> list[dict]:
     """torch.optim's own param_groups: each group as this torch version's optimizer writes it
     (every default key present), with our hyper-parameters and parameter indices."""
-    cls = getattr(torch.optim, OPTIMIZERS[kind])
+    cls = getattr(torch.optim, TORCH_OPTIMIZERS[kind])
     groups = []
     for hp, idx in zip(hypers, indices, strict=True):
-        probe = cls([torch.zeros(1, requires_grad=True)], **_torch_hyper(kind, hp))
+        probe = cls([torch.zeros(1, requires_grad=True)], **torch_kwargs(kind, hp))
         group = probe.state_dict()["param_groups"][0]
         group["params"] = list(idx)
         groups.append(group)

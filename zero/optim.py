@@ -26,6 +26,26 @@ from reference.optim import Hyper
 from .partition import Run
 
 STATE_NAMES = ref_optim.state_names
+TORCH_OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}  # torch.optim class names
+
+
+def torch_kwargs(kind: str, hp) -> dict:
+    """torch.optim's constructor arguments for one group with hyper-parameters `hp` (a Hyper,
+    or its dict form as a checkpoint stores it). Every argument is spelled out, because
+    torch's defaults are not ours (its AdamW decays by 0.01 unless told otherwise)."""
+    get = hp.get if isinstance(hp, dict) else lambda k: getattr(hp, k)
+    if kind == "sgd":
+        keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    else:
+        keys = ("lr", "betas", "eps", "weight_decay")
+    return {k: tuple(get(k)) if k == "betas" else get(k) for k in keys}
+
+
+def torch_optimizer(kind: str, groups: list[tuple[list, Hyper]], **options):
+    """A torch.optim optimizer of `kind` over (params, hyper-parameters) groups; `options`
+    go to its constructor (e.g. foreach=False for the single-tensor kernel)."""
+    cls = getattr(torch.optim, TORCH_OPTIMIZERS[kind])
+    return cls([{"params": ps, **torch_kwargs(kind, hp)} for ps, hp in groups], **options)
 
 
 def _scalars(kind: str, hp: Hyper, t: int, device) -> dict[str, torch.Tensor]:
@@ -94,11 +114,7 @@ def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> 
             [p],
             [g],
             bufs,
-            weight_decay=hp.weight_decay,
-            momentum=hp.momentum,
-            lr=hp.lr,
-            dampening=hp.dampening,
-            nesterov=hp.nesterov,
+            **torch_kwargs("sgd", hp),
             maximize=False,
             foreach=False,
         )
