@@ -15,8 +15,8 @@ ARGS ?=
 
 # The editable install maps the top-level packages that exist when it runs, so re-install when one
 # of them appears (or pyproject.toml changes).
-PACKAGE_INITS := $(wildcard reference/__init__.py zero/__init__.py verify/__init__.py \
-	paper_figures/__init__.py)
+PACKAGE_INITS := $(wildcard reference/__init__.py zero/__init__.py measure/__init__.py \
+	verify/__init__.py paper_figures/__init__.py teaching/__init__.py)
 
 .PHONY: test test-full repro format lint strip-notebooks clean clean-venv
 

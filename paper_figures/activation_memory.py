@@ -10,7 +10,7 @@ its gradient is computed (12·b·s·h elements by the footnote, 1.3 GB here; mor
 materialises its b·heads·s² scores, 1.1 GB per score tensor in fp16). 5.0 GB plus one such layer
 brackets "about 8 GB"; the bracket is a reading, not a measurement of the paper's runs.
 
-Measured here: the bytes autograd saves for backward (``zero.measure.saved_activations``: every
+Measured here: the bytes autograd saves for backward (``measure.resident.saved_activations``: every
 saved tensor, each storage once, parameters excluded), for a bf16 GPT with and without reentrant
 ``torch.utils.checkpoint`` around each block. The layers' part is isolated as saved(2l) - saved(l)
 (embeddings, final norm and logits cancel) and divided by b·s·h·l·2 bytes: the constant of the
@@ -83,7 +83,7 @@ def saved_bytes(*, batch: int, seq: int, hidden: int, layers: int, checkpointing
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from zero.measure import saved_activations
+    from measure.resident import saved_activations
     from zero.models import GPT, GPTConfig
 
     cfg = GPTConfig(
@@ -93,7 +93,7 @@ def saved_bytes(*, batch: int, seq: int, hidden: int, layers: int, checkpointing
     if checkpointing:
         for block in model.transformer.h:
             # reentrant: the block runs without grad and the checkpoint saves only its input,
-            # so the hooks count exactly the checkpoints (zero.measure.saved_activations)
+            # so the hooks count exactly the checkpoints (measure.resident.saved_activations)
             block.forward = _checkpointed(block.forward, checkpoint)
     tokens = torch.randint(
         0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from paper_figures import perfmodel
 from paper_figures.common import Outputs, SummaryRow, compute_then_render, save_figure
-from zero import perfmodel
 from zero.results import write_atomic
 
 NAME = "perf_model"

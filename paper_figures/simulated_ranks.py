@@ -1,9 +1,9 @@
 """Measured memory of one simulated rank: Figure 1's bars and Table 1's cells, where a rank fits.
 
 Each measurement is one fresh process acting as rank 0 of an N-rank job on a fake process group
-(``zero.simulate.measure_rank``): it builds only its shards of the GPT of
+(``measure.simulate.measure_rank``): it builds only its shards of the GPT of
 ``zero.models.gpt_config_for(Ψ)``, runs one real step, and is measured from outside the engine
-(``zero.measure.MemoryProbe``: RSS after gc + malloc_trim on CPU, allocator bytes on CUDA), the
+(``measure.resident.MemoryProbe``: RSS after gc + malloc_trim on CPU, allocator bytes on CUDA), the
 baseline taken before the model is built. The paper's configuration: bf16 working copy and
 gradients reduced in bf16, Adam (K = 12), M = N.
 
@@ -13,7 +13,7 @@ gradients reduced in bf16, Adam (K = 12), M = N.
   (kernel workspaces, autograd's thread): the *runtime baseline*. It is measured on a control
   rank (a 30M-parameter model, same N) and subtracted; both numbers are in the records.
 - Peaks (construction, step) are reported apart; they are bounded by
-  ``zero.simulate.estimate_peak_bytes``, which also decides whether a rank fits the machine now.
+  ``measure.simulate.estimate_peak_bytes``, which also decides whether a rank fits the machine now.
 
 Profiles: ``smoke`` (tests) measures the control and one small rank; ``quick`` measures small
 ranks (a 30M-parameter GPT at N ∈ {2, 64, 1024}) and carries
@@ -108,7 +108,7 @@ def _rank_timeout_s() -> float:
 
 def measure_cell(psi: float, n: int, stage: int, *, device: str, vocab: int, prov) -> dict:
     """One record: measured (kind memory.measured) or skipped (kind memory.skipped)."""
-    from zero.simulate import estimate_peak_bytes, fits_here, measure_rank
+    from measure.simulate import estimate_peak_bytes, fits_here, measure_rank
 
     config = {
         "num_params": psi,

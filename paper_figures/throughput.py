@@ -1,5 +1,5 @@
 """Step time on CPU/gloo, our stages beside DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed
-(python -m zero.bench), drawn from its records.
+(python -m measure.bench), drawn from its records.
 
 The quick profile renders the committed measurement, paper_figures/measured/bench_step_time.json
 (a bench run takes tens of minutes and wants a quiet machine); --profile full measures again
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from measure import bench, bench_table
 from paper_figures.common import (
     Outputs,
     SummaryRow,
@@ -18,7 +19,6 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero import bench, bench_table
 from zero.results import read_json, write_atomic
 
 NAME = "throughput"
@@ -40,7 +40,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     records = [r for r in payload["records"] if r["result"]["status"] == "ok"]
     write_atomic(
         out.table(NAME),
-        "# Step time, CPU/gloo (python -m zero.bench)\n\n"
+        "# Step time, CPU/gloo (python -m measure.bench)\n\n"
         + bench_table.format_table(payload["records"], markdown=True)
         + "\n",
     )
@@ -80,7 +80,7 @@ def index_rows(payload: dict) -> list[list[str]]:
                     "– (the paper: V100s)",
                     f"{res['ratio_vs_ddp']:.2f}",
                     "–",
-                    f"measured (zero.bench, {prov.get('date_utc', '?')[:10]})",
+                    f"measured (measure.bench, {prov.get('date_utc', '?')[:10]})",
                     f"CPU, {prov.get('cpu_count', '?')} cores, gloo",
                 ]
             )

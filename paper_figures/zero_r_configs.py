@@ -1,7 +1,7 @@
 """The paper's C1-C5 comparison (Table 3; Figures 6, 7 and 8) at our scale, measured.
 
-Each configuration (zero.budget.CONFIGURATIONS) runs on one simulated rank of N_d = 64 with a
-per-rank memory budget; zero.budget.compare finds, by measured probes:
+Each configuration (measure.budget.CONFIGURATIONS) runs on one simulated rank of N_d = 64 with a
+per-rank memory budget; measure.budget.compare finds, by measured probes:
 
 - Figure 6: the largest GPT (blocks of width 64, batch 16 per rank) within the budget;
 - Figure 7: the device peak of every configuration on two fixed models (A: C1's largest; B:
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from measure.budget import step_time
 from paper_figures import paper
 from paper_figures.common import (
     Outputs,
@@ -36,7 +37,6 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero.budget import step_time
 from zero.results import provenance, read_json, write_atomic, write_json
 
 NAME = "zero_r_configs"
@@ -47,7 +47,7 @@ MIB = 2**20
 
 def compute(profile: str) -> dict:
     if profile == "full":
-        from zero.budget import Setup, compare
+        from measure.budget import Setup, compare
 
         def say(msg: str) -> None:
             print(f"  [{NAME}] {msg}", flush=True)

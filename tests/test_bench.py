@@ -1,4 +1,4 @@
-"""zero.bench's plumbing: records, provenance, ratios and the table, at N = 2 on the small GPT.
+"""measure.bench's plumbing: records, provenance, ratios and the table, at N = 2 on the small GPT.
 
 Speed is never asserted: a step time on two shared cores says nothing about correctness, and
 the benchmark's targets are goals reported in the README, not tests (DESIGN.md §4).
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from zero import bench, mfu
-from zero.bench import BenchConfig, format_table, run_bench
+from measure import bench, mfu
+from measure.bench import BenchConfig, format_table, run_bench
 from zero.launch import WorkerPool, get_pool
 from zero.results import SCHEMA_VERSION, read_json, write_json
 

@@ -1,4 +1,4 @@
-"""zero.budget: the search for the largest model within a budget, and the C1-C5 probes.
+"""measure.budget: the search for the largest model within a budget, and the C1-C5 probes.
 
 The search is checked against a known threshold (hypothesis); one real probe per configuration
 checks the accounting that the comparison rests on: checkpoints kept in host memory are exactly
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero.budget import (
+from measure.budget import (
     CONFIGURATIONS,
     Probe,
     Setup,

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe_gpt_engine
+from measure.fragmentation import fragmentation, main
 from reference.layout import unit_layout
 from reference.precision import DTYPES
 from zero import contiguous as md
 from zero.activations import saved_activation_bytes
 from zero.config import ZeroConfig
-from zero.fragmentation import fragmentation, main
 from zero.launch import get_pool
 from zero.models import gpt_microbatches, mlp_microbatches
 

@@ -1,4 +1,4 @@
-"""Memory measured outside the engine (zero.measure) and simulated ranks (zero.simulate).
+"""Memory measured outside the engine (measure.resident) and simulated ranks (measure.simulate).
 
 Legend: Ψ parameters, N = N_d world size, RSS resident set size, MiB = 2^20 bytes.
 """
@@ -6,7 +6,7 @@ Legend: Ψ parameters, N = N_d world size, RSS resident set size, MiB = 2^20 byt
 import pytest
 import torch
 
-from zero.measure import (
+from measure.resident import (
     PAGE_BYTES,
     MemoryProbe,
     mem_available_bytes,
@@ -16,8 +16,8 @@ from zero.measure import (
     rss_bytes,
     saved_activations,
 )
+from measure.simulate import estimate_peak_bytes, measure_rank
 from zero.memory import model_state_breakdown
-from zero.simulate import estimate_peak_bytes, measure_rank
 
 MiB = 2**20
 BUFFER = 64 * MiB
@@ -52,7 +52,7 @@ def test_rss_sees_a_touched_buffer_and_its_release():
 
 
 def test_rss_does_not_see_an_untouched_buffer():
-    # The caveat of zero.measure's [Note: quiescent RSS]: torch.empty pages are not resident
+    # The caveat of measure.resident's [Note: quiescent RSS]: torch.empty pages are not resident
     # until written, so RSS can fall below an accounting that counts allocations.
     release_free_memory()
     before = rss_bytes()

@@ -1,4 +1,4 @@
-"""zero.mfu: the model FLOPs of a bench step, the peak measurement and the MFU arithmetic.
+"""measure.mfu: the model FLOPs of a bench step, the peak measurement and the MFU arithmetic.
 
 MFU's value is a measurement and is never asserted; what is asserted is what it is made of.
 """
@@ -10,8 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from zero import mfu
-from zero.bench import MODELS
+from measure import mfu
+from measure.bench import MODELS
 from zero.models import GPT, gpt_microbatches
 
 

@@ -277,9 +277,9 @@ def test_throughput_and_perf_model_sections_render_their_records(tmp_path):
     """The quick profile draws the committed bench measurement: one table row per record, one
     INDEX row per timed stage of ours; the performance model's INDEX rows are its four groups
     (fitted apart from held out), each with the error its records state."""
+    from measure import bench
     from paper_figures import perf_model, throughput
     from paper_figures.common import Outputs
-    from zero import bench
 
     out = Outputs(root=tmp_path)
     throughput.run(profile="quick", out=out)
@@ -342,12 +342,12 @@ def test_a_full_run_stopped_part_way_keeps_its_cells_and_the_earlier_ones(monkey
 def test_a_rank_that_times_out_is_recorded_as_skipped_with_its_reason(monkeypatch):
     import subprocess
 
+    from measure import simulate
     from paper_figures import simulated_ranks as sr
-    from zero import simulate
 
     def too_slow(**kwargs):
         assert kwargs["timeout_s"] == 5.0
-        raise subprocess.TimeoutExpired(cmd="zero.simulate", timeout=kwargs["timeout_s"])
+        raise subprocess.TimeoutExpired(cmd="measure.simulate", timeout=kwargs["timeout_s"])
 
     monkeypatch.setattr(simulate, "measure_rank", too_slow)
     monkeypatch.setattr(simulate, "fits_here", lambda est, device: (True, "estimated peak fits"))

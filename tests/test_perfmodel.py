@@ -12,8 +12,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from zero import perfmodel as pm
-from zero.bench import BenchConfig, run_bench
+from measure.bench import BenchConfig, run_bench
+from paper_figures import perfmodel as pm
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
 from zero.launch import get_pool
@@ -171,7 +171,7 @@ def test_records_fit_on_figure_4_only_and_report_errors(tmp_path):
     # the search a step along the flat valley; structure and every string exactly.
     if RESULTS.is_file():  # paper_figures/results/ is not in git: a fresh clone has none
         stored = json.loads(RESULTS.read_text())["records"]
-        assert len(stored) == len(records), "rerun zero.perfmodel.write_records"
+        assert len(stored) == len(records), "rerun paper_figures.perfmodel.write_records"
         for old, new in zip(stored, records):
             assert_close(old["config"], new["config"])
             assert_close(old["result"], new["result"])
@@ -181,7 +181,7 @@ def test_records_fit_on_figure_4_only_and_report_errors(tmp_path):
 
 @pytest.mark.dist
 def test_cpu_terms_split_the_measured_steps():
-    """From zero.bench's profiled records, measured now (the small GPT, seconds) and stored ones
+    """From measure.bench's profiled records, measured now (the small GPT, seconds) and stored ones
     where present: the three terms are positive and never exceed the profiled step."""
     cfg = BenchConfig(model="small", systems=("zero-s1", "ddp"), world_sizes=(2,), repeats=1,
                       steps=2, profile=True, quiet_wait_s=0, retries=0)  # fmt: skip

@@ -148,7 +148,7 @@ def test_a_simulated_rank_of_a_large_world(n, rank):
 
 
 def test_simulate_cli_records_measurements(tmp_path):
-    """python -m zero.simulate: a rank of a 64-rank world at stage 3, one real step; the record
+    """python -m measure.simulate: a rank of a 64-rank world at stage 3, one real step; the record
     carries the measured RSS beside the analytic model states, which the engine's own
     accounting equals exactly. (RSS is not asserted: large zero-filled buffers need not be
     resident until written; the 7.5B measurement is in the README.)"""
@@ -157,7 +157,7 @@ def test_simulate_cli_records_measurements(tmp_path):
         [
             sys.executable,
             "-m",
-            "zero.simulate",
+            "measure.simulate",
             "--params",
             "3e7",
             "--world-size",

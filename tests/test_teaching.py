@@ -1,4 +1,4 @@
-"""paper_figures/teaching/: the logic behind the teaching notebooks (03_zero_from_scratch and
+"""teaching/: the logic behind the teaching notebooks (03_zero_from_scratch and
 00_claims_vs_measurements).
 
 The block pictures must add up to exactly the bytes the simulated ranks (World.resident_bytes)
@@ -14,8 +14,10 @@ import matplotlib
 import numpy as np
 import pytest
 
-from paper_figures import teaching
-from paper_figures.teaching import (
+import teaching
+from reference import Hyper, cast
+from reference.simulate import World
+from teaching import (
     CATEGORIES,
     Interval,
     Job,
@@ -27,8 +29,6 @@ from paper_figures.teaching import (
     toy_problem,
     world_blocks,
 )
-from reference import Hyper, cast
-from reference.simulate import World
 from zero.memory import reduction_factor
 
 matplotlib.use("Agg")

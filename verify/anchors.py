@@ -442,9 +442,9 @@ def deepspeed_run(
     ranks, its gradient_clipping is our clip_norm, and the client optimizer is torch's AdamW
     with the reference's groups. The gradient before clipping and the new state are read
     through DeepSpeed's public getters (deepspeed.utils.safe_get_full_*)."""
-    from zero.bench import _prepare_deepspeed
+    from measure.bench import prepare_deepspeed
 
-    why = _prepare_deepspeed(rank, n)
+    why = prepare_deepspeed(rank, n)
     if why is not None:
         raise RuntimeError(f"DeepSpeed {why}")
     import deepspeed

@@ -96,7 +96,8 @@ class ZeroConfig:
     inputs are copied into one checkpoint arena reused across micro-steps (the host one with
     offload_activations). Long-lived buffers then stop cutting the allocator's free memory into
     pieces between short-lived activations ([Note: contiguous memory] in zero/contiguous.py).
-    Bits unchanged (the copies are exact); `python -m zero.fragmentation` measures it on a GPU."""
+    Bits unchanged (the copies are exact); `python -m measure.fragmentation` measures it on a
+    GPU."""
 
     def __post_init__(self):
         if self.stage not in STAGES:

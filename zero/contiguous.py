@@ -15,7 +15,7 @@ once, as one block: every unit's resident gradient buffer is a view into one gra
 (sized at construction from the partitions), and every checkpointed unit input is copied into a
 checkpoint arena reused across micro-steps (CheckpointArena). Views own nothing new, so memory
 accounting counts each arena once (ZeroEngine.memory_split counts storages). The copies are exact
-(same dtype): bits never change. `python -m zero.fragmentation` measures the effect on a GPU.
+(same dtype): bits never change. `python -m measure.fragmentation` measures the effect on a GPU.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .models import stable_seed
+from .init import stable_seed
 
 VOCAB_SIZE = 256
 """Byte-level tokens."""

@@ -215,7 +215,7 @@ class ZeroEngine(nn.Module):
 
     def _start_values(self, seed):
         """Start values of a meta model's parameters, by name (zero.models' counter-based rule)."""
-        from .models import init_value, param_init
+        from .init import init_value, param_init
 
         def value(name: str, shape) -> torch.Tensor:
             if seed is None:

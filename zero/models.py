@@ -10,15 +10,7 @@ Legend (nanoGPT's names, which the paper's GPT-2-like models share):
     unit   a module whose parameters form one flat buffer (DESIGN.md §3); ``unit_names()`` lists
            them, and the root unit holds every parameter outside them
 
-[Note: counter-based init] DESIGN.md §2 asks that initial values be a pure function of
-(seed, parameter name, shape), so that a stage-3 rank can materialise one unit alone, in any
-order, and get the same bits as a single-process model built with the same seed. Hence:
-- every parameter is drawn from its *own* ``torch.Generator``, seeded by a stable hash of
-  f"{seed}:{name}" (blake2b: Python's ``hash()`` of a str changes with PYTHONHASHSEED);
-- the draw happens on CPU in float32 whatever the parameter's device and dtype, and is then
-  copied (cast) in, because CPU and CUDA generators give different streams;
-- constructors never touch the global RNG: modules are built on the meta device and then
-  materialised with ``to_empty``, so building a model does not shift anyone's random stream.
+Initialisation is zero/init.py's ([Note: counter-based init] there).
 
 [Note: tied head] ``GPT.lm_head.weight`` *is* ``transformer.wte.weight`` (one Parameter). It
 appears once in ``named_parameters()``, as "transformer.wte.weight", is counted once, and lives
@@ -31,7 +23,6 @@ the rank, so any rank can produce any micro-batch and a run at any world size se
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, replace
 
@@ -39,138 +30,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-INIT_STD = 0.02
-"""nanoGPT's (and GPT-2's) standard deviation for Linear and Embedding weights."""
-
-INIT_KINDS = ("normal", "zeros", "ones")
-
-
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from ``parts``, stable across processes, platforms and Python versions.
-
-    The parts are joined as f"{p0}:{p1}:..." and hashed with blake2b; ``stable_seed(seed, name)``
-    is the init seed of the parameter ``name``.
-    """
-    text = ":".join(str(p) for p in parts)
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _generator(seed: int) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(seed)
-    return g
-
-
-def _fail(name: str, value: object, allowed: str) -> ValueError:
-    return ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(name, value, "an integer >= 1")
-
-
-# ---------------------------------------------------------------------------------------------
-# Initialisation
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParamInit:
-    """How one parameter is initialised: the ``kind`` and ``std`` arguments of ``init_value``."""
-
-    kind: str
-    """One of "normal" (N(0, std²)), "zeros" or "ones"."""
-    std: float = INIT_STD
-    """Standard deviation of a "normal" draw; ignored by the other kinds."""
-
-    def __post_init__(self):
-        if self.kind not in INIT_KINDS:
-            raise _fail("kind", self.kind, f"one of {INIT_KINDS}")
-        if not (isinstance(self.std, (int, float)) and math.isfinite(self.std) and self.std > 0):
-            raise _fail("std", self.std, "a finite float > 0")
-
-
-def init_value(
-    seed: int, name: str, shape: tuple[int, ...] | torch.Size, kind: str, *, std: float = INIT_STD
-) -> torch.Tensor:
-    """The initial value of parameter ``name``: a float32 CPU tensor, a pure function of the args.
-
-    "normal" draws N(0, 1) from a generator seeded with ``stable_seed(seed, name)`` and then
-    multiplies by float32(std), one rounding, so the std enters the bits the same way everywhere.
-    See [Note: counter-based init].
-    """
-    spec = ParamInit(kind=kind, std=std)  # validates kind and std
-    shape = tuple(int(s) for s in shape)
-    if spec.kind == "zeros":
-        return torch.zeros(shape, dtype=torch.float32)
-    if spec.kind == "ones":
-        return torch.ones(shape, dtype=torch.float32)
-    out = torch.empty(shape, dtype=torch.float32)
-    out.normal_(0.0, 1.0, generator=_generator(stable_seed(seed, name)))
-    return out.mul_(torch.tensor(spec.std, dtype=torch.float32))
-
-
-def default_param_init(model: nn.Module, name: str) -> ParamInit:
-    """The generic rule: biases 0; LayerNorm weights 1; other weights N(0, 0.02²)."""
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    if leaf == "bias":
-        return ParamInit(kind="zeros")
-    if isinstance(module, nn.LayerNorm):
-        return ParamInit(kind="ones")
-    return ParamInit(kind="normal", std=INIT_STD)
-
-
-def param_init(model: nn.Module, name: str) -> ParamInit:
-    """How ``model`` initialises its parameter ``name``: the model's own rule, or the default.
-
-    A model states its rule with a method ``param_init(name) -> ParamInit``. This works on a
-    meta-device model, so a rank can learn a unit's rule without materialising anything else.
-    """
-    rule = getattr(model, "param_init", None)
-    return rule(name) if callable(rule) else default_param_init(model, name)
-
-
-@torch.no_grad()
-def init_parameters(model: nn.Module, seed: int) -> None:
-    """Set every parameter of ``model`` to ``init_value(seed, name, shape, ...)`` of its rule.
-
-    Tied parameters appear once in ``named_parameters()`` and are set once. Each value is drawn
-    on CPU in float32 and copied into the parameter, whatever its device and dtype. A parameter
-    on the meta device cannot hold values: materialise first (``materialize``).
-    """
-    for name, p in model.named_parameters():
-        if p.is_meta:
-            raise ValueError(
-                f"parameter {name!r} is on the meta device: call materialize(model, device=...) "
-                "(or model.to_empty) before init_parameters"
-            )
-        spec = param_init(model, name)
-        p.copy_(init_value(seed, name, p.shape, spec.kind, std=spec.std))
-
-
-def materialize(model: nn.Module, *, device: torch.device | str, seed: int | None = 0) -> nn.Module:
-    """Give a meta-device ``model`` real (uninitialised) storage on ``device``, re-tie, then init.
-
-    ``seed=None`` skips the initialisation, for a simulation whose values are meaningless.
-    Returns ``model``.
-    """
-    model.to_empty(device=device)
-    tie = getattr(model, "tie_weights", None)
-    if callable(tie):
-        tie()  # to_empty unties: see [Note: tied head]
-    if seed is not None:
-        init_parameters(model, seed)
-    return model
-
-
-def _build(model: nn.Module, device, seed: int) -> None:
-    """Shared constructor tail: the submodules were built on meta; materialise unless meta."""
-    device = torch.device(device if device is not None else "cpu")
-    if device.type != "meta":
-        materialize(model, device=device, seed=seed)
-
+from .init import (  # noqa: F401  (the init API is also reachable beside the models)
+    INIT_KINDS,
+    INIT_STD,
+    ParamInit,
+    build_on,
+    default_param_init,
+    fail,
+    generator,
+    init_parameters,
+    init_value,
+    materialize,
+    param_init,
+    positive_int,
+    stable_seed,
+)
 
 # ---------------------------------------------------------------------------------------------
 # GPT
@@ -199,17 +73,17 @@ class GPTConfig:
 
     def __post_init__(self):
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            _positive_int(field, getattr(self, field))
+            positive_int(field, getattr(self, field))
         if self.n_embd % self.n_head:
-            raise _fail("n_embd", self.n_embd, f"a multiple of n_head={self.n_head}")
+            raise fail("n_embd", self.n_embd, f"a multiple of n_head={self.n_head}")
         if not (
             isinstance(self.dropout, (int, float))
             and not isinstance(self.dropout, bool)
             and 0.0 <= self.dropout < 1.0
         ):
-            raise _fail("dropout", self.dropout, "a float in [0, 1)")
+            raise fail("dropout", self.dropout, "a float in [0, 1)")
         if not isinstance(self.bias, bool):
-            raise _fail("bias", self.bias, "True or False")
+            raise fail("bias", self.bias, "True or False")
 
 
 class CausalSelfAttention(nn.Module):
@@ -288,7 +162,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, device=meta)
         self.tie_weights()
-        _build(self, device, seed)
+        build_on(self, device, seed)
 
     def tie_weights(self) -> None:
         """Make the output head share the token embedding's Parameter ([Note: tied head])."""
@@ -320,7 +194,7 @@ class GPT(nn.Module):
         """
         b, t = idx.shape
         if t > self.cfg.block_size:
-            raise _fail("sequence length", t, f"at most block_size={self.cfg.block_size}")
+            raise fail("sequence length", t, f"at most block_size={self.cfg.block_size}")
         tr = self.transformer
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
         x = tr.drop(tr.wte(idx) + tr.wpe(pos))
@@ -354,9 +228,9 @@ class MLPConfig:
 
     def __post_init__(self):
         for field in ("d_in", "d_hidden", "d_out", "n_layer"):
-            _positive_int(field, getattr(self, field))
+            positive_int(field, getattr(self, field))
         if not isinstance(self.bias, bool):
-            raise _fail("bias", self.bias, "True or False")
+            raise fail("bias", self.bias, "True or False")
 
 
 class MLP(nn.Module):
@@ -373,7 +247,7 @@ class MLP(nn.Module):
         self.layers = nn.ModuleList(
             nn.Linear(a, b, bias=cfg.bias, device=meta) for a, b in zip(widths[:-1], widths[1:])
         )
-        _build(self, device, seed)
+        build_on(self, device, seed)
 
     def param_init(self, name: str) -> ParamInit:
         """Weights N(0, 1/fan_in), biases 0.
@@ -419,7 +293,7 @@ def _check_batches(seed, data_step, count, batch_size) -> None:
         ("batch_size", batch_size, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise _fail(name, value, f"an integer >= {minimum}")
+            raise fail(name, value, f"an integer >= {minimum}")
 
 
 def gpt_microbatches(
@@ -437,7 +311,7 @@ def gpt_microbatches(
     out = []
     steps = torch.arange(cfg.block_size + 1, dtype=torch.long)
     for j in range(count):
-        g = _generator(stable_seed("gpt-data", seed, data_step, j))
+        g = generator(stable_seed("gpt-data", seed, data_step, j))
         start = torch.randint(0, cfg.vocab_size, (batch_size, 1), generator=g)
         stride = torch.randint(1, 9, (batch_size, 1), generator=g)
         tokens = (start + stride * steps) % cfg.vocab_size
@@ -458,11 +332,11 @@ def mlp_microbatches(
     _check_batches(seed, data_step, count, batch_size)
     teacher = torch.empty(cfg.d_in, cfg.d_out, dtype=torch.float64)
     teacher.normal_(
-        0.0, 1.0 / math.sqrt(cfg.d_in), generator=_generator(stable_seed("mlp-teacher", seed))
+        0.0, 1.0 / math.sqrt(cfg.d_in), generator=generator(stable_seed("mlp-teacher", seed))
     )
     out = []
     for j in range(count):
-        g = _generator(stable_seed("mlp-data", seed, data_step, j))
+        g = generator(stable_seed("mlp-data", seed, data_step, j))
         x = torch.randn(batch_size, cfg.d_in, generator=g, dtype=torch.float32)
         xd = x.double()
         y = xd[:, 0:1] * teacher[0]
@@ -494,6 +368,15 @@ def gpt_num_params(cfg: GPTConfig) -> int:
     h, b = cfg.n_embd, 1 if cfg.bias else 0
     block = 12 * h * h + b * 9 * h + (2 + 2 * b) * h
     return cfg.n_layer * block + (cfg.vocab_size + cfg.block_size) * h + (1 + b) * h
+
+
+def gpt_flops(batch, seq, layers, hidden, vocab, *, recompute: bool) -> float:
+    """Megatron-LM's FLOPs of one step (forward and backward) on `batch` sequences: per block
+    24·B·s·h² + 4·B·s²·h in forward, the logits 2·B·s·h·V, backward twice forward; activation
+    checkpointing runs the blocks' forward once more. So 72 (96) · B·s·l·h²·(1 + s/(6h)) +
+    6·B·s·h·V, which is Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with recomputation."""
+    c, h = (96 if recompute else 72), hidden
+    return c * batch * seq * layers * h * h * (1 + seq / (6 * h)) + 6 * batch * seq * h * vocab
 
 
 def gpt_config_for(

@@ -1,4 +1,4 @@
-"""zero.bench's systems and tables: which systems there are, their ratios against DDP, the fast
+"""measure.bench's systems and tables: which systems there are, their ratios against DDP, the fast
 mode and the peers, and the tables drawn from the records (never from numbers typed in).
 
 Kept apart from zero/bench.py (which builds and times the systems in the ranks) so that the

@@ -1,10 +1,11 @@
-"""python -m zero.bench: the step time of our ZeRO stages beside torch DDP, ZeroRedundancyOptimizer,
-FSDP2 and DeepSpeed, on the same GPT, the same data and the same world size, in one run.
+"""python -m measure.bench: the step time of our ZeRO stages beside torch DDP,
+ZeroRedundancyOptimizer, FSDP2 and DeepSpeed, on the same GPT, the same data and the same
+world size, in one run.
 
-    python -m zero.bench --model anchor --world-sizes 2 4 --repeats 8 --steps 6 --json bench.json
-    python -m zero.bench --model small --systems zero-s0 ddp --world-sizes 2 --repeats 1
-    python -m zero.bench --from-json bench.json --markdown      # the table again, from the records
-    torchrun --standalone --nproc-per-node 4 -m zero.bench      # the world it was given (N = 4)
+    python -m measure.bench --model anchor --world-sizes 2 4 --repeats 8 --steps 6 --json b.json
+    python -m measure.bench --model small --systems zero-s0 ddp --world-sizes 2 --repeats 1
+    python -m measure.bench --from-json b.json --markdown      # the table again, from the records
+    torchrun --standalone --nproc-per-node 4 -m measure.bench      # the world it was given (N = 4)
 
 Legend:
     N          data-parallel world size (ranks)
@@ -81,8 +82,12 @@ import torch
 import torch.distributed as dist
 
 from reference.optim import Hyper
+from zero import engine as engine_module
+from zero.config import ZeroConfig, decay_matrices_only
+from zero.models import GPT, GPTConfig, gpt_microbatches
+from zero.results import make_record, provenance, read_json, write_json
+from zero.train import train_steps
 
-from . import engine as engine_module
 from . import mfu
 from .bench_table import (
     OURS,
@@ -91,10 +96,6 @@ from .bench_table import (
     format_profile,
     format_table,
 )
-from .config import ZeroConfig, decay_matrices_only
-from .models import GPT, GPTConfig, gpt_microbatches
-from .results import make_record, provenance, read_json, write_json
-from .train import train_steps
 
 KIND = "bench.step_time"
 """The results-record kind (zero.results) of one (system, N) measurement."""
@@ -322,7 +323,7 @@ class _Ours(_Trainer):
     def __init__(self, name, rank, n, cfg):
         super().__init__(name, rank, n, cfg)
         self.stage, self.deterministic = int(name[6]), name.endswith("-det")
-        from .engine import ZeroEngine
+        from zero.engine import ZeroEngine
 
         self.config = zero_config(self.stage, self.deterministic, n, cfg)
         self.engine = ZeroEngine(self.model(), self.config)
@@ -434,7 +435,7 @@ def _mesh(device: torch.device, n: int):
 class _DeepSpeed(_Trainer):
     def __init__(self, name, rank, n, cfg):
         super().__init__(name, rank, n, cfg)
-        import deepspeed  # imported by _prepare_deepspeed on every rank already
+        import deepspeed  # imported by prepare_deepspeed on every rank already
 
         model = self.model()
         opt = torch.optim.AdamW(torch_param_groups(model, cfg), lr=cfg.lr)
@@ -469,7 +470,7 @@ _LIVE: dict[str, _Trainer] = {}
 """The systems built in this rank, by name: they persist between pool calls."""
 
 
-def _prepare_deepspeed(rank: int, n: int) -> str | None:
+def prepare_deepspeed(rank: int, n: int) -> str | None:
     """Import DeepSpeed and join its communication layer to the existing group, one rank at a
     time: the first import JIT-compiles a small C++ op, and ranks compiling into the same
     directory at once race. Returns None, or why DeepSpeed cannot run here."""
@@ -500,7 +501,7 @@ def _prepare_deepspeed(rank: int, n: int) -> str | None:
 def _build(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
     """Build one system in this rank (and warm it up), or say why it cannot run."""
     if name.startswith("deepspeed"):
-        why = _prepare_deepspeed(rank, n)
+        why = prepare_deepspeed(rank, n)
         if why is not None:
             return {"status": why}
     try:
@@ -843,7 +844,7 @@ def run_bench(cfg: BenchConfig, *, pools=None, say=print) -> list[dict]:
     pools: a function N -> WorkerPool to run in (e.g. zero.launch.get_pool); None starts a fresh
     pool per N and closes it afterwards. Under torchrun, only the launched world size runs.
     """
-    from . import launch
+    from zero import launch
 
     records = []
     if launch.under_torchrun():
@@ -865,7 +866,9 @@ def run_bench(cfg: BenchConfig, *, pools=None, say=print) -> list[dict]:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m zero.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m measure.bench", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=6, help="timed steps per repeat")

@@ -1,7 +1,7 @@
 """GPU memory fragmentation with and without ZeRO-R's contiguous memory (M_D, paper §6.3).
 
-    python -m zero.fragmentation                      # GPT-2-small-like, stage 2, bf16
-    python -m zero.fragmentation --layers 24 --stage 3 --vary-seq
+    python -m measure.fragmentation                      # GPT-2-small-like, stage 2, bf16
+    python -m measure.fragmentation --layers 24 --stage 3 --vary-seq
 
 Trains a GPT for a few steps on one CUDA device (world size 1, a real single-rank NCCL group),
 with activation checkpointing, once with `contiguous_memory=False` and once with True, and
@@ -78,7 +78,7 @@ def fragmentation(
         raise ValueError(f"device={device!r}: allowed is a CUDA device ('cuda', 'cuda:0', ...)")
     if not torch.cuda.is_available():
         raise RuntimeError(
-            "zero.fragmentation measures the CUDA caching allocator: torch.cuda.is_available() "
+            "measure.fragmentation measures the CUDA caching allocator: torch.cuda.is_available() "
             "is False on this machine, so there is nothing to measure"
         )
     config = dict(
@@ -133,9 +133,9 @@ def _train(
     contiguous, dev, *, n_layer, n_embd, n_head, seq, batch, micro_batches, steps, stage, vary_seq
 ):
     """Build the engine, train `steps` steps, and return it (its model states still resident)."""
-    from .config import ZeroConfig
-    from .engine import ZeroEngine
-    from .models import GPT, GPTConfig, gpt_microbatches
+    from zero.config import ZeroConfig
+    from zero.engine import ZeroEngine
+    from zero.models import GPT, GPTConfig, gpt_microbatches
 
     cfg = GPTConfig(vocab_size=256, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     model = GPT(cfg, device="meta")
@@ -164,7 +164,7 @@ def _train(
 
 
 def table(result: dict) -> str:
-    """The side-by-side table `python -m zero.fragmentation` prints."""
+    """The side-by-side table `python -m measure.fragmentation` prints."""
     mib = 2.0**20
     rows = [f"{'':<20}{'without M_D':>14}{'with M_D':>14}{'on/off':>9}"]
     shown = ("allocated", "reserved", "fragmentation", "inactive_split")
@@ -177,7 +177,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zero.fragmentation", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m measure.fragmentation", description=__doc__)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--embd", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
             vary_seq=a.vary_seq,
         )
     except (RuntimeError, ValueError) as exc:
-        print(f"zero.fragmentation: {exc}", file=sys.stderr)
+        print(f"measure.fragmentation: {exc}", file=sys.stderr)
         return 2
     print(f"{result['device']}: {result['config']}")
     print(table(result))

@@ -1,6 +1,6 @@
 """One process as rank r of an N-rank job: the fake world, for measuring what one rank holds.
 
-    python -m zero.simulate --params 7.5e9 --world-size 64 --rank 0 --stage 3 --steps 1
+    python -m measure.simulate --params 7.5e9 --world-size 64 --rank 0 --stage 3 --steps 1
 
 The process joins a fake process group (torch's FakeStore: collectives return at once and keep
 shapes; values are meaningless), builds the GPT of `gpt_config_for(params)` on the meta device,
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from .measure import MemoryProbe, mem_available_bytes, peak_rss_bytes, rss_bytes
+from .resident import MemoryProbe, mem_available_bytes, peak_rss_bytes, rss_bytes
 
 __all__ = [
     "estimate_peak_bytes",
@@ -53,7 +53,7 @@ HEADROOM_BYTES = 2 * 1024**3
 
 def _gpt(params: float, *, seq: int, vocab_size: int, shape: dict | None = None):
     """The GPT of `gpt_config_for(params)`, or of `shape` (n_layer, n_embd, n_head) when given."""
-    from .models import GPT, GPTConfig, gpt_config_for
+    from zero.models import GPT, GPTConfig, gpt_config_for
 
     if shape:
         cfg = GPTConfig(vocab_size=vocab_size, block_size=max(seq, 16), **shape)
@@ -72,7 +72,7 @@ def estimate_peak_bytes(
     × the largest unit ([Note: transient bound]) + RUNTIME_BYTES. Pure arithmetic on a meta
     model: nothing is allocated.
     """
-    from .memory import model_state_breakdown
+    from zero.memory import model_state_breakdown
 
     cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size)
     h = cfg.n_embd
@@ -122,7 +122,7 @@ def simulate_rank(
     bucket_elements, contiguous_memory; chunk). Each step is timed (collectives on the fake group
     cost nothing, so the time is this rank's compute, copies and optimizer).
 
-    Measured outside the engine with zero.measure.MemoryProbe (RSS on CPU, allocator bytes on
+    Measured outside the engine with measure.resident.MemoryProbe (RSS on CPU, allocator bytes on
     CUDA), the baseline taken after the fake process group exists and before the model is
     built. Samples: after construction (peak: construction) and after each step (peak: that
     step, the peak reset before it).
@@ -136,10 +136,10 @@ def simulate_rank(
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    from .config import ZeroConfig
-    from .engine import ZeroEngine
-    from .memory import model_state_breakdown
-    from .models import GPT
+    from zero.config import ZeroConfig
+    from zero.engine import ZeroEngine
+    from zero.memory import model_state_breakdown
+    from zero.models import GPT
 
     cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size, shape=shape)
     probe = MemoryProbe(device=device)
@@ -234,7 +234,7 @@ def measure_rank(
 
     Returns {"ran": True, "result": simulate_rank's dict} or {"ran": False, "reason": ...}.
     kwargs are simulate_rank's; `env` adds environment variables for the child (e.g. malloc's
-    settings). The child is `python -m zero.simulate`; its record comes back through a
+    settings). The child is `python -m measure.simulate`; its record comes back through a
     temporary JSON file.
     """
     device = kwargs.get("device", "cpu")
@@ -267,7 +267,7 @@ def measure_rank(
         raise ValueError(f"measure_rank: unknown argument(s) {sorted(unknown)}")
     with tempfile.TemporaryDirectory(prefix="zero-simulate-") as tmp:
         path = os.path.join(tmp, "rank.json")
-        argv = [sys.executable, "-m", "zero.simulate", "--json", path, "--quiet"]
+        argv = [sys.executable, "-m", "measure.simulate", "--json", path, "--quiet"]
         for key, value in kwargs.items():
             if value is not None:
                 argv += [flags[key], json.dumps(value) if isinstance(value, dict) else str(value)]
@@ -287,7 +287,9 @@ def measure_rank(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zero.simulate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m measure.simulate", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--params", type=float, default=7.5e9)
     p.add_argument("--world-size", type=int, default=64)
     p.add_argument("--rank", type=int, default=0)
@@ -336,7 +338,7 @@ def main(argv=None) -> int:
             f"step {out['step_peak'] / gb:.3f})"
         )
     if a.json:
-        from .results import make_record, provenance, write_json
+        from zero.results import make_record, provenance, write_json
 
         write_json(
             a.json,

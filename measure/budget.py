@@ -14,8 +14,9 @@ as the paper's runs did:
     C4  C3 + P_a                      = C3 here
     C5  C3 + P_a+cpu                  C3 with offload_activations
 
-[Note: measured, not modelled] Every number comes from one simulated rank (zero.simulate: rank 0
-of an N-rank job on a fake process group, measured outside the engine by zero.measure.MemoryProbe)
+[Note: measured, not modelled] Every number comes from one simulated rank (measure.simulate:
+rank 0 of an N-rank job on a fake process group, measured outside the engine by
+measure.resident.MemoryProbe)
 running one real step: the rank's *device peak* is its peak above the baseline over construction
 and the step. On CUDA that is the allocator's peak. On a CPU-only machine the host *is* the
 device, so checkpoints kept "in host memory" stay in the process and show in the RSS: their bytes,

@@ -5,7 +5,7 @@ Used by ``notebooks/03_zero_from_scratch.ipynb`` (ZeRO built step by step on the
 simulation, reference/simulate.py, then the same steps on real gloo ranks) and by
 ``notebooks/00_claims_vs_measurements.ipynb`` (popular claims about ZeRO, each tested with a
 measurement). The notebooks hold narrative, calls and plots; everything they compute is here, so
-tests/test_teaching.py can test it. Both use it as ``from paper_figures import teaching`` and
+tests/test_teaching.py can test it. Both use it as ``import teaching`` and
 ``teaching.X``; every name they use is re-exported here.
 
 Modules:

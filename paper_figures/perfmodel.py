@@ -63,7 +63,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .results import make_record, provenance, read_json, write_json
+from zero.models import gpt_flops
+from zero.results import make_record, provenance, read_json, write_json
 
 KIND_POINT = "perf_model.point"
 KIND_FIT = "perf_model.fit"
@@ -217,15 +218,6 @@ SENSITIVITY = {"nvswitch_efficiency": 0.5, "internode_efficiency": 0.5}
 def num_params(layers: int, hidden: int, *, vocab: int = VOCAB, seq: int = SEQ) -> int:
     """Ψ of a GPT-2-like model, embeddings included, head tied: zero.models.gpt_num_params."""
     return layers * (12 * hidden * hidden + 13 * hidden) + (vocab + seq) * hidden + 2 * hidden
-
-
-def gpt_flops(batch, seq, layers, hidden, vocab, *, recompute: bool) -> float:
-    """Megatron-LM's FLOPs of one step (forward and backward) on `batch` sequences: per block
-    24·B·s·h² + 4·B·s²·h in forward, the logits 2·B·s·h·V, backward twice forward; activation
-    checkpointing runs the blocks' forward once more. So 72 (96) · B·s·l·h²·(1 + s/(6h)) +
-    6·B·s·h·V, which is Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with recomputation."""
-    c, h = (96 if recompute else 72), hidden
-    return c * batch * seq * layers * h * h * (1 + seq / (6 * h)) + 6 * batch * seq * h * vocab
 
 
 def step_flops(batch: int, layers: int, hidden: int, *, recompute: bool = True) -> float:
@@ -504,7 +496,7 @@ def render(results_path, figure_path) -> Path:
     """perf_model.png from the records in `results_path` (never from numbers held in code)."""
     import io
 
-    from .results import write_atomic
+    from zero.results import write_atomic
 
     fig = draw(read_json(results_path)["records"])
     buf = io.BytesIO()
@@ -520,7 +512,7 @@ def render(results_path, figure_path) -> Path:
 
 
 def cpu_terms(records: list[dict]) -> list[dict]:
-    """From zero.bench's profiled records (paper_figures/results/bench_step_time.json): each
+    """From measure.bench's profiled records (paper_figures/results/bench_step_time.json): each
     of our systems' measured step split as this model splits it: compute (forward + backward),
     communication in step() (reduce + all-gather + flag + loss), optimizer (kernels + norm),
     and the achieved FLOP/s of forward + backward (Megatron's count without recomputation)."""
