@@ -1,9 +1,10 @@
 """What fits a per-rank memory budget: the paper's configurations C1-C5 (Table 3) at our scale.
 
-The paper compares five configurations of ZeRO-DP and ZeRO-R (PAPER.md §1.6) by the largest model
+The paper compares five configurations of ZeRO-DP and ZeRO-R (docs/paper.md §1.6) by the largest
+model
 each trains at batch 16 per GPU (Figure 6), the memory each takes for two fixed models (Figure 7)
 and the throughput each reaches on a fixed model at the largest batch it fits (Figure 8), all with
-model parallelism 16. Without model parallelism (out of scope, DESIGN.md §3) P_a has nothing to
+model parallelism 16. Without model parallelism (out of scope, docs/design.md §3) P_a has nothing to
 partition a checkpoint over, so C2 ≡ C1 and C4 ≡ C3, and C5's P_a+cpu becomes "activation
 checkpoints kept in host memory". Every configuration keeps one checkpoint per transformer block,
 as the paper's runs did:

@@ -2,7 +2,7 @@
 CUDA, and the activation bytes autograd keeps for backward.
 
 The engine's ``memory_report()`` sums the storages it owns, so it equals the analytic model by
-construction (an internal check). A *measurement* asks someone else (DESIGN.md §3):
+construction (an internal check). A *measurement* asks someone else (docs/design.md §3):
 
 - **CPU**: the kernel. The resident set (RSS, ``/proc/self/statm``) at a quiescent point, minus
   the RSS before the model was built; the peak from ``VmHWM`` in ``/proc/self/status``, which

@@ -1,7 +1,8 @@
 """Residual memory: activations of the paper's GPT-2 1.5B example, and the formula's scaling,
 measured on small GPTs with and without activation checkpointing.
 
-The paper (§3.2, PAPER.md §1.5): a 1.5B GPT-2 at sequence 1K and batch 32 needs "about 60 GB" of
+The paper (§3.2, docs/paper.md §1.5): a 1.5B GPT-2 at sequence 1K and batch 32 needs "about 60 GB"
+of
 activations, from the footnote ≈ 12 · hidden · batch · seq · layers elements; with activation
 checkpointing "about 8 GB". One checkpoint per layer is batch · seq · hidden · layers elements,
 5.0 GB in fp16. The difference to 8 GB is not stated in the paper; what a backward with
@@ -38,7 +39,7 @@ NAME = "activation_memory"
 GPT2_1_5B = {"hidden": 1600, "layers": 48, "heads": 16, "seq": 1024, "batch": 32}
 """The paper's example (§3.2): GPT-2 1.5B at sequence 1K, batch 32."""
 PAPER_GB = {"no_checkpointing": 60.0, "checkpointing": 8.0}
-"""The paper's "about 60 GB" and "about 8 GB" (PAPER.md §1.5)."""
+"""The paper's "about 60 GB" and "about 8 GB" (docs/paper.md §1.5)."""
 FOOTNOTE_ELEMENTS_PER_BSHL = 12
 BYTES = 2  # fp16 / bf16
 

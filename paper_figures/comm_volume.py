@@ -3,7 +3,7 @@
 Each cell trains one step of a small GPT on N forked gloo ranks (zero.launch pools) in the paper's
 configuration (bf16 working copy, gradients reduced in bf16, Adam) and reads the engine's counter
 (``engine.counter``, zero/collectives.py): elements and bytes each rank sent, per collective
-(op and phase), model-state traffic apart from control traffic. Expected, per DESIGN.md §2, in
+(op and phase), model-state traffic apart from control traffic. Expected, per docs/design.md §2, in
 units of Ψ·(N-1)/N with k = M/N:
 
     stage   deterministic   fast
@@ -46,12 +46,12 @@ NAME = "comm_volume"
 MODEL = {"vocab_size": 64, "block_size": 32, "n_layer": 4, "n_head": 2, "n_embd": 64}
 """A GPT whose root unit is 3% of Ψ, so that stage 3's 2Ψ_root barely shows beside 3Ψ."""
 PAPER_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}
-"""The paper's volumes at M = N, ×Ψ·(N-1)/N (§7, PAPER.md §1.4)."""
+"""The paper's volumes at M = N, ×Ψ·(N-1)/N (§7, docs/paper.md §1.4)."""
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def factor(stage: int, deterministic: bool, k: int) -> int:
-    """DESIGN.md §2: elements per step in units of Ψ·(N-1)/N, at k = M/N micro-steps."""
+    """docs/design.md §2: elements per step in units of Ψ·(N-1)/N, at k = M/N micro-steps."""
     if stage == 3:
         return 3 * k
     if deterministic or stage == 2:
@@ -217,7 +217,7 @@ def _bars(ax, groups, title):
                 x + 0.45,
                 colors="black",
                 linewidth=1.6,
-                label="theory (DESIGN.md §2)" if "theory" not in drawn else None,
+                label="theory (docs/design.md §2)" if "theory" not in drawn else None,
             )
             drawn.add("theory")
             ax.text(x, -0.02, bar_label, ha="center", va="top", fontsize=7, rotation=90)
@@ -315,8 +315,8 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "",
         "Elements sent per rank per step, model-state traffic only (control traffic is counted",
         "apart), in units of Ψ·(N-1)/N, from `engine.counter` on real gloo ranks. *theory*:",
-        "DESIGN.md §2 (the paper's 2Ψ / 2Ψ / 2Ψ / 3Ψ at M = N); *ours exact*: the same with the",
-        "stage-3 root unit gathered once per micro-step (3Ψ_blocks + 2Ψ_root); *measured*: the",
+        "docs/design.md §2 (the paper's 2Ψ / 2Ψ / 2Ψ / 3Ψ at M = N); *ours exact*: the same with",
+        "the stage-3 root unit gathered once per micro-step (3Ψ_blocks + 2Ψ_root); *measured*: the",
         "non-padding elements summed over ranks. *exact* checks every rank's padded count and",
         "the summed payload for equality.",
         "",

@@ -1,7 +1,7 @@
 """Figure 1: per-device model-state memory of a 7.5B model at N_d = 64, by ZeRO stage.
 
 Ours are stacked by category from :func:`zero.memory.model_state_breakdown` in the paper's
-configuration (fp16 params and grads, fp32 master, Adam; PAPER.md §1.1); the paper's printed
+configuration (fp16 params and grads, fp32 master, Adam; docs/paper.md §1.1); the paper's printed
 totals stand beside them. Measured bars (records of kind ``memory.measured``) come from
 ``results/simulated_ranks.json`` (paper_figures/simulated_ranks.py): one simulated rank of the
 64-rank job, the GPT of ``gpt_config_for(7.5e9)`` (7.518B parameters), measured outside the
@@ -33,7 +33,8 @@ NAME = "fig1_memory"
 SERIES = (("memory.analytic", "ours, analytic"), ("memory.measured", "ours, measured"))
 """Record kinds drawn as bars, in this order, where the results file has them."""
 
-# The paper's configuration (PAPER.md §1.1): model_state_breakdown(**config) re-derives a record.
+# The paper's configuration (docs/paper.md §1.1): model_state_breakdown(**config) re-derives a
+# record.
 PAPER_CONFIG = {
     "param_bytes": 2,
     "grad_bytes": 2,

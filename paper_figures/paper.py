@@ -1,7 +1,7 @@
 """The paper's printed numbers, typed in once, and its rounding rules.
 
 Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
-arXiv 1910.02054 (SC20); transcribed in the project's PAPER.md, whose section is cited at each
+arXiv 1910.02054 (SC20); transcribed in docs/paper.md, whose section is cited at each
 value. These are the only hand-typed numbers the figures and tables use: everything "ours" comes
 from the JSON records that the sections write.
 
@@ -17,14 +17,14 @@ import math
 from dataclasses import dataclass
 from decimal import Decimal
 
-# --- Figure 1 (PAPER.md §1.1): Ψ = 7.5B, N_d = 64, K = 12, per-device GB by stage. ---------------
+# --- Figure 1 (docs/paper.md §1.1): Ψ = 7.5B, N_d = 64, K = 12, per-device GB by stage. -----------
 FIG1_NUM_PARAMS = 7.5e9
 FIG1_WORLD_SIZE = 64
 FIG1_K = 12
 FIG1_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
 """Figure 1 prints one decimal (1.9); Table 1 prints the same stage-3 value as 1.88."""
 
-# --- Table 1 (PAPER.md §1.2): per-device model-state GB vs DP degree. -----------------------------
+# --- Table 1 (docs/paper.md §1.2): per-device model-state GB vs DP degree. ------------------------
 TABLE1_MODELS = (7.5e9, 128e9, 1e12)
 TABLE1_MODEL_LABELS = ("7.5B", "128B", "1T")
 TABLE1_STAGES = (1, 2, 3)
@@ -50,7 +50,7 @@ def table1_cell(dp: int, num_params: float, stage: int) -> float:
     return float(TABLE1_GB[dp][column])
 
 
-# --- Table 2 (PAPER.md §1.3): max model size, theoretical vs measured. ----------------------------
+# --- Table 2 (docs/paper.md §1.3): max model size, theoretical vs measured. -----------------------
 @dataclass(frozen=True, kw_only=True)
 class Printed:
     """One printed cell: its text as printed (markup stripped), the parsed value, its styling."""
@@ -103,7 +103,7 @@ TABLE2_MEASURED = {
 """Italics as in the original; its caption does not explain them."""
 
 
-# --- Figures 6-8 (PAPER.md §1.6, §1.7, §1.8): configurations C1-C5, MP = 16, 400 V100 32GB. ---
+# --- Figures 6-8 (docs/paper.md §1.6, §1.7, §1.8): configurations C1-C5, MP = 16, 400 V100 32GB. --
 FIG6_MAX_BILLIONS = {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}
 """Largest model at batch 16 per GPU. C1, C2, C4 and C5 are stated in the text; C3 is read off
 the plot (≈50), consistent with the 50B row of the SC20 appendix."""
@@ -119,10 +119,10 @@ FIG8_TFLOPS = {
 }
 """TFLOP/s per GPU, read off the plot; at 170B only C5 ran (C1-C4 marked as failing)."""
 FIG8_BATCH_60B = {"C1": 2, "C2": 4, "C3": 32, "C4": 32, "C5": 8}
-"""Batch per GPU of each configuration on the 60B model (PAPER.md §1.9)."""
+"""Batch per GPU of each configuration on the 60B model (docs/paper.md §1.9)."""
 
 
-# --- The paper's rounding rules (PAPER.md §1.2 and §1.3). ---------------------------------------
+# --- The paper's rounding rules (docs/paper.md §1.2 and §1.3). ------------------------------------
 def _decimal(x: float) -> Decimal:
     # The shortest repr is the decimal number the float stands for (41.25 -> "41.25"), so rounding
     # it half up gives what a person rounding the printed value gets.
@@ -132,7 +132,7 @@ def _decimal(x: float) -> Decimal:
 
 
 def paper_round(x: float, *, fine_below: float = 2.0) -> float:
-    """Round a GB value the way Table 1 prints it (PAPER.md §1.2).
+    """Round a GB value the way Table 1 prints it (docs/paper.md §1.2).
 
     - Values of 100 or more are truncated to an integer: 4187.5 -> 4187, 2054.69 -> 2054.
     - Values under 100 are rounded half up to 1 decimal (41.25 -> 41.3), or to 2 decimals when
@@ -149,7 +149,7 @@ def paper_round(x: float, *, fine_below: float = 2.0) -> float:
 
 
 def table2_round(billions: float, mp: int) -> float:
-    """Table 2's rule (PAPER.md §1.3): the MP = 1 value, rounded half up to 0.1B, times MP.
+    """Table 2's rule (docs/paper.md §1.3): the MP = 1 value, rounded half up to 0.1B, times MP.
 
     ``billions`` is the max model size at this MP, in billions; it is divided by MP first, so that
     7.64B at MP = 2 prints as 2 × 7.6 = 15.2B, not 15.3B.

@@ -5,7 +5,8 @@ One training step of one GPU takes (every term per GPU, in seconds)
     t = compute + MP communication + exposed DP communication + optimizer
     compute   = F / (peak · f(x)),   f(x) = peak_fraction · x / (x + half_work)
     MP comm   = 6 all-reduces per transformer block of B·s·h fp16 activations (Megatron with
-                activation checkpointing, PAPER.md §1.4), plus one all-gather per block with P_a
+                activation checkpointing, docs/paper.md §1.4), plus one all-gather per block with
+                P_a
     DP comm   = (1 - overlap) · (volume factor · Ψ/MP fp16 elements over the DP group)
     optimizer = 28 bytes per parameter the GPU updates / HBM bandwidth
 
@@ -44,9 +45,9 @@ Assumptions (each one is a place where the model can be wrong):
 - Model parallelism appears only as its communication: Megatron's 6 all-reduces per block per
   step (2 forward, 2 backward, 2 in the recomputed forward) of B·s·h fp16 elements, not
   overlapped with compute. Its compute is split evenly over MP GPUs with the same f(x).
-- ZeRO runs are P_os+g (stage 2: ZeRO-100B, PAPER.md §1.7), with P_a (one all-gather of the
+- ZeRO runs are P_os+g (stage 2: ZeRO-100B, docs/paper.md §1.7), with P_a (one all-gather of the
   block's B·s·h input per block) when MP > 1; baselines are stage 0 without P_a.
-- One micro-batch per step (M = N): DP traffic is DESIGN.md §2's volume at M = N, 2Ψ for
+- One micro-batch per step (M = N): DP traffic is docs/design.md §2's volume at M = N, 2Ψ for
   stages 0-2 and 3Ψ for stage 3, in fp16, over the DP group (GPUs of the same MP rank).
 - Collectives are hierarchical: inside a node each GPU moves its share over NVSwitch; between
   nodes a node's 800 Gbps carries every group that has GPUs in it (all GPUs run the same kind of
@@ -76,7 +77,7 @@ OPTIMIZER_BYTES = 28
 """Bytes of memory traffic per parameter of one mixed-precision Adam step (see Assumptions)."""
 
 DP_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}
-"""DESIGN.md §2 at M = N: elements each rank sends per step, in units of Ψ·(N-1)/N."""
+"""docs/design.md §2 at M = N: elements each rank sends per step, in units of Ψ·(N-1)/N."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +127,8 @@ class Params:
 
 @dataclass(frozen=True, kw_only=True)
 class Run:
-    """One bar or point of a paper figure: its configuration (PAPER.md §1.9) and value (§1.8)."""
+    """One bar or point of a paper figure: its configuration (docs/paper.md §1.9) and value
+    (§1.8)."""
 
     figure: str
     series: str
@@ -139,7 +141,7 @@ class Run:
     """B: sequences per data-parallel rank per step (total batch / DP)."""
     stage: int
     paper_tflops: float
-    """Read off the paper's plot: approximate (PAPER.md §1.8)."""
+    """Read off the paper's plot: approximate (docs/paper.md §1.8)."""
     partitioned_activations: bool = False
 
     def __post_init__(self):
@@ -164,7 +166,7 @@ def _b(fig, label, gpus, mp, layers, hidden, batch, tflops, series):
                hidden=hidden, batch=batch, stage=0, paper_tflops=tflops)  # fmt: skip
 
 
-# The paper's values, read off its plots (PAPER.md §1.8), with the configurations of §1.9.
+# The paper's values, read off its plots (docs/paper.md §1.8), with the configurations of §1.9.
 # Figure 2's 20B point exists only in the SC20 appendix, without a plotted value: left out.
 FIGURE4 = (
     _z("4", "1.5B", 128, 1, 34, 1920, 24, 40.0),

@@ -21,7 +21,7 @@ from zero.memory import STAGE_LABELS, model_state_bytes
 from zero.results import make_record, provenance, write_atomic
 
 NAME = "sim_check"
-PAPER_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}  # ×Ψ·(N-1)/N, the paper's §7 (PAPER.md §1.4)
+PAPER_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}  # ×Ψ·(N-1)/N, the paper's §7 (docs/paper.md §1.4)
 
 
 def small_model(layers: int = 4, d: int = 64, vocab: int = 96):

@@ -1,7 +1,7 @@
 """Table 1: per-device model-state memory (GB) for 7.5B, 128B and 1T models vs the DP degree.
 
 Each of the 54 cells is ours under the paper's rounding rule beside the paper's printed value
-(PAPER.md §1.2). Ours come from :func:`zero.memory.model_state_bytes`. Where one simulated rank
+(docs/paper.md §1.2). Ours come from :func:`zero.memory.model_state_bytes`. Where one simulated rank
 of that cell fitted the machine (``results/simulated_ranks.json``, paper_figures/simulated_ranks.py)
 the cell shows the measured value instead, marked †; a measured rank is the GPT of
 ``gpt_config_for(Ψ)``, whose exact Ψ differs from the paper's round one by up to 0.3%, so a

@@ -2,7 +2,7 @@
 
 Ours is :func:`zero.memory.max_model_params` with 32 GB per device, N_d = 64 and MP ∈ {1, 2, 4,
 8, 16}, printed under the paper's rule (the MP = 1 value rounded to 0.1B, times MP; T-valued
-cells as ours/1000 to the paper's decimals; PAPER.md §1.3). The paper's measured columns are
+cells as ours/1000 to the paper's decimals; docs/paper.md §1.3). The paper's measured columns are
 shown beside ours for reference; we have nothing of our own to put there yet.
 
 Legend: Ψ = num_params (the table's entries), N_d = world_size = 64, MP = N_m = mp, K = 12

@@ -10,7 +10,8 @@ per-rank memory budget; measure.budget.compare finds, by measured probes:
 
 Without model parallelism C2 ≡ C1 and C4 ≡ C3 (P_a partitions checkpoints over the MP group), and
 C5's P_a+cpu is "checkpoints in host memory"; the figure says so. The paper's values (MP = 16, 400
-V100s, PAPER.md §1.6-§1.8) are set beside ours as ratios to C1, since the scales differ by 10^4.
+V100s, docs/paper.md §1.6-§1.8) are set beside ours as ratios to C1, since the scales differ by
+10^4.
 
 The probes run with glibc's mmap threshold fixed, so that the RSS peak measures what the
 configuration needs rather than the heap's fragmentation; the table also gives C3's peak with

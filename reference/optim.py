@@ -1,4 +1,4 @@
-"""SGD, Adam and AdamW as explicit sequences of float32 operations (DESIGN.md §2).
+"""SGD, Adam and AdamW as explicit sequences of float32 operations (docs/design.md §2).
 
 Legend:
     p, g    a parameter (fp32 master) and its gradient (fp32, unscaled, averaged, clipped)

@@ -49,7 +49,7 @@ def bits(x: np.ndarray) -> np.ndarray:
 
 
 def f32(x: float) -> np.float32:
-    """A scalar computed in float64 (Python float), rounded once to float32 (DESIGN.md §2)."""
+    """A scalar computed in float64 (Python float), rounded once to float32 (docs/design.md §2)."""
     return np.float32(x)
 
 

@@ -5,7 +5,7 @@ are functions over all ranks' buffers that also log what each rank sends. The re
 same bits as reference/step.py's train_step (deterministic mode), which is what makes the claim
 "partitioning changes nothing numerically" checkable.
 
-Legend (ZeRO paper §5, DESIGN.md §2-§3):
+Legend (ZeRO paper §5, docs/design.md §2-§3):
     stage 0  baseline data parallelism: everything replicated
     stage 1  P_os: fp32 master and optimizer states partitioned
     stage 2  P_os+g: + reduced gradients partitioned
@@ -57,7 +57,8 @@ class Sent:
 def reduce_scatter(bufs, shard: int, padding, log, **tag):
     """Rank r gets T over ranks (rank order) of everyone's slice r; each sends (N-1)·L.
 
-    Realised as an all-to-all followed by a local tree sum, which fixes the order (DESIGN.md §2).
+    Realised as an all-to-all followed by a local tree sum, which fixes the order (docs/design.md
+    §2).
     """
     n = len(bufs)
     out = [tree_sum([b[r * shard : (r + 1) * shard] for b in bufs]) for r in range(n)]

@@ -4,7 +4,7 @@ Legend: N world size, M micro-batches per step, S loss scale, g_j micro-batch j'
 compute dtype (already multiplied by S, as backward of S * loss produces it), R the reduced
 gradient, t the optimizer's step count, C the clipping-chunk size.
 
-The step, in order (DESIGN.md §2):
+The step, in order (docs/design.md §2):
   1. R = reduce_microbatches([reduction_dtype(g_j)], N): the tree of reference/tree.py.
   2. overflow = any non-finite value in any g_j or in R. On overflow the step is skipped: only
      the loss scaler (fp16: scale * backoff) and the data-step counter change; the parameters,

@@ -1,6 +1,6 @@
 """The reduction order of a data-parallel step: the tree T, its streaming form, and the global norm.
 
-Legend (ZeRO paper, arXiv 1910.02054, and DESIGN.md §2):
+Legend (ZeRO paper, arXiv 1910.02054, and docs/design.md §2):
     N       data-parallel degree (world size), ranks 0..N-1
     M       micro-batches per step; micro-batch j runs on rank j mod N at micro-step j div N
     g_j     gradient of micro-batch j (its loss is the mean over its samples)
@@ -85,7 +85,8 @@ class StreamingTree:
 
 
 def microbatch_owner(j: int, world_size: int) -> tuple[int, int]:
-    """(rank, micro-step) of micro-batch j: rank j mod N at micro-step j div N (DESIGN.md §2)."""
+    """(rank, micro-step) of micro-batch j: rank j mod N at micro-step j div N (docs/design.md
+    §2)."""
     return j % world_size, j // world_size
 
 

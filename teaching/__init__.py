@@ -19,7 +19,7 @@ Modules:
     claims        notebook 00's measurements: volumes, memory reduction, invariance
     figures       the bar and line charts over stages and world sizes
 
-Legend (ZeRO paper §5, DESIGN.md §2-§3):
+Legend (ZeRO paper §5, docs/design.md §2-§3):
     N       world size, the data-parallel degree N_d; ranks 0..N-1
     M       micro-batches per step over all ranks
     Ψ       parameters; Ψ_pad the padded count, N·ΣL, where L is a unit's shard length

@@ -15,7 +15,7 @@ import numpy as np
 from reference import bits
 
 CATEGORIES = ("params", "grads", "master", "optimizer")
-"""The model-state categories of DESIGN.md §3, in the order the pictures draw them."""
+"""The model-state categories of docs/design.md §3, in the order the pictures draw them."""
 
 STAGE_NAMES = {0: "baseline DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 

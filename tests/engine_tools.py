@@ -68,7 +68,7 @@ def mlp_engine(stage, n, k, deterministic=True, precision="fp32", hidden=48, **k
 
 def one_step(eng, model, rank, n, k, step=0):
     """One optimizer step of ``mlp_engine``'s model: this rank's k micro-batches of data step
-    ``step`` (rank r takes micro-batches r, N + r, ...; DESIGN.md §2)."""
+    ``step`` (rank r takes micro-batches r, N + r, ...; docs/design.md §2)."""
     batches = mlp_microbatches(model.cfg, seed=0, data_step=step, count=n * k, batch_size=4)
     for i in range(k):
         _, loss = eng(*batches[i * n + rank])

@@ -1,7 +1,7 @@
 """measure.bench's plumbing: records, provenance, ratios and the table, at N = 2 on the small GPT.
 
 Speed is never asserted: a step time on two shared cores says nothing about correctness, and
-the benchmark's targets are goals reported in the README, not tests (DESIGN.md §4).
+the benchmark's targets are goals reported in the README, not tests (docs/design.md §4).
 """
 
 import dataclasses

@@ -1,6 +1,6 @@
-"""Communication volume counted on real gloo ranks equals the theory exactly (DESIGN.md §2).
+"""Communication volume counted on real gloo ranks equals the theory exactly (docs/design.md §2).
 
-The expected volumes are written here again from DESIGN.md §2's table, independently of
+The expected volumes are written here again from docs/design.md §2's table, independently of
 paper_figures.comm_volume, whose worker (one training step of a small GPT, counted by
 engine.counter) is what runs on the ranks.
 
@@ -15,7 +15,7 @@ from zero.launch import get_pool
 
 pytestmark = pytest.mark.timeout(900)
 
-# DESIGN.md §2, per rank per step in units of Ψ·(N-1)/N: (stage, deterministic) -> f(k)
+# docs/design.md §2, per rank per step in units of Ψ·(N-1)/N: (stage, deterministic) -> f(k)
 TABLE = {
     (0, True): lambda k: k + 1,
     (1, True): lambda k: k + 1,

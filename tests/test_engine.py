@@ -54,7 +54,7 @@ def test_world_size_three_uses_its_own_tree():
 
 # -- communication -----------------------------------------------------------------------------
 
-# DESIGN.md §2: per rank per step, in units of (N-1)/N·Ψ_padded; k = M/N
+# docs/design.md §2: per rank per step, in units of (N-1)/N·Ψ_padded; k = M/N
 VOLUME = {
     (True, 0): lambda k: k + 1,
     (True, 1): lambda k: k + 1,
@@ -583,7 +583,7 @@ def injected_run(rank, n, stage, precision, poison):
         ref, info = train_step(
             ref, [{a: to_np(b) for a, b in g.items()} for g in grads], spec, rcfg
         )
-        for i in range(k):  # rank r takes micro-batches r, N + r, ... (DESIGN.md §2)
+        for i in range(k):  # rank r takes micro-batches r, N + r, ... (docs/design.md §2)
             eng.inject_gradients(grads[i * n + rank], loss=1.0)
         res = eng.step()
         ok, _, _, first = compare_rank(eng, ref, rcfg)

@@ -1,6 +1,8 @@
-"""The analytic memory model (zero.memory) against the paper's formulas and DESIGN.md §3's rules.
+"""The analytic memory model (zero.memory) against the paper's formulas and docs/design.md §3's
+rules.
 
-Expected values are the paper's formulas (Figure 1, PAPER.md §1.1) and DESIGN.md §3's rules,
+Expected values are the paper's formulas (Figure 1, docs/paper.md §1.1) and docs/design.md §3's
+rules,
 written here again in exact arithmetic, independently of zero.memory.
 
 Legend: Ψ = num_params, N = N_d = world_size, K = the optimizer-state multiplier, M/N =
@@ -103,7 +105,7 @@ def test_pure_fp32_adam_is_16_psi_at_stage_0(psi, n):
 
 @pytest.mark.parametrize(("states", "k"), [(2, 12), (1, 8), (0, 4)])
 def test_k_from_optimizer_states(states, k):
-    # Mixed-precision Adam K = 12, SGD with momentum K = 8, plain SGD K = 4 (DESIGN.md §2).
+    # Mixed-precision Adam K = 12, SGD with momentum K = 8, plain SGD K = 4 (docs/design.md §2).
     assert optimizer_k(optimizer_states=states) == k
     for n, stage in [(1, 0), (7, 1), (64, 2), (1000, 3)]:
         b = model_state_breakdown(
@@ -137,7 +139,7 @@ def test_breakdown_general_rules(
     accumulation,
     deterministic,
 ):
-    # DESIGN.md §3 in exact arithmetic: each category is numel·bytes, over N where partitioned.
+    # docs/design.md §3 in exact arithmetic: each category is numel·bytes, over N where partitioned.
     def over(partitioned: bool) -> Fraction:
         return Fraction(psi, n if partitioned else 1)
 
@@ -213,7 +215,8 @@ def test_hand_built_breakdown_total():
 
 
 def test_max_model_params_table2_mp1():
-    # PAPER.md §1.3: 32/16 = 2B, 32/(4+12/64) = 7.64B, 32/(2+14/64) = 14.42B, 32/(16/64) = 128B.
+    # docs/paper.md §1.3: 32/16 = 2B, 32/(4+12/64) = 7.64B, 32/(2+14/64) = 14.42B, 32/(16/64) =
+    # 128B.
     got = [max_model_params(32e9, 64, s) / 1e9 for s in range(4)]
     assert [round(x, 2) for x in got] == [2.0, 7.64, 14.42, 128.0]
 

@@ -48,7 +48,7 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 @pytest.fixture
 def one_thread():
-    # DESIGN.md §2 pins threads: on this CPU a GPT's gradients at 1 and at 2 threads differ in
+    # docs/design.md §2 pins threads: on this CPU a GPT's gradients at 1 and at 2 threads differ in
     # the last bits, so bitwise tests must not depend on the machine's default.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -322,7 +322,7 @@ def repoint_into_flat_buffer(model, *, align: int, shift: int) -> torch.Tensor:
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("shift", [1, 3, 37])
 def test_gradient_bits_do_not_depend_on_parameter_offsets(shift):
-    """DESIGN.md §2's trap: BLAS may pick code paths by alignment. Aligned (128 elements, the
+    """docs/design.md §2's trap: BLAS may pick code paths by alignment. Aligned (128 elements, the
     layout's ALIGN) and unaligned offsets inside a flat buffer must give the same bits as
     separately allocated parameters."""
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=128)

@@ -97,7 +97,7 @@ def offload_traffic(rank, n, stage, k, precision, reduce_dtype, deterministic=Tr
 def test_one_rank_moves_zero_offloads_minimum(stage, precision, reduce_dtype, minimum):
     """N = 1, M = 1: per step the reduced gradient goes down once (Ψ in the reduction dtype)
     and the updated parameters come up once (Ψ in the compute dtype): 2Ψ + 2Ψ = 4Ψ bytes with
-    16-bit gradients, 4Ψ + 2Ψ = 6Ψ with fp32 gradients (ZeRO-Offload's minimum, PAPER.md §2),
+    16-bit gradients, 4Ψ + 2Ψ = 6Ψ with fp32 gradients (ZeRO-Offload's minimum, docs/paper.md §2),
     8Ψ in pure fp32. One record per unit and way; padding counted apart."""
     ((recs, extents, psi),) = get_pool(1).run(offload_traffic, stage, 1, precision, reduce_dtype)
     down = [r for r in recs if r[0] == "grad_down"]

@@ -1,6 +1,6 @@
 """Figure 1, Table 1 and Table 2 of the paper, re-derived, and the main job that draws them.
 
-The expected values are the paper's printed numbers (PAPER.md §1.1-1.3), typed in this file
+The expected values are the paper's printed numbers (docs/paper.md §1.1-1.3), typed in this file
 again, independently of paper_figures.paper, which is checked against them too: a typo in
 either shows.
 
@@ -24,7 +24,7 @@ from zero.results import read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Table 1 (PAPER.md §1.2), as printed. Columns: 7.5B, 128B, 1T × (P_os, P_os+g, P_os+g+p).
+# Table 1 (docs/paper.md §1.2), as printed. Columns: 7.5B, 128B, 1T × (P_os, P_os+g, P_os+g+p).
 TABLE1 = """
 1    120  120  120   2048 2048 2048  16000 16000 16000
 4    52.5 41.3 30    896  704  512   7000  5500  4000
@@ -40,7 +40,7 @@ TABLE1_CELLS = [
     for j, value in enumerate(row[1:])
 ]
 
-# Table 2 (PAPER.md §1.3), theoretical columns as printed (markup stripped). Stages 0..3.
+# Table 2 (docs/paper.md §1.3), theoretical columns as printed (markup stripped). Stages 0..3.
 TABLE2 = {
     1: ("2B", "7.6B", "14.4B", "128B"),
     2: ("4B", "15.2B", "28.8B", "256B"),

@@ -49,7 +49,7 @@ def test_parameter_count_equals_the_models():
 
 
 def test_paper_configurations_match_their_labels():
-    """The typed-in Figure 2/3 shapes give the labelled sizes within 5% (PAPER.md §1.9: 12·l·h²
+    """The typed-in Figure 2/3 shapes give the labelled sizes within 5% (docs/paper.md §1.9: 12·l·h²
     is within about 1%; the embeddings add up to 4% at 1.5B)."""
     for r in pm.FIGURE2:
         billions = float(r.label.rstrip("B"))

@@ -77,7 +77,7 @@ def test_streaming_equals_tree(xs):
 
 
 def test_microbatch_owner():
-    # DESIGN.md §2: micro-batch j on rank j mod N at micro-step j div N
+    # docs/design.md §2: micro-batch j on rank j mod N at micro-step j div N
     assert [microbatch_owner(j, 4) for j in range(6)] == [
         (0, 0),
         (1, 0),

@@ -130,7 +130,7 @@ def test_world_size_three_equals_reference_at_three(stage):
     )
 
 
-# DESIGN.md §2, per rank per step, in units of (N-1)/N · Ψ; k = M/N
+# docs/design.md §2, per rank per step, in units of (N-1)/N · Ψ; k = M/N
 VOLUME = {
     ("deterministic", 0): lambda k: k + 1,
     ("deterministic", 1): lambda k: k + 1,

@@ -5,7 +5,7 @@ The block pictures must add up to exactly the bytes the simulated ranks (World.r
 and the real ones (memory_report) hold; the message tables to exactly World.traffic; the exercise
 checkers must accept the right answer and reject plausible wrong ones bit for bit; the timeline
 must be ordered and its overlap arithmetic exact; and the gloo measurements must agree with the
-simulation, with the reference's bits, and with the volumes of DESIGN.md §2.
+simulation, with the reference's bits, and with the volumes of docs/design.md §2.
 """
 
 import os
@@ -108,7 +108,7 @@ def test_block_totals_equal_resident_bytes(
     partial = [b for b in blocks if b.partial]
     if mode == "fast" or accumulation == 1:
         assert not partial
-    else:  # floor(log2(M/N)) extra shards per unit, DESIGN.md §3
+    else:  # floor(log2(M/N)) extra shards per unit, docs/design.md §3
         assert all(b.shard == b.rank and b.category == "grads" for b in partial)
         assert len(partial) == n * len(world.shard)
 

@@ -207,7 +207,7 @@ def saved_bytes(rank, n, stage, layers, options):
 @pytest.mark.dist
 @pytest.mark.parametrize("stage", [0, 3])
 def test_checkpointing_reduces_activations_as_the_paper_says(stage):
-    """Paper §3.2 / PAPER.md §1.5: a transformer block keeps ≈ 12·b·s·h elements for backward
+    """Paper §3.2 / docs/paper.md §1.5: a transformer block keeps ≈ 12·b·s·h elements for backward
     (the footnote); with one checkpoint per block it keeps its input, b·s·h. The blocks' part is
     isolated as saved(2l) - saved(l) (embeddings, final norm, head and loss cancel).
 

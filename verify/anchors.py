@@ -1,4 +1,4 @@
-"""External anchors: the reference against training code that nobody here wrote (DESIGN.md §2).
+"""External anchors: the reference against training code that nobody here wrote (docs/design.md §2).
 
 The reference and the engine agree bit for bit, so a semantics mistake they share (how the loss
 is averaged over micro-batches, where clipping happens, how weight decay couples, Adam's bias
@@ -23,7 +23,7 @@ copy (the reference's own input); ν a global L2 norm; ε = 1e-6 clip_grad_norm_
 
 What is assumed about torch (torch 2.13 source read; A1 and A2 are also tested directly):
   A1  The peer's backward of micro-batch j on the same parameter bits gives g_j's bits: the
-      same kernels on the same machine, one thread (DESIGN.md §2 asks this of every rank).
+      same kernels on the same machine, one thread (docs/design.md §2 asks this of every rank).
   A2  Backward is linear in its seed: every backward formula here (cross-entropy, LayerNorm,
       GELU, attention, matmul, embedding) is a sum of products with the incoming gradient as a
       factor. Scaling by a power of two commutes with every rounding (barring underflow, i.e.

@@ -35,7 +35,7 @@ def ordered(x: np.ndarray) -> np.ndarray:
 
 def bitwise_equal(a, b, *, nan_equal: bool = False) -> bool:
     """Same shape, dtype and bits. nan_equal: a NaN matches any NaN, whatever its payload
-    (torch and NumPy/ml_dtypes make different NaN bits, MACHINE_NOTES.md); every other value,
+    (torch and NumPy/ml_dtypes make different NaN bits, docs/machine_notes.md); every other value,
     signed zeros and infinities included, must still match bit for bit."""
     a, b = to_numpy(a), to_numpy(b)
     if a.shape != b.shape or a.dtype != b.dtype:

@@ -322,7 +322,7 @@ class _Injected:
     def feed(self, step: int, grads):
         """This rank's micro-batches of the step, then the step; returns its StepResult."""
         n, rank = self.eng.world_size, self.eng.rank
-        for k in range(self.cell.accumulation):  # micro-batch j = kN + r (DESIGN.md §2)
+        for k in range(self.cell.accumulation):  # micro-batch j = kN + r (docs/design.md §2)
             g = grads[k * n + rank]
             self.eng.inject_gradients({name: to_torch(g[name]) for name in self.names})
         return self.eng.step()

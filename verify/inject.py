@@ -6,7 +6,7 @@ optimizer see what no model would give them: subnormals, values a hair below the
 exact zeros of both signs, inf and NaN on one rank only. A cell's gradients are a pure function
 of a `GradientDraw` (seed, exponent range, special values at chosen places), so every rank
 materialises the same M micro-batches for the reference, and a hypothesis-drawn GradientDraw is
-shipped to the ranks as a small picklable value (the draws happen in the parent; DESIGN.md §4).
+shipped to the ranks as a small picklable value (the draws happen in the parent; docs/design.md §4).
 
 Legend: M micro-batches per step, j one of them (run by rank j mod N at micro-step j div N),
 S the loss scale. Injected gradients are those of the *scaled* loss (what backward of S·loss

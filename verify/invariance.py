@@ -1,6 +1,7 @@
 """World-size invariance: the same run at N = 1, 2, 4 and 8 gives the same bits after every step.
 
-DESIGN.md §2: for N and M powers of two with N | M, the reduction tree over micro-batches is the
+docs/design.md §2: for N and M powers of two with N | M, the reduction tree over micro-batches is
+the
 same for every N, the norm's chunks do not depend on N, and the optimizer is elementwise; so in
 deterministic mode a run with the same data, seed and M must give bitwise-identical parameters
 and optimizer states at every world size, and at every stage (each stage computes the same step).

@@ -1,4 +1,4 @@
-"""Fast mode, checked in lock-step against the reference (DESIGN.md §2).
+"""Fast mode, checked in lock-step against the reference (docs/design.md §2).
 
 Comparing K-step trajectories is not a derivable check: errors feed back through the model, and
 Adam's 1/sqrt(v) amplifies them near v ≈ 0. So every step starts the engine from the reference's

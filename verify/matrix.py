@@ -21,7 +21,7 @@ The product is 4·5·3·3·2·2·2·2·3·2·4 = 69,120 cells. The presets cover
             and world-size invariance for every stage × precision × optimizer.
 
 N = 3 is compared with the reference at N = 3 (its own tree); world-size invariance is claimed
-for powers of two only (DESIGN.md §2).
+for powers of two only (docs/design.md §2).
 
 [Note: observable] A planted bug can only fail a cell that exercises it: a different summation
 order needs N >= 3 (at N = 2, a + b = b + a), and sums that round: a few bf16 or fp16 values of

@@ -7,7 +7,7 @@ For each case (N1, s1) -> (N2, s2) in deterministic mode, with N1, N2 and M powe
      accident), engine.load(dir), and train j more steps from the loaded data position.
 The row passes when (3) ends bit for bit where (1) did: every parameter's fp32 master and
 optimizer states (gathered by name), the step counters, the loss scaler, and the loss of every
-step after the resume. DESIGN.md §2 says the bits of deterministic mode do not depend on N or
+step after the resume. docs/design.md §2 says the bits of deterministic mode do not depend on N or
 the stage for power-of-two N and M, so a checkpoint must not depend on them either.
 
 Launched plainly only: each world size runs on a local pool of gloo ranks (zero.launch).
@@ -163,7 +163,7 @@ def run_case(case: ResumeCase, directory, *, timeout_s: float = 600) -> dict:
 
 def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
     """The cases over the power-of-two sizes among world_sizes (other N have their own trees,
-    DESIGN.md §2, so no bitwise resume across N is promised for them); M = max(4, largest N).
+    docs/design.md §2, so no bitwise resume across N is promised for them); M = max(4, largest N).
 
     quick: one case per ordered pair (N1, N2), stages and (precision, optimizer) rotating so
     that with three sizes every stage is left and entered and all nine (precision, optimizer)

@@ -1,6 +1,6 @@
 """ZeRO-R's activation memory: checkpointing per unit, and checkpoints kept in host memory.
 
-Legend (paper §6.1, PAPER.md §1.5): b batch, s sequence length, h hidden size, l units
+Legend (paper §6.1, docs/paper.md §1.5): b batch, s sequence length, h hidden size, l units
 (transformer blocks). Without checkpointing a transformer keeps about 12·b·s·h elements per
 block for backward (the paper's footnote); with one checkpoint per block it keeps the block's
 input, b·s·h elements, and recomputes the rest in backward, one block at a time.

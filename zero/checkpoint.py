@@ -30,7 +30,7 @@ reads and hashes whole files: at the same N only its own, at stages 0-2 every fi
 working copy is whole there). Limitation: a file is read into memory whole, so a unit's shard
 must fit in host memory; no I/O is overlapped with compute.
 
-[Note: atomic commit] (DESIGN.md §3) 1. rank 0 creates a fresh step directory (never one that
+[Note: atomic commit] (docs/design.md §3) 1. rank 0 creates a fresh step directory (never one that
 exists, so the live checkpoint is never written into); 2. every rank writes its files (temp file,
 fsync, rename) and fsyncs the directory, then all ranks exchange their checksums, which is the
 barrier; 3. rank 0 writes manifest.json the same way and fsyncs the directory; 4. rank 0 switches
@@ -637,7 +637,7 @@ def load(engine, directory) -> CheckpointInfo:
     (hyper-parameters, M, precision) stays in force; the model, the optimizer kind and each
     parameter's group must match the checkpoint. Every file read is checked against its sha256.
     If any rank fails, every rank raises (CheckpointError or ValueError naming the problem).
-    The RNG state is restored only at the world size it was saved at (DESIGN.md §2: randomness
+    The RNG state is restored only at the world size it was saved at (docs/design.md §2: randomness
     comes from (seed, data step, micro-batch), never from the rank, so nothing depends on it).
     """
     _check_idle(engine, "load")

@@ -12,7 +12,7 @@ kind="control", apart from model states.
 (a ring: rank r's shard accumulates in rotation order). Deterministic mode instead sends each
 rank its slices with one all-to-all and sums the N received slices locally with the reference's
 tree T in rank order (reference/tree.py). Same volume; on gloo it is even faster
-(MACHINE_NOTES.md). reference.tree works on torch tensors unchanged, so there is one definition
+(docs/machine_notes.md). reference.tree works on torch tensors unchanged, so there is one definition
 of the order.
 
 Every function returns a Pending: the collective is launched (asynchronously when async_op) and

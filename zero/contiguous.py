@@ -1,6 +1,6 @@
 """ZeRO-R's M_D: pre-allocated contiguous memory for gradients and activation checkpoints.
 
-Legend (paper §6.3, PAPER.md §1.5): M_D memory defragmentation; "arena" one flat allocation
+Legend (paper §6.3, docs/paper.md §1.5): M_D memory defragmentation; "arena" one flat allocation
 handed out front to back as aligned views; "slot" the arena bytes one checkpoint is copied into.
 
 [Note: contiguous memory] A caching allocator (PyTorch's on CUDA) serves a request from a free
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-ALIGN = 256  # bytes: every view starts at a multiple (DESIGN.md §2's layout alignment)
+ALIGN = 256  # bytes: every view starts at a multiple (docs/design.md §2's layout alignment)
 
 
 def span(numel: int, dtype: torch.dtype) -> int:

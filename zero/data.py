@@ -21,7 +21,7 @@ list hash, content hash, counts, Python version): two runs are comparable when t
 [Note: sampling] Micro-batch j of data step s is B windows of T + 1 bytes at offsets drawn from a
 generator seeded with stable_seed("corpus", seed, s, j): a pure function of (seed, s, j), never of
 the rank or of what ran before, so a run is the same at every world size and a resumed run reads
-exactly the data the uninterrupted one would (DESIGN.md §2). Validation batches are drawn the
+exactly the data the uninterrupted one would (docs/design.md §2). Validation batches are drawn the
 same way from the validation text with their own index, the same ones at every evaluation.
 """
 

@@ -1,6 +1,6 @@
 """Counter-based initialisation: every parameter's first value is a pure function of (seed, name).
 
-[Note: counter-based init] DESIGN.md §2 asks that initial values be a pure function of
+[Note: counter-based init] docs/design.md §2 asks that initial values be a pure function of
 (seed, parameter name, shape), so that a stage-3 rank can materialise one unit alone, in any
 order, and get the same bits as a single-process model built with the same seed. Hence:
 - every parameter is drawn from its *own* ``torch.Generator``, seeded by a stable hash of

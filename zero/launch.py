@@ -5,30 +5,30 @@ Legend:
     rank     this process's index in [0, N)
     world    N processes in one default process group (``dist.group.WORLD``)
 
-Three ways in, one per situation (DESIGN.md §5):
+Three ways in, one per situation (docs/design.md §5):
 - ``init_from_env()``: under ``torchrun`` (GPUs, multi-node). torchrun starts the processes and
   sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; this joins that world.
 - ``spawn(fn, N, *args)``: a throwaway local world: fork N processes, run ``fn`` once, return
   every rank's result. No launcher of our own beyond this convenience.
 - ``WorkerPool(N)`` / ``get_pool(N)``: N long-lived forked workers holding one process group,
-  reused by many calls, so that tests do not pay for starting a world each (DESIGN.md §4).
+  reused by many calls, so that tests do not pay for starting a world each (docs/design.md §4).
 
 In ``spawn`` and ``WorkerPool`` the function runs as ``fn(rank, world_size, *args)`` in a world
 whose default group is the whole world: pass ``group=None`` (or ``dist.group.WORLD``) to the APIs
 that take the data-parallel group.
 
 [Note: fork] Forked children start in 0.02 s per rank where spawned ones re-import torch
-(MACHINE_NOTES.md: 0.16 s vs 6 s at N=8). Two costs come with it:
+(docs/machine_notes.md: 0.16 s vs 6 s at N=8). Two costs come with it:
 - a child of a parent that has run a multithreaded torch op hangs in libgomp as soon as it uses
   more than one thread, so every child calls ``torch.set_num_threads(1)`` before anything else
-  (one thread per rank is also what bitwise determinism wants, DESIGN.md §2);
+  (one thread per rank is also what bitwise determinism wants, docs/design.md §2);
 - CUDA cannot be used in a child of a parent that has initialised it, so backend="nccl" is
   refused once the parent has touched CUDA (use torchrun there).
 
 Rendezvous goes through a ``FileStore`` in a fresh temporary directory: no port is chosen, so
 none can collide or leak; gloo's own sockets use ephemeral ports and close with the process.
 
-Failure (DESIGN.md §3, "not left to hang"): a rank that raises makes the parent raise
+Failure (docs/design.md §3, "not left to hang"): a rank that raises makes the parent raise
 ``RankError`` with that rank's traceback, after killing the other ranks, which may be blocked in
 a collective that will never complete. Ranks that do not report within ``timeout_s`` are killed
 and named in a ``TimeoutError``. Every child is reaped, so none is left a zombie.

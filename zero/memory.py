@@ -5,14 +5,15 @@ Legend (paper symbols, arXiv 1910.02054 §3.1 and §5):
 - N_d (N) = ``world_size``: the data-parallel degree.
 - K = ``k``: the optimizer-state multiplier, bytes per parameter of the fp32 master copy plus the
   optimizer states. 12 for mixed-precision Adam, 8 for mixed-precision SGD with momentum, 4 for
-  plain mixed-precision SGD (DESIGN.md §2).
+  plain mixed-precision SGD (docs/design.md §2).
 - M: micro-batches per step, so ``accumulation`` = M/N is the number of micro-steps per step.
 - N_m = ``mp``: the model-parallel degree (Table 2 only).
 - ``stage``: 0 = baseline DP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p.
 
 Two forms of the same model:
 - :func:`model_state_bytes` is the paper's Figure 1 formula, parametrised by K only.
-- :func:`model_state_breakdown` is the general form of DESIGN.md §3, by category (working params,
+- :func:`model_state_breakdown` is the general form of docs/design.md §3, by category (working
+params,
   reduced gradients, fp32 master, optimizer states), with dtypes, optimizer, M/N and padding as
   parameters. In the paper's configuration its total equals the Figure 1 formula to the bit.
 
@@ -160,7 +161,7 @@ def optimizer_k(
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:
-    """Resident model-state bytes on one rank, by category (DESIGN.md §3)."""
+    """Resident model-state bytes on one rank, by category (docs/design.md §3)."""
 
     params: float
     """Working copy of the parameters, in the compute dtype."""
@@ -209,7 +210,7 @@ def model_state_breakdown(
     deterministic: bool = True,
     padding: int = 0,
 ) -> MemoryBreakdown:
-    """Resident model-state bytes per rank by category, the general form of DESIGN.md §3.
+    """Resident model-state bytes per rank by category, the general form of docs/design.md §3.
 
     Rules, with numel = num_params + padding and N = world_size (the NumPy simulation of N ranks
     reports its per-rank bytes by the same rules, and tests compare the two for equality):
@@ -220,7 +221,7 @@ def model_state_breakdown(
       numel·grad_bytes at stages 0-1; numel·grad_bytes/N at stages 2-3. Plus, when
       ``deterministic`` and ``accumulation`` > 1,
       extra = floor(log2(accumulation))·numel·grad_bytes/N at every stage.
-      Why shards at every stage: deterministic mode reduce-scatters every micro-step (DESIGN.md
+      Why shards at every stage: deterministic mode reduce-scatters every micro-step (docs/design.md
       §2), so the binary counter of the tree-ordered reduction holds shards, and the peak number
       of partial sums held besides the final one while streaming n micro-steps is
       max popcount(j) for 1 <= j < n, which is floor(log2 n). Fast mode accumulates in the
@@ -236,7 +237,8 @@ def model_state_breakdown(
     stage 0.
 
     ``accumulation`` is M/N, micro-batches per step divided by N, an integer >= 1. ``padding`` is
-    the number of padding elements of the flat buffers (alignment and equal shards, DESIGN.md §3).
+    the number of padding elements of the flat buffers (alignment and equal shards, docs/design.md
+    §3).
     Raises ValueError naming the field, its value and what is allowed.
     """
     numel = _real("num_params", num_params) + _integer("padding", padding, minimum=0)

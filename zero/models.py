@@ -7,7 +7,8 @@ Legend (nanoGPT's names, which the paper's GPT-2-like models share):
     H      n_head, the attention heads per block
     d      n_embd, the residual width; every head has d / H channels
     B      batch_size, sequences (or samples) per micro-batch
-    unit   a module whose parameters form one flat buffer (DESIGN.md §3); ``unit_names()`` lists
+    unit   a module whose parameters form one flat buffer (docs/design.md §3); ``unit_names()``
+    lists
            them, and the root unit holds every parameter outside them
 
 Initialisation is zero/init.py's ([Note: counter-based init] there).
@@ -17,7 +18,7 @@ appears once in ``named_parameters()``, as "transformer.wte.weight", is counted 
 in the root unit. ``Module.to_empty`` replaces each module's parameters separately and so unties
 them; ``materialize`` re-ties after it.
 
-Data (DESIGN.md §2): micro-batch j of data step s is a pure function of (seed, s, j), never of
+Data (docs/design.md §2): micro-batch j of data step s is a pure function of (seed, s, j), never of
 the rank, so any rank can produce any micro-batch and a run at any world size sees the same data.
 """
 
@@ -67,7 +68,7 @@ class GPTConfig:
     dropout: float = 0.0
     """Dropout probability in [0, 1), applied in training mode only (embeddings, attention,
     residual branches). It draws from torch's global RNG: a caller that uses it seeds that RNG
-    from (seed, data step, micro-batch index), never from the rank (DESIGN.md §2)."""
+    from (seed, data step, micro-batch index), never from the rank (docs/design.md §2)."""
     bias: bool = True
     """Whether Linear and LayerNorm layers have biases (GPT-2: True)."""
 
@@ -190,7 +191,7 @@ class GPT(nn.Module):
         """idx, targets: (B, t) int64 with t <= T. Returns logits (B, t, V) and the loss.
 
         The loss is the cross-entropy *mean* over all B·t tokens of the micro-batch (the g_j of
-        DESIGN.md §2 is the gradient of this mean), or None without targets.
+        docs/design.md §2 is the gradient of this mean), or None without targets.
         """
         b, t = idx.shape
         if t > self.cfg.block_size:
@@ -349,7 +350,7 @@ def mlp_microbatches(
 # ---------------------------------------------------------------------------------------------
 # GPT configurations of a requested size, in the paper's shapes
 
-# (largest size in parameters, hidden, heads) from the paper's configurations (PAPER.md §1.9):
+# (largest size in parameters, hidden, heads) from the paper's configurations (docs/paper.md §1.9):
 # GPT-2 1.5B uses 1600/16; 4B 2304/24; 8B 3072/24; 10-20B 4096/32; 40-60B 6144/32; larger 8192/64.
 PAPER_SHAPES = (
     (2.0e9, 1600, 16),

@@ -1,10 +1,10 @@
 """ZeRO-Offload: the optimizer's side of the model states in host memory, the update on the CPU.
 
-Legend: Ψ parameters, N ranks, K the optimizer-state multiplier (DESIGN.md §2), "extent" the
+Legend: Ψ parameters, N ranks, K the optimizer-state multiplier (docs/design.md §2), "extent" the
 elements of the padded flat buffer whose update a rank owns (the whole unit at stage 0, its
 shard at stages 1-3; a stage-3 persistent unit is whole).
 
-What lives where, per rank (ZeRO-Offload, PAPER.md §2):
+What lives where, per rank (ZeRO-Offload, docs/paper.md §2):
     device   working parameters (compute dtype), the reduction buffers of backward
     host     fp32 master and optimizer states of the extent (KΨ/N), the reduced gradient of the
              extent (stages 2-3: the gradient shard itself; stages 0-1 keep their full-size
@@ -20,7 +20,7 @@ reduced shard down and accumulate it on the host: M/N downloads per step.
 The update itself is zero/optim.py's, unchanged: it already runs on whatever device its tensors
 are on, and on the CPU its deterministic kernels are the reference's bits. The compute-dtype
 rounding of the new master (round to nearest even) happens on the host; torch's CPU and CUDA
-casts round alike (MACHINE_NOTES.md), so the working copy's bits do not depend on where.
+casts round alike (docs/machine_notes.md), so the working copy's bits do not depend on where.
 
 On CUDA host buffers are pinned and copies are non-blocking: downloads of all units are queued
 at once and one stream synchronisation precedes the CPU's first read; an upload is queued as

@@ -1,6 +1,6 @@
 """Flat units and their shards: which rank owns which elements. Pure code, no communication.
 
-Legend (DESIGN.md §3):
+Legend (docs/design.md §3):
     unit     a module whose parameters are flattened into one contiguous buffer
     L        shard length; the unit's padded buffer has N·L elements; rank r owns [r·L, (r+1)·L)
     run      a maximal piece of a shard whose elements all belong to one parameter group

@@ -1,4 +1,4 @@
-"""The one results format for everything measured (DESIGN.md §4), and atomic JSON files.
+"""The one results format for everything measured (docs/design.md §4), and atomic JSON files.
 
 A record is a plain dict, so that any tool reads it:
 

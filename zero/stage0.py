@@ -1,10 +1,10 @@
 """Stage 0: baseline data parallelism. Every rank keeps every model state whole.
 
-Resident per rank (Ψ parameters; K = 12 for mixed-precision Adam; DESIGN.md §3):
+Resident per rank (Ψ parameters; K = 12 for mixed-precision Adam; docs/design.md §3):
     working params  Ψ · compute bytes              (the fp32 master itself in pure fp32)
     gradients       Ψ · reduction bytes            (+ floor(log2(M/N)) shards of partial sums)
     master + states KΨ
-Traffic per step (elements per rank, × (N-1)/N; DESIGN.md §2):
+Traffic per step (elements per rank, × (N-1)/N; docs/design.md §2):
     deterministic   (M/N + 1)Ψ: a tree-ordered reduce-scatter every micro-step, then one
                     all-gather of the reduced gradient, so every rank can run the whole optimizer
     fast            2Ψ: local accumulation over micro-steps, then one all-reduce
@@ -164,7 +164,7 @@ class Stage0:
         """Reduce-scatter u's flat gradient `flat` (N·L), or, with bucket_elements, in pieces
         filled from `flat` or straight from the parameters' `grads` (flat None)."""
         # [Note: fast reduce-scatter on gloo] gloo's reduce_scatter is several times slower than
-        # its all-to-all (MACHINE_NOTES.md), so fast mode on gloo takes the all-to-all and a
+        # its all-to-all (docs/machine_notes.md), so fast mode on gloo takes the all-to-all and a
         # local tree sum as well: same volume, and its error is within the fast bound a
         # fortiori. Other backends (NCCL) use their own reduce-scatter.
         tree = self.cfg.deterministic or dist.get_backend(self.group) == "gloo"

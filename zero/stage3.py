@@ -8,7 +8,7 @@ unit runs:
     pre_backward(u)   all-gather u again, then prefetch the unit before it
     post_backward(u)  reduce-scatter u's gradients (stage 2), then free u
 The root unit (embeddings, the tied head, final norm) is used first and last, so it stays
-gathered from its first use in forward to the end of backward (DESIGN.md §3).
+gathered from its first use in forward to the end of backward (docs/design.md §3).
 
 [Note: freeing by storage resize] Autograd saves views of the parameters for backward. Freeing
 resizes the flat buffer's storage to 0 bytes and gathering resizes it back, so every saved view

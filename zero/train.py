@@ -2,7 +2,8 @@
 
 `train_steps` is the importable loop that tests, benchmarks and notebooks call. Micro-batch j of
 step s is produced by `microbatch(s, j)` and runs on rank j mod N at micro-step j div N
-(DESIGN.md §2), so the data a rank sees depends on (s, j), never on the rank itself, and the run
+(docs/design.md §2), so the data a rank sees depends on (s, j), never on the rank itself, and the
+run
 is the same at every world size.
 
 `python -m zero.train` trains a byte-level GPT on the Python standard library's own source (no
