@@ -1,5 +1,10 @@
 # Everything runs from a project-local virtual environment, .venv, created on first use.
-#   make test            ruff format --check, ruff check, and the fast test tier (CI runs this)
+#   make test            ruff format --check, ruff check, and every tier below but the release-only
+#                        tests (CI runs this; under 15 minutes on 2 cores)
+#   make test-unit       tests/unit: one process, no ranks, under a minute (the inner loop)
+#   make test-distributed tests/distributed: gloo ranks, subprocesses, simulated ranks
+#   make test-notebooks  tests/notebooks: every notebook executed headless
+#   make test-gpu        tests/gpu: NCCL and CUDA checks (skipped, with the reason, without CUDA)
 #   make repro           the main job: python -m paper_figures (pass options with ARGS="...")
 #   make test-full       the release tier: every test, hypothesis profile "full"
 #   make format          ruff format + ruff check --fix
@@ -18,7 +23,7 @@ ARGS ?=
 PACKAGE_INITS := $(wildcard reference/__init__.py zero/__init__.py measure/__init__.py \
 	verify/__init__.py paper_figures/__init__.py teaching/__init__.py)
 
-.PHONY: test test-full repro format lint strip-notebooks clean clean-venv
+.PHONY: test test-unit test-distributed test-notebooks test-gpu test-full repro format lint strip-notebooks clean clean-venv
 
 # torch goes in first and pinned: asking pip for plain `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml $(PACKAGE_INITS)
@@ -34,6 +39,18 @@ lint: $(STAMP)
 test: lint
 	$(VPY) -m pytest -p no:cacheprovider -m "not full" --durations=20 -q
 
+test-unit: $(STAMP)
+	$(VPY) -m pytest -p no:cacheprovider -m "not full" --durations=10 -q tests/unit
+
+test-distributed: $(STAMP)
+	$(VPY) -m pytest -p no:cacheprovider -m "not full" --durations=20 -q tests/distributed
+
+test-notebooks: $(STAMP)
+	$(VPY) -m pytest -p no:cacheprovider -m "not full" -q tests/notebooks
+
+test-gpu: $(STAMP)
+	$(VPY) -m pytest -p no:cacheprovider -rs -q tests/gpu
+
 test-full: lint
 	HYPOTHESIS_PROFILE=full $(VPY) -m pytest -p no:cacheprovider --durations=30 -q
 
@@ -45,7 +62,7 @@ format: $(STAMP)
 	$(RUFF) check --fix .
 
 strip-notebooks: $(STAMP)
-	$(VPY) tests/notebook_tools.py strip $(wildcard notebooks/*.ipynb)
+	$(VPY) tests/helpers/notebook_tools.py strip $(wildcard notebooks/*.ipynb)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

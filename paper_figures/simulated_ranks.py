@@ -249,7 +249,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     for (psi, n, stage), v in sorted(cells.items()):
         ratio = v["measured"] / v["analytic"]
         # Slack: one page per buffer is negligible here; what is stated is 8 MiB of the
-        # interpreter's own growth while building an engine (see tests/test_measure.py).
+        # interpreter's own growth while building an engine (see tests/distributed/test_measure.py).
         ok = abs(v["measured"] - v["engine"]) <= 8 * 2**20 + 0.01 * v["engine"]
         within += ok
         rows.append(

@@ -5,7 +5,7 @@ Used by ``notebooks/03_zero_from_scratch.ipynb`` (ZeRO built step by step on the
 simulation, reference/simulate.py, then the same steps on real gloo ranks) and by
 ``notebooks/00_claims_vs_measurements.ipynb`` (popular claims about ZeRO, each tested with a
 measurement). The notebooks hold narrative, calls and plots; everything they compute is here, so
-tests/test_teaching.py can test it. Both use it as ``import teaching`` and
+tests/distributed/test_teaching.py can test it. Both use it as ``import teaching`` and
 ``teaching.X``; every name they use is re-exported here.
 
 Modules:
@@ -77,7 +77,7 @@ from .pictures import (
     PHASE_DTYPE,
     Block,
     MessageRow,
-    _blocks_of,  # noqa: F401  (tests/test_teaching.py checks its refusal directly)
+    _blocks_of,  # noqa: F401  (tests/distributed/test_teaching.py checks its refusal directly)
     bytes_by_rank,
     draw_rank_bytes,
     engine_blocks,
@@ -103,7 +103,7 @@ from .timeline import (
     TIMELINE_COLORS,
     Interval,
     SyncPoints,
-    _rows,  # noqa: F401  (tests/test_teaching.py checks the row packing directly)
+    _rows,  # noqa: F401  (tests/distributed/test_teaching.py checks the row packing directly)
     draw_timeline,
     forward_calls,
     gathers_per_unit,

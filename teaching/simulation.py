@@ -147,7 +147,7 @@ def padded_numel(world: World) -> int:
 
 def analytic_bytes(world: World) -> dict[str, int]:
     """zero.memory.model_state_breakdown for this World's configuration at Ψ_pad: what each
-    rank should hold, by category (exact for the simulation, tests/test_simulate.py)."""
+    rank should hold, by category (exact for the simulation, tests/unit/test_simulate.py)."""
     cfg = world.cfg
     counts = {len(state_names(cfg.optimizer, hp)) for hp in cfg.groups}
     if len(counts) != 1:

@@ -103,7 +103,7 @@ class CausalSelfAttention(nn.Module):
         # (B, T, d) -> (B, H, T, d/H): heads become a batch dimension.
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
         # SDPA on CPU gave the same bits on repeated calls, at 1 and 2 threads, and for operands
-        # at aligned and unaligned offsets (tests/test_models.py checks the model end to end).
+        # at aligned and unaligned offsets (tests/unit/test_models.py checks the model end to end).
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )

@@ -19,7 +19,7 @@ from zero.engine import ZeroEngine
 from zero.launch import get_pool
 from zero.models import GPT, GPTConfig, gpt_microbatches, gpt_num_params
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "paper_figures" / "results" / "perf_model.json"
 P = pm.Params(peak_fraction=0.4, half_work=1e6, overlap=0.3)
 

@@ -17,7 +17,7 @@ import torch
 from zero.data import load_corpus, split_names, stdlib_dir, stdlib_files
 from zero.train import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # tiny model, no checkpoints or evaluations in between unless a test asks: seconds per run
 FAST = ["--model", "tiny", "--eval-every", "0", "--ckpt-every", "0", "--log-every", "100"]
 

@@ -1,9 +1,9 @@
 """Notebook helpers: the git policy (outputs stripped), execution, and figure inspection.
 
-Used by tests/test_notebooks.py and by ``make strip-notebooks``:
+Used by tests/notebooks/test_notebooks.py and by ``make strip-notebooks``:
 
-    python tests/notebook_tools.py strip notebooks/*.ipynb   # strip outputs in place
-    python tests/notebook_tools.py check notebooks/*.ipynb   # exit 1 if any notebook has outputs
+    python tests/helpers/notebook_tools.py strip notebooks/*.ipynb   # strip outputs in place
+    python tests/helpers/notebook_tools.py check notebooks/*.ipynb   # exit 1 if any has outputs
 
 Execution (``execute_notebook``) runs a notebook in a fresh kernel of *this* interpreter with
 ``ZERO_NOTEBOOK_PROFILE`` set (``small`` in tests) and ``MPLBACKEND=Agg``. With Agg, figures stay
@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 FIGURES_MARKER = "__FIGURES__"
 KERNEL_NAME = "python3"
@@ -349,7 +349,7 @@ def execute_notebook(
 def main(argv: list[str]) -> int:
     import nbformat
 
-    usage = "usage: python tests/notebook_tools.py {strip|check} NOTEBOOK..."
+    usage = "usage: python tests/helpers/notebook_tools.py {strip|check} NOTEBOOK..."
     if not argv or argv[0] not in {"strip", "check"}:
         print(usage, file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ from paper_figures.paper import format_size, paper_round, table2_round
 from zero.memory import max_model_params, model_state_bytes
 from zero.results import read_json, write_json
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Table 1 (docs/paper.md §1.2), as printed. Columns: 7.5B, 128B, 1T × (P_os, P_os+g, P_os+g+p).
 TABLE1 = """

@@ -7,8 +7,8 @@ level so that forked workers can unpickle them by reference.
 
 import pytest
 import torch
-
 from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe_gpt_engine
+
 from measure.fragmentation import fragmentation, main
 from reference.layout import unit_layout
 from reference.precision import DTYPES

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from engine_tools import failures, mlp_engine, one_step, patched
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_tools import failures, mlp_engine, one_step, patched
 from reference.precision import DTYPES
 from verify.harness import Cell, run_cells
 from zero import collectives

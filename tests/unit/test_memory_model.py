@@ -30,7 +30,7 @@ from zero.memory import (
     reduction_factor,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 PSI = st.integers(min_value=0, max_value=10**15)
 WORLD = st.integers(min_value=1, max_value=1 << 20)

@@ -5,8 +5,8 @@ buffers moved from the device to the host.
 """
 
 import pytest
-
 from engine_tools import OptCell, failures, mlp_engine, one_step
+
 from reference.precision import DTYPES
 from zero.launch import get_pool
 

@@ -7,8 +7,8 @@ level so that forked workers can unpickle them by reference.
 
 import pytest
 import torch
-
 from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe_gpt_engine
+
 from verify.harness import run_cells
 from zero.activations import saved_activation_bytes
 from zero.config import ZeroConfig

@@ -14,7 +14,7 @@ from zero.launch import get_pool
 from zero.models import GPT, GPTConfig, gpt_config_for, gpt_microbatches, gpt_num_params
 from zero.train import train_steps
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
 
 
