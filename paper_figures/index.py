@@ -271,7 +271,8 @@ def build(out: Outputs) -> tuple[str, int]:
     if extra:
         lines += [
             "Measured ranks hold a few MB more than their model states, whatever Ψ: the model's",
-            "and the engine's Python objects and malloc's bookkeeping (tests/distributed/test_measure.py",
+            "and the engine's Python objects and malloc's bookkeeping "
+            "(tests/distributed/test_measure.py",
             "bounds it by 8 MiB). Measured minus analytic at the built Ψ: "
             + ", ".join(f"N_d = {n}: {mb:.1f} MB" for n, mb in sorted(extra))
             + ". That is why a rank holding 0.12 GB reads a few percent high while the",

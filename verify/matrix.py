@@ -31,7 +31,8 @@ place of 1/M needs M > N; a scale error hides under clipping (and mostly under A
 invariance, though not from bitwise checks); a bias correction off by a step needs Adam and two
 optimizer steps; a stale prefetched unit needs stage 3, overlap, a real forward and a second
 step. OBSERVABLE states these conditions
-as predicates on cells; tests/distributed/test_verify_planted.py checks that --quick holds a cell for each
+as predicates on cells; tests/distributed/test_verify_planted.py checks that --quick holds a cell
+for each
 and that the harness reports those cells failing with the bug planted.
 """
 

@@ -74,7 +74,8 @@ def test_timings_are_positive_and_complete(records):
         assert res["p75_ms"] <= res["max_ms"]
         assert all(math.isfinite(x) and x > 0 for x in res["losses"][0])
     ours, ddp = (r["result"] for r in records)
-    # MFU is made of the model FLOPs (tests/unit/test_mfu.py proves them = torch's count), the median
+    # MFU is made of the model FLOPs (tests/unit/test_mfu.py proves them = torch's count), the
+    # median
     # step time and the peak every rank measured; both systems do the same FLOPs on one peak
     flops = mfu.step_flops(SMALL.workload.gpt, SMALL.workload.batch_size)
     for rec in records:

@@ -178,7 +178,8 @@ def check_preset_report(data, cells):
 @pytest.mark.timeout(400)
 def test_quick_preset_passes_and_has_teeth(tmp_path, capsys):
     """python -m verify --quick: the CI preset. Every cell and invariance row passes, and for
-    every planted bug (tests/distributed/test_verify_planted.py) a cell where it is observable ran."""
+    every planted bug (tests/distributed/test_verify_planted.py) a cell where it is observable
+    ran."""
     out, md = tmp_path / "quick.json", tmp_path / "quick.md"
     started = time.time()
     assert main(["--quick", "--json", str(out), "--markdown", str(md)]) == 0

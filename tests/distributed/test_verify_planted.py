@@ -3,7 +3,8 @@
 Each bug is planted by patching the engine inside the worker function (pytest.MonkeyPatch, undone
 when the cells are done), and run on cells of the --quick preset where verify.matrix.OBSERVABLE
 says it is observable. Every such cell must fail; the same cells pass unpatched in the --quick
-run (tests/distributed/test_verify_cli.py). The fast tier runs the two cheapest observable cells per bug;
+run (tests/distributed/test_verify_cli.py). The fast tier runs the two cheapest observable cells
+per bug;
 the release tier runs every observable cell of --quick, which also checks the predicates.
 
 The bugs:
