@@ -17,8 +17,8 @@ In ``spawn`` and ``WorkerPool`` the function runs as ``fn(rank, world_size, *arg
 whose default group is the whole world: pass ``group=None`` (or ``dist.group.WORLD``) to the APIs
 that take the data-parallel group.
 
-[Note: fork] Forked children start in 0.02 s per rank where spawned ones re-import torch
-(docs/machine_notes.md: 0.16 s vs 6 s at N=8). Two costs come with it:
+[Note: fork] Forked children start at once where spawned ones re-import torch, which costs
+seconds per world (docs/machine_notes.md, starting ranks). Two costs come with it:
 - a child of a parent that has run a multithreaded torch op hangs in libgomp as soon as it uses
   more than one thread, so every child calls ``torch.set_num_threads(1)`` before anything else
   (one thread per rank is also what bitwise determinism wants, docs/design.md §2);
