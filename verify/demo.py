@@ -1,7 +1,6 @@
 """Two minutes of ZeRO: the four stages give the same bits, hold less, and move what the paper says.
 
     python -m verify.demo              # 2 local gloo ranks, 3 steps per stage, about 10 s
-    python -m verify.demo --steps 5
 
 One small GPT (verify.harness.MODELS["gpt"]) trains at stages 0, 1, 2 and 3 on the same 2 ranks, in
 deterministic mode and in the paper's configuration (bf16 working copy, gradients reduced in bf16,
@@ -48,18 +47,11 @@ class Row:
 
 
 def config(stage: int, world_size: int, units: tuple[str, ...]):
+    """The paper's configuration (docs/design.md §3), deterministic, M = N."""
     from zero.config import ZeroConfig
 
-    return ZeroConfig(
-        stage=stage,
-        precision="bf16",
-        reduce_dtype="bf16",
-        optimizer="adam",
-        deterministic=True,
-        micro_batches=world_size,
-        chunk=128,
-        units=units,
-    )
+    paper = dict(precision="bf16", reduce_dtype="bf16", optimizer="adam", deterministic=True)
+    return ZeroConfig(stage=stage, micro_batches=world_size, chunk=128, units=units, **paper)
 
 
 def _rank(rank: int, world_size: int, steps: int) -> list[dict]:
@@ -102,17 +94,12 @@ def run(*, world_size: int = 2, steps: int = 3) -> list[Row]:
     for stage in range(4):
         per = [r[stage] for r in ranks]
         assert len({p["digest"] for p in per}) == 1, "ranks disagree on the final state"
+        first = per[0]
+        memory = {k: first["memory"][k] for k in CATEGORIES}
+        elements = sum(p["elements"] for p in per)
+        keep = {k: first[k] for k in ("loss", "digest", "num_params", "padded")}
         rows.append(
-            Row(
-                stage=stage,
-                loss=per[0]["loss"],
-                digest=per[0]["digest"],
-                memory={k: per[0]["memory"][k] for k in CATEGORIES},
-                elements=sum(p["elements"] for p in per),
-                num_params=per[0]["num_params"],
-                padded=per[0]["padded"],
-                world_size=world_size,
-            )
+            Row(stage=stage, memory=memory, elements=elements, world_size=world_size, **keep)
         )
     return rows
 
