@@ -1,68 +1,29 @@
-"""python -m measure.bench: the step time of our ZeRO stages beside torch DDP,
-ZeroRedundancyOptimizer, FSDP2 and DeepSpeed, on the same GPT, the same data and the same
-world size, in one run.
+"""python -m measure.bench: one training step of our stages 0-3 timed beside torch DDP,
+ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO-1/2/3, same GPT, same data, same N, one run.
 
     python -m measure.bench --model anchor --world-sizes 2 4 --repeats 8 --steps 6 --json b.json
-    python -m measure.bench --model small --systems zero-s0 ddp --world-sizes 2 --repeats 1
-    python -m measure.bench --from-json b.json --markdown      # the table again, from the records
-    torchrun --standalone --nproc-per-node 4 -m measure.bench      # the world it was given (N = 4)
+    python -m measure.bench --from-json b.json --markdown          # the tables again, from records
+    torchrun --standalone --nproc-per-node 1 -m measure.bench --world-sizes 1   # one GPU, NCCL
 
-Legend:
-    N          data-parallel world size (ranks)
-    M          micro-batches per step over all ranks; here M = N, one micro-batch per rank per step
-    Ψ          parameters of the model, counted once (the tied head is the token embedding)
-    B          sequences per micro-batch (per rank)
-    step       forward + backward + optimizer step of one micro-batch on every rank
-    ms/step    one step's time on the slowest rank (max over ranks: the slowest rank sets the pace)
-    median     over every timed step of every repeat; IQR, its 25th-75th percentiles, is the spread
-    MFU        model FLOPs of a rank's step ÷ the median step time ÷ the peak FLOP/s each rank
-               measured at the same time (zero/mfu.py: bf16 on a GPU, fp32 on a CPU); every
-               system does the same model FLOPs, so MFU ranks them as the step time does
-    ×DDP       median / DDP's median at the same N (below 1 is faster than DDP)
-    ×fast      a deterministic stage's median / the same stage's fast-mode median
-    ×<peer>    our median / that peer's median at the same N
-    ×s2        a stage-3 median / the same mode's stage-2 median: what gathering the
-               parameters twice per step (3Ψ of traffic instead of 2Ψ) costs in time
-    Δloss      largest |loss - DDP's loss| over the steps both ran (same data step, same data):
-               evidence that the systems train the same model on the same data, not a target
-
-Systems (SYSTEMS), all fp32, AdamW (lr 1e-3; weight decay 0.1 on matrices, none on biases and
-norms), gloo on CPU, one thread per rank, the model's parameters built from the same seed:
-    zero-s{0,1,2,3}      ZeroEngine at stage 0/1/2/3, fast mode (deterministic=False), one unit
-                         per transformer block plus the root, overlap (and stage 3's prefetch) on
-    zero-s{0,1,2,3}-det  the same, deterministic mode (the reference's reduction tree, bitwise)
-    ddp                  torch DistributedDataParallel + torch.optim.AdamW, torch's defaults
-    zero-redundancy      torch ZeroRedundancyOptimizer(AdamW) + DDP
-    fsdp2                fully_shard(reshard_after_forward=False) on every block and on the root
-    fsdp2-reshard        the same with reshard_after_forward=True: parameters freed after each
-                         block's forward and gathered again for its backward (stage 3's peer)
-    deepspeed-s{1,2,3}   DeepSpeed ZeRO stage 1/2/3, a torch AdamW client optimizer, no gradient
-                         clipping (DeepSpeed's default clips to 1.0; nothing else here clips),
-                         DeepSpeed's defaults otherwise; "not installed" where it does not import
-
-[Note: alternating repeats] Machine noise (another process, a frequency change) comes in bursts
-of seconds. Timing all of one system and then all of the next would charge a burst to whichever
-system was running, so repeats go round-robin: repeat 1 of every system, then repeat 2, ..., and
-each round starts one system further along, so that no system always follows the same one. Every
-system lives in the same worker processes (one pool per N), built once, so the switch between
-systems costs nothing but caches. A barrier before each timed step lines the ranks up, and the
-step's time is the slowest rank's. Speed is reported, never asserted: tests check the records.
-
-[Note: disturbed repeats] The development machines are shared: another process taking a core
-for a few seconds doubles a step time at N = 2 on 2 cores. So, with local ranks on Linux, the
-driver measures how many cores *other* processes used while each repeat ran (the machine's busy
-CPU time from /proc/stat, minus our ranks' and our own process times, over the wall time). A
-repeat during which they used more than quiet_cores is timed again, up to `retries` times, and
-before every repeat the driver waits (at most quiet_wait_s) until the machine is quiet. Every
-kept repeat's figure is in its record ("other_cores"), as are those of the repeats timed again.
-This drops disturbed samples; it never selects fast ones.
-
-Profiling (--profile): after the timed repeats, each system runs --steps more steps with timers
-around its phases (forward, backward, optimizer update; for ours also the reduction hooks, the
-reduction at step(), the overflow flag, the global loss and norm, the optimizer kernels and the
-parameter all-gather). The timers are installed on the objects of this process only, and only
-then; the timed repeats run without them.
+Systems (SYSTEMS): zero-s{0..3} (fast mode), zero-s{0..3}-det (deterministic), ddp,
+zero-redundancy, fsdp2, fsdp2-reshard, deepspeed-s{1,2,3}; fp32 AdamW, M = N.
+Legend: N ranks; ms/step the slowest rank's step, median over repeats × steps (IQR its spread);
+×DDP / ×fast / ×s2 / ×<peer> ratios of medians; MFU model FLOPs ÷ step time ÷ measured peak
+(measure/mfu.py); Δloss the largest loss difference from DDP. Every system, column and rule is
+described in benchmarks/cpu-2core-2026-11.md, section "How the step time is taken".
 """
+
+# [Note: alternating repeats] Machine noise comes in bursts of seconds, so repeats go round-robin
+# over the systems (repeat 1 of every system, then repeat 2, ...), each round starting one system
+# further along; every system lives in the same worker processes, built once. A barrier lines the
+# ranks up before each timed step, whose time is the slowest rank's. Speed is reported, never
+# asserted: tests check the records.
+#
+# [Note: disturbed repeats] With local ranks on Linux the driver measures how many cores *other*
+# processes used during each repeat (/proc/stat's busy time minus our ranks' and our own). A repeat
+# during which they used more than quiet_cores is timed again (up to `retries` times), and before
+# each repeat the driver waits (at most quiet_wait_s) for a quiet machine. Every repeat's figure is
+# kept in its record ("other_cores"). This drops disturbed samples; it never selects fast ones.
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """measure.bench's systems and tables: which systems there are, their ratios against DDP, the fast
 mode and the peers, and the tables drawn from the records (never from numbers typed in).
 
-Kept apart from zero/bench.py (which builds and times the systems in the ranks) so that the
+Kept apart from measure/bench.py (which builds and times the systems in the ranks) so that
 paper_figures and the notebooks can rebuild a table from a results file without the timing code.
-The legend of every column is zero/bench.py's module docstring.
+The legend of every column: benchmarks/cpu-2core-2026-11.md, section "How the step time is taken".
 """
 
 from __future__ import annotations

@@ -1,41 +1,28 @@
 """What fits a per-rank memory budget: the paper's configurations C1-C5 (Table 3) at our scale.
 
-The paper compares five configurations of ZeRO-DP and ZeRO-R (docs/paper.md §1.6) by the largest
-model
-each trains at batch 16 per GPU (Figure 6), the memory each takes for two fixed models (Figure 7)
-and the throughput each reaches on a fixed model at the largest batch it fits (Figure 8), all with
-model parallelism 16. Without model parallelism (out of scope, docs/design.md §3) P_a has nothing to
-partition a checkpoint over, so C2 ≡ C1 and C4 ≡ C3, and C5's P_a+cpu becomes "activation
-checkpoints kept in host memory". Every configuration keeps one checkpoint per transformer block,
-as the paper's runs did:
-
-    C1  P_os   + C_B + M_D            stage 1, checkpointing, bucket_elements, contiguous_memory
-    C2  C1 + P_a                      = C1 here
-    C3  P_os+g + C_B + M_D            stage 2, checkpointing, bucket_elements, contiguous_memory
-    C4  C3 + P_a                      = C3 here
-    C5  C3 + P_a+cpu                  C3 with offload_activations
-
-[Note: measured, not modelled] Every number comes from one simulated rank (measure.simulate:
-rank 0 of an N-rank job on a fake process group, measured outside the engine by
-measure.resident.MemoryProbe)
-running one real step: the rank's *device peak* is its peak above the baseline over construction
-and the step. On CUDA that is the allocator's peak. On a CPU-only machine the host *is* the
-device, so checkpoints kept "in host memory" stay in the process and show in the RSS: their bytes,
-counted exactly by the engine (kind='offload'), are subtracted, since they are all held at once
-from their forward to the start of backward, where the peak lies. The largest model is found by a
-search over the number of blocks with measured probes; a linear fit of two small probes only
-guides where the search starts.
-
-[Note: the second step] A probe runs two steps and its peak is the higher of theirs. The first
-step's forward and backward run before anything the step itself leaves resident (the optimizer
-states, created by the first update, and what the allocator keeps of the step's buffers), so its
-peak is below the steady state: C1 at 159 blocks peaks at 127.4 MiB in step 1, then 134.7,
-134.9 and 134.8 MiB in steps 2-4. A one-step probe would call a model trainable that is over
-the budget from its second step on.
+Runs each configuration on one simulated rank (measure.simulate, measured by measure.resident):
+the largest model within the budget (Figure 6), the peak of two fixed models (Figure 7), and the
+largest batch and its step time (Figure 8). Used by paper_figures/zero_r_configs.py
+(`python -m paper_figures --only zero_r_configs`). Without model parallelism C2 = C1, C4 = C3
+and C5 is C3 with offload_activations (docs/zero_r.md); measurements are in
+benchmarks/cpu-2core-2026-11.md and paper_figures/measured/zero_r_configs.json.
 
 Legend: L transformer blocks, h hidden size, b batch per rank (one micro-batch), s sequence length,
 N = N_d data-parallel ranks, B the per-rank budget in bytes.
 """
+
+# [Note: measured, not modelled] Every number comes from one simulated rank running real steps;
+# its *device peak* is the peak above its baseline over construction and the steps. On CUDA that is
+# the allocator's peak. On a CPU-only machine the host is the device, so checkpoints kept "in host
+# memory" stay in the process: their bytes, counted exactly by the engine (kind='offload'), are
+# subtracted, since they are all held at once from their forward to the start of backward, where
+# the peak lies. The largest model is searched for with measured probes; a linear fit of two small
+# probes only guides where the search starts.
+#
+# [Note: the second step] A probe runs two steps and keeps the higher peak. The first step runs
+# before anything a step leaves resident exists (optimizer states, what the allocator keeps of the
+# step's buffers), so it peaks below the steady state; a one-step probe would accept a model that
+# is over the budget from its second step on.
 
 from __future__ import annotations
 

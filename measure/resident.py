@@ -1,29 +1,22 @@
 """Memory measured from outside the engine: the process's resident set on CPU, allocator bytes on
-CUDA, and the activation bytes autograd keeps for backward.
+CUDA, and the activation bytes autograd keeps for backward (docs/design.md §3).
 
-The engine's ``memory_report()`` sums the storages it owns, so it equals the analytic model by
-construction (an internal check). A *measurement* asks someone else (docs/design.md §3):
-
-- **CPU**: the kernel. The resident set (RSS, ``/proc/self/statm``) at a quiescent point, minus
-  the RSS before the model was built; the peak from ``VmHWM`` in ``/proc/self/status``, which
-  can be reset between phases (``/proc/self/clear_refs``), so construction and a step each get
-  their own peak.
-- **CUDA**: the caching allocator. ``torch.cuda.memory_allocated`` at the quiescent point and
-  ``torch.cuda.max_memory_allocated`` for the peak, each minus the baseline taken before the
-  model was built.
-
-[Note: quiescent RSS] glibc's malloc keeps freed memory for reuse instead of returning it to the
-kernel, so after construction (which materialises and frees one full unit at a time) the RSS
-holds freed pages that no tensor owns. :func:`release_free_memory` runs the garbage collector
-and ``malloc_trim(0)``, which hands every free page back; only then is RSS an upper bound on
-live bytes that is tight up to page rounding and the interpreter's own objects. Records keep
-the untrimmed number too. Buffers allocated with ``torch.empty`` and never written are not
-resident at all: RSS counts only touched pages, which is why a measurement can fall *below* the
-engine's accounting (none of the engine's model states are left untouched, see the tests).
+engine.memory_report() sums the storages the engine owns, so it equals the analytic model by
+construction; a measurement asks someone else. CPU: the resident set (/proc/self/statm) at a
+quiescent point minus the RSS before the model was built, and the peak from VmHWM
+(/proc/self/status, reset through /proc/self/clear_refs between phases). CUDA:
+torch.cuda.memory_allocated and max_memory_allocated, each minus the same baseline.
 
 Legend: RSS resident set size; HWM high-water mark (peak RSS); Ψ parameters; b batch, s
 sequence length, h hidden size, l layers.
 """
+
+# [Note: quiescent RSS] glibc's malloc keeps freed memory for reuse, so after construction (which
+# materialises and frees one full unit at a time) the RSS holds pages no tensor owns.
+# release_free_memory() runs the garbage collector and malloc_trim(0), after which RSS bounds the
+# live bytes tightly, up to page rounding and the interpreter's own objects; records keep the
+# untrimmed number too. Pages of a torch.empty buffer never written are not resident at all, which
+# is how a measurement can fall *below* the engine's accounting.
 
 from __future__ import annotations
 

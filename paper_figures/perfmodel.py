@@ -1,60 +1,22 @@
 """A performance model of the paper's throughput figures: fitted on one figure, tested on others.
 
-One training step of one GPU takes (every term per GPU, in seconds)
+One GPU's step takes t = compute + MP communication + exposed DP communication + optimizer,
+compute = F / (peak · f(x)) with f(x) = peak_fraction · x / (x + half_work), and the reported
+throughput is F / t per GPU (F: Megatron's FLOP count with activation checkpointing). The free
+parameters (Params) are fitted on Figure 4 alone; Figures 2 and 3 are predictions
+(docs/paper.md §1.8, §1.9). The terms, the stated hardware (HARDWARE), the assumptions and what
+the fit can and cannot tell apart are in docs/perfmodel.md.
 
-    t = compute + MP communication + exposed DP communication + optimizer
-    compute   = F / (peak · f(x)),   f(x) = peak_fraction · x / (x + half_work)
-    MP comm   = 6 all-reduces per transformer block of B·s·h fp16 activations (Megatron with
-                activation checkpointing, docs/paper.md §1.4), plus one all-gather per block with
-                P_a
-    DP comm   = (1 - overlap) · (volume factor · Ψ/MP fp16 elements over the DP group)
-    optimizer = 28 bytes per parameter the GPU updates / HBM bandwidth
-
-and the reported throughput is F / t, in FLOP/s per GPU. The FLOPs per GPU of one step are the
-Megatron-LM count with activation checkpointing (one extra forward):
-F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) / MP, for B sequences per data-parallel rank.
-
-Legend: B sequences per DP rank per step, s sequence length (1024), l layers, h hidden size,
-V vocabulary (50257, GPT-2's), MP the model-parallel degree, DP = GPUs / MP, Ψ parameters,
-x = B·s·h / MP the per-GPU size of a transformer GEMM (its rows times its width, the work that
-keeps a GPU busy), g GPUs of a group inside one node, k the nodes a group spans.
-
-Hardware (stated numbers, HARDWARE): V100 fp16 tensor-core peak 125 TFLOP/s; DGX-2 NVSwitch
-300 GB/s per GPU; 800 Gbps between nodes (8 × 100 Gbps InfiniBand per 16-GPU node); V100 HBM2
-900 GB/s (NVIDIA's data sheet; not in the paper).
-
-Free parameters (Params), by name:
-- peak_fraction, half_work: the achieved fraction of peak, as a function of the GEMM size x.
-  Large GEMMs reach peak_fraction; at x = half_work they reach half of it. This is what makes
-  Figure 3 super-linear: more GPUs at a fixed model leave room for a larger batch per GPU.
-- overlap: the fraction of the data-parallel communication hidden behind backward.
-- nvswitch_efficiency, internode_efficiency: effective bandwidth / stated bandwidth.
-
-Fitting ([Note: what is fitted]) uses Figure 4 alone (ZeRO-DP without MP, 128 GPUs, 11 points);
-Figures 2 and 3 are predicted from the fitted parameters, never seen by the fit.
-
-[Note: what is fitted] Figure 4 has no model parallelism, so nothing in it depends on the
-NVSwitch bandwidth beyond a small share of the DP all-reduce, and its DP communication time
-depends on overlap and internode_efficiency only through (1 - overlap) / internode_efficiency:
-those cannot be told apart from it. So the fit varies peak_fraction, half_work and overlap, and
-both effective bandwidths stay at the stated numbers (efficiency 1). The held-out predictions
-are also reported with both efficiencies at 0.5 (SENSITIVITY), which is how much they depend on
-that choice.
-
-Assumptions (each one is a place where the model can be wrong):
-- Model parallelism appears only as its communication: Megatron's 6 all-reduces per block per
-  step (2 forward, 2 backward, 2 in the recomputed forward) of B·s·h fp16 elements, not
-  overlapped with compute. Its compute is split evenly over MP GPUs with the same f(x).
-- ZeRO runs are P_os+g (stage 2: ZeRO-100B, docs/paper.md §1.7), with P_a (one all-gather of the
-  block's B·s·h input per block) when MP > 1; baselines are stage 0 without P_a.
-- One micro-batch per step (M = N): DP traffic is docs/design.md §2's volume at M = N, 2Ψ for
-  stages 0-2 and 3Ψ for stage 3, in fp16, over the DP group (GPUs of the same MP rank).
-- Collectives are hierarchical: inside a node each GPU moves its share over NVSwitch; between
-  nodes a node's 800 Gbps carries every group that has GPUs in it (all GPUs run the same kind of
-  collective at once, as they do in these runs).
-- The optimizer is memory-bound: fp16 gradient read, fp32 master, m and v read and written, fp16
-  parameter written: 2 + 3·(4 + 4) + 2 = 28 bytes per parameter.
+Legend: B sequences per DP rank per step, s sequence length, l layers, h hidden size, V
+vocabulary, MP the model-parallel degree, DP = GPUs / MP, Ψ parameters, x = B·s·h / MP the
+per-GPU size of a transformer GEMM, g GPUs of a group inside one node, k the nodes it spans.
 """
+
+# [Note: what is fitted] Figure 4 has no model parallelism, and its DP communication time depends
+# on overlap and internode_efficiency only through (1 - overlap) / internode_efficiency, which it
+# cannot tell apart. So the fit varies peak_fraction, half_work and overlap, both effective
+# bandwidths stay at the stated numbers (efficiency 1), and the held-out predictions are also
+# reported with both efficiencies at 0.5 (SENSITIVITY).
 
 from __future__ import annotations
 

@@ -1,106 +1,16 @@
 """External anchors: the reference against training code that nobody here wrote (docs/design.md §2).
 
-The reference and the engine agree bit for bit, so a semantics mistake they share (how the loss
-is averaged over micro-batches, where clipping happens, how weight decay couples, Adam's bias
-corrections) would never show between them. So the *reference* is compared, on the same GPT and
-the same data, with two textbook recipes:
+The reference and the engine agree bit for bit, so a semantics mistake they share (loss averaging
+over micro-batches, where clipping happens, how weight decay couples, Adam's bias corrections)
+would never show between them. So the *reference* is compared, in lock-step on the same GPT and
+data, with textbook recipes: `plain` (one process, accumulate (loss_j / M).backward(),
+clip_grad_norm_, torch.optim.AdamW), `ddp` (DistributedDataParallel on N gloo ranks) and, where
+installed, DeepSpeed ZeRO-1/2 (`deepspeed_run`, first step only, one parameter group).
 
-  plain  one process: for each of the M micro-batches, (loss_j / M).backward() accumulating
-         into .grad; then torch.nn.utils.clip_grad_norm_; then torch.optim.AdamW, with the same
-         parameter groups (decay on matrices, none on biases and norms);
-  ddp    torch DistributedDataParallel on N gloo ranks: rank r runs micro-batches j = r mod N,
-         under no_sync() for all but its last, with loss_j / (M/N); DDP averages over the
-         ranks; then clip_grad_norm_ and AdamW on every rank.
-
-Lock-step, as in verify/lockstep.py and for the same reason (errors feed back through the model
-and Adam's 1/sqrt(v) amplifies them, so a K-step trajectory has no derivable bound): every step
-starts the peer from the reference's state (the parameters, and AdamW's opt.state[p] = {"step":
-t, "exp_avg", "exp_avg_sq"}), runs one peer step on that step's micro-batches, and checks five
-things against the reference's step, each within a bound derived here. Notation: fp32
-throughout, u = 2^-24, γ_k = k·u/(1 - k·u) (verify/bounds.py); g_j is micro-batch j's gradient
-of its *mean* loss, as verify.harness.microbatch_grads computes it on the reference's working
-copy (the reference's own input); ν a global L2 norm; ε = 1e-6 clip_grad_norm_'s epsilon.
-
-What is assumed about torch (torch 2.13 source read; A1 and A2 are also tested directly):
-  A1  The peer's backward of micro-batch j on the same parameter bits gives g_j's bits: the
-      same kernels on the same machine, one thread (docs/design.md §2 asks this of every rank).
-  A2  Backward is linear in its seed: every backward formula here (cross-entropy, LayerNorm,
-      GELU, attention, matmul, embedding) is a sum of products with the incoming gradient as a
-      factor. Scaling by a power of two commutes with every rounding (barring underflow, i.e.
-      no intermediate within 2^3 of the subnormal range), so seeding backward with 2^-k, which
-      (loss / 2^k).backward() does, gives exactly 2^-k·g_j; DDP's division by N is likewise
-      exact. Hence M and N must be powers of two here.
-  A3  torch.linalg.vector_norm of n float32 values (what clip_grad_norm_ uses per tensor via
-      torch._foreach_norm, and once more over the stack of per-tensor norms) sums the n squares
-      in *some* order in a float32 or wider accumulator, then takes a square root that may be
-      1 ulp off: ATen's NormTwoOps (SharedReduceOps.h) is acc + x·x, partial accumulators
-      (SIMD lanes, threads) combined by +, sqrt at the end; no rescaling as in LAPACK's nrm2.
-  A4  torch.optim.AdamW on CPU runs _single_tensor_adam (foreach and fused default to off for
-      CPU tensors; foreach=False pins it): p *= 1 - lr·wd; m.lerp_(g, 1 - b1);
-      v.mul_(b2).addcmul_(g, g, 1 - b2); d = v.sqrt() / sqrt(bc2) + eps;
-      p.addcdiv_(m, d, -lr/bc1). Each line rounds at most LINE_ROUNDINGS times per term (its
-      scalars once to float32; a lerp with weight w = 1 - b1 < 1/2 computes self + w·(end -
-      self), and w <= b1 in both groups, so its roundings stay within the per-line charge),
-      which is what verify/bounds.py charges each of the two implementations per line.
-
-1. grad: the averaged gradient before clipping. The peer accumulates (plain: sequentially into
-   .grad; ddp: sequentially per rank, then gloo's all-reduce, each element some order of the N
-   partials); by A2 its result is S(g_0 .. g_{M-1}) / M exactly, with S *some* summation order
-   of the M terms. The reference's is T(g_0 .. g_{M-1})·s(1/M), T the tree, the product exact
-   (1/M a power of two). Every summation order is within γ_{M-1}·Σ|g_j| of the exact sum
-   (Higham eq. 4.4), so
-       |G_peer - g0_ref| <= e_g0 := 2·γ_{M-1}·Σ_j|g_j| / M        (elementwise).
-
-2. norm. By A3, with n_i the size of parameter i and k the number of parameters: the sum of
-   n_i squares has relative error <= γ_{n_i} (Higham eq. 3.5 for xᵀx, any order, a fused or a
-   rounded square alike), the sqrt of s·(1 + δ) is sqrt(s)·(1 + δ') with |δ'| <= |δ| (for
-   |δ| < 1), and the sqrt adds 2u: ν̂_i = ν_i·(1 + θ_i), |θ_i| <= ρ_i := (1 + γ_{n_i})(1 + 2u)
-   - 1. The norm of the k values ν̂_i adds γ_k and another sqrt, so ν̂ = ‖G_peer‖₂·(1 + θ) with
-       |θ| <= ρ := (1 + max_i ρ_i)(1 + γ_k)(1 + 2u) - 1.
-   The reference's float64 norm is a pairwise tree (chunks of C, then T over the chunks) of
-   depth < 40 for fewer than 2^40 elements: relative error <= ρ64 := γ_42(2^-53) (the squares,
-   the adds, the sqrt). The triangle inequality moves ‖·‖₂ by at most ‖e_g0‖₂, so
-       |ν̂_peer - ν_ref| <= Δν := ‖e_g0‖₂ + ρ·(ν_ref·(1 + ρ64) + ‖e_g0‖₂) + ρ64·ν_ref.
-   ρ is dominated by γ_{n_i} of the largest tensor (γ_4096 = 2.4e-4 for the GPT's MLP
-   matrices): a worst case over all orders, far above the √n·u a real sum shows, but it is what
-   can be derived without assuming torch's exact order.
-
-3. Clip coefficient. Peer: min(1, fl(max / fl(ν̂ + fl(ε)))) in float32, 4 roundings (the
-   scalars max and ε, the add, the divide), then *always* a multiply (by exactly 1 when not
-   clipping). Reference: s(max / (ν_ref + ε)) from float64, one rounding, applied when < 1.
-   min(1, ·) is 1-Lipschitz and |c(a) - c(b)| <= max·|a - b| / ((min(a, b) + ε)(b + ε)) for
-   c(x) = max / (x + ε); clipped coefficients are <= 1, so the 5 roundings cost <= γ_5:
-       Δcoef := max·Δν / ((max(ν_ref - Δν, 0) + ε)(ν_ref + ε)) + γ_5.
-   Where even the largest norm the peer may compute leaves its coefficient >= 1 after its
-   roundings (its quotient is >= c(ν̂)·(1 - γ_4)), that is where c(ν_ref + Δν)·(1 - γ_4) >= 1,
-   both coefficients are exactly 1 (the peer's clamp gives 1, a multiply by 1 is exact, the
-   reference skips the multiply): Δcoef = 0 and no product rounds.
-
-4. The clipped gradient: |G_p·coef_p - g0·coef_r| <= (coef_r + Δcoef)·e_g0 + |g0|·Δcoef, plus
-   one rounding of each product (none when neither side clips):
-       e_g := (coef_r + Δcoef)·e_g0 + |g0_ref|·Δcoef + 2u·|g_ref|.
-
-5. master, exp_avg, exp_avg_sq: verify.bounds.optimizer_step_error("adamw", ..., {"g": e_g})
-   from the same state (zero error in p, m, v), with both implementations' roundings per line
-   (A4). Each new parameter and moment must lie within its bound.
-
+Five checks per step (grad, norm, clip coefficient, clipped gradient, optimizer step), each
+within a bound derived from torch's documented arithmetic (assumptions A1-A4). The derivation,
+and why DeepSpeed is anchored for one step only, are in docs/verification.md, section "Bounds".
 Each check reports its worst ratio diff/bound; the anchor holds when every ratio is <= 1.
-
-What the checks catch. A missing 1/M fails check 1 by ~1e6 (a gradient M times too large
-against a bound ~1e-6 relative), whatever clipping does afterwards. Check 1 is needed for that:
-clipping and then Adam are nearly scale-invariant, so where both sides clip the extra factor M
-is divided out again, and only a step that does not clip shows it in the parameters. Coupled
-weight decay (torch.optim.Adam in place of AdamW) passes checks 1-2 and fails check 5.
-
-DeepSpeed ZeRO-1/2 (deepspeed_run) is anchored for one lock-step, the first, with one parameter
-group (weight decay on every parameter, Anchor(one_group=True)). In DeepSpeed 0.19.8 its public
-optimizer-state accessors (deepspeed.utils.safe_{get,set}_full_optimizer_state) fail for every
-parameter outside the first group: the state fragments are linked once, right after the first
-group's step, before torch has created the other groups' state. With one group the getters
-work; the setter is still not needed, because the first step starts where DeepSpeed starts
-(t = 0, zero moments). Later steps would need the setter or DeepSpeed's private flat layout.
-The first step still checks what the anchors exist for: loss averaging over micro-batches and
-ranks (1/(M/N) per micro-batch, then the average over N), DeepSpeed's own clipping, and AdamW.
 """
 
 from __future__ import annotations
