@@ -1,9 +1,9 @@
 """The logic of the teaching notebooks: pictures of who holds which bytes, message tables,
 exercise checkers, real gloo runs with timelines, and the measurements behind the claims.
 
-Used by ``notebooks/03_zero_from_scratch.ipynb`` (ZeRO built step by step on the NumPy
+Used by ``notebooks/02_zero_from_scratch.ipynb`` (ZeRO built step by step on the NumPy
 simulation, reference/simulate.py, then the same steps on real gloo ranks) and by
-``notebooks/00_claims_vs_measurements.ipynb`` (popular claims about ZeRO, each tested with a
+``notebooks/04_claims_vs_measurements.ipynb`` (popular claims about ZeRO, each tested with a
 measurement). The notebooks hold narrative, calls and plots; everything they compute is here, so
 tests/distributed/test_teaching.py can test it. Both use it as ``import teaching`` and
 ``teaching.X``; every name they use is re-exported here.
@@ -12,11 +12,11 @@ Modules:
     common        category and stage names, bitwise comparison, Markdown tables, save_figure
     simulation    the toy problem; N simulated ranks beside the reference; stage reports
     pictures      blocks of who holds which bytes ([Note: counted bytes]); message tables
-    exercises     notebook 03's exercises and their checkers
+    exercises     notebook 02's exercises and their checkers
     gloo          Job, RankRun, run_on_gloo: zero/ on local gloo ranks
     engine_check  zero/ on gloo against the simulation of the same steps
     timeline      compute and communication intervals of a traced step
-    claims        notebook 00's measurements: volumes, memory reduction, invariance
+    claims        notebook 04's measurements: volumes, memory reduction, invariance
     figures       the bar and line charts over stages and world sizes
 
 Legend (ZeRO paper §5, docs/design.md §2-§3):

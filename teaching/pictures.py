@@ -1,4 +1,4 @@
-"""Who holds which bytes, and who sends which messages: the block pictures of notebook 03 and
+"""Who holds which bytes, and who sends which messages: the block pictures of notebook 02 and
 its message and memory tables, for simulated ranks (reference/simulate.py) and real ones
 (zero.engine.ZeroEngine).
 

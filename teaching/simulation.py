@@ -1,4 +1,4 @@
-"""ZeRO step by step on simulated ranks (reference/simulate.py): the toy problem of notebook 03,
+"""ZeRO step by step on simulated ranks (reference/simulate.py): the toy problem of notebook 02,
 a run of N simulated ranks beside the single-process reference, and what each stage's step
 holds and sends against the analytic model (zero.memory).
 
@@ -171,7 +171,7 @@ def analytic_bytes(world: World) -> dict[str, int]:
 
 
 def stage_report(run: SimRun, *, rank: int = 0) -> str:
-    """Markdown for one step of notebook 03: the messages `rank` sent, every rank's bytes with
+    """Markdown for one step of notebook 02: the messages `rank` sent, every rank's bytes with
     the analytic model beside them, and the bitwise verdict against the reference."""
     w = run.world
     held = {r: w.resident_bytes(r) for r in range(w.n)}

@@ -1,5 +1,5 @@
-"""teaching/: the logic behind the teaching notebooks (03_zero_from_scratch and
-00_claims_vs_measurements).
+"""teaching/: the logic behind the teaching notebooks (02_zero_from_scratch and
+04_claims_vs_measurements).
 
 The block pictures must add up to exactly the bytes the simulated ranks (World.resident_bytes)
 and the real ones (memory_report) hold; the message tables to exactly World.traffic; the exercise
@@ -507,7 +507,7 @@ def test_notebook_exercises_have_a_collapsed_solution_after_the_student_cell():
     "Solution" heading, the solution in a collapsed cell, and a check that falls back to it."""
     import nbformat
 
-    path = os.path.join(os.path.dirname(__file__), "..", "notebooks", "03_zero_from_scratch.ipynb")
+    path = os.path.join(os.path.dirname(__file__), "..", "notebooks", "02_zero_from_scratch.ipynb")
     cells = nbformat.read(path, as_version=4).cells
     students = [i for i, c in enumerate(cells) if "raise NotImplementedError" in c.source]
     assert len(students) == 2, path
