@@ -9,8 +9,7 @@ ZeroEngine.memory_report count them: each buffer once (a view, such as the fp32 
 fp32 working copy, owns nothing new), padding included, and the deterministic mode's extra
 streaming-tree partial sums (shards) counted as gradients. The block pictures are built from the
 buffers themselves; tests/unit/test_teaching.py and tests/distributed/test_teaching.py check that
-their per-rank totals equal
-World.resident_bytes and memory_report exactly.
+their per-rank totals equal World.resident_bytes and memory_report exactly.
 """
 
 from __future__ import annotations
