@@ -62,7 +62,8 @@ format: $(STAMP)
 	$(RUFF) check --fix .
 
 strip-notebooks: $(STAMP)
-	$(VPY) tests/helpers/notebook_tools.py strip $(wildcard notebooks/*.ipynb)
+	$(VPY) tools/notebooks.py strip $(wildcard notebooks/*.ipynb)
+	$(VPY) tools/notebooks.py index
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -5,6 +5,11 @@ are functions over all ranks' buffers that also log what each rank sends. The re
 same bits as reference/step.py's train_step (deterministic mode), which is what makes the claim
 "partitioning changes nothing numerically" checkable.
 
+The shape is the engine's ladder (zero/stage0.py .. stage3.py) and notebook 02's stage cells:
+Stage0 holds the whole step; Stage1, Stage2 and Stage3 are small subclasses that override only
+what their partition changes (extent, grad_numel, allocate, reduce_microstep, finish_reduction,
+norm_partials, refresh_working, pre_forward/pre_backward). World(..., stage=s) picks STAGES[s].
+
 Legend (ZeRO paper §5, docs/design.md §2-§3):
     stage 0  baseline data parallelism: everything replicated
     stage 1  P_os: fp32 master and optimizer states partitioned
@@ -135,51 +140,97 @@ class Rank:
         }
 
 
-class World:
-    """N simulated ranks running ZeRO `stage` in `mode`, starting from the same state as the
-    reference's init_state(master, spec, cfg)."""
+class Stage0:
+    """Stage 0, baseline data parallelism, on N simulated ranks: every rank holds everything.
 
-    def __init__(self, master, spec: ModelSpec, cfg: StepConfig, *, stage: int, mode: str):
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage={stage}: allowed are 0, 1, 2, 3")
+    The step's skeleton lives here, as in zero/stage0.py; Stage1-3 below override only what
+    their partition changes, so each reads as a diff of the one before. Starts from the same
+    state as the reference's init_state(master, spec, cfg).
+    """
+
+    stage = 0
+
+    def __init__(self, master, spec: ModelSpec, cfg: StepConfig, *, mode: str = "deterministic"):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: allowed are {MODES}")
-        self.spec, self.cfg, self.stage, self.mode = spec, cfg, stage, mode
+        self.spec, self.cfg, self.mode = spec, cfg, mode
         self.n = n = cfg.world_size
         self.state = init_state(master, spec, cfg)  # scalars only are read from it below
         self.log: list[list[Sent]] = [[] for _ in range(n)]  # this step's traffic, per rank
         self.ranks = [Rank(r) for r in range(n)]
-        self.shard = [lay.shard_numel(n) for lay in spec.layouts]
+        self.shard = [lay.shard_numel(n) for lay in spec.layouts]  # L per unit
         # padding[u][r]: padding elements inside rank r's shard of unit u
         self.padding = [
             [int((~m[r * L : (r + 1) * L]).sum()) for r in range(n)]
             for m, L in zip((lay.real_mask(n) for lay in spec.layouts), self.shard, strict=True)
         ]
-        self.red = red = DTYPES[cfg.reduction]
-        self.gathered: dict[int, np.ndarray] = {}  # stage 3: last full unit gathered for forward
-        work = cfg.precision
+        self.red = DTYPES[cfg.reduction]
         for u, lay in enumerate(spec.layouts):
             master_full = lay.flatten(self.state.master, n, np.float32)
+            names = sorted({x for s in lay.slots for x in self._state_names(s.name)})
             for rk in self.ranks:
-                own = slice(rk.rank * self.shard[u], (rk.rank + 1) * self.shard[u])
-                full_work = cast(master_full, work)
-                if stage == 3:
-                    rk.working.append(full_work[own].copy())
-                else:
-                    rk.working.append(full_work)
-                if work == "fp32":  # pure fp32: the working copy *is* the master
-                    rk.master.append(rk.working[u] if stage in (0, 3) else rk.working[u][own])
-                else:
-                    rk.master.append(master_full.copy() if stage == 0 else master_full[own].copy())
-                names = {x for s in lay.slots for x in self._state_names(s.name)}
-                rk.opt.append({x: np.zeros(rk.master[u].size, np.float32) for x in sorted(names)})
-                rk.grad.append(np.zeros(n * self.shard[u] if stage < 2 else self.shard[u], red))
+                self.allocate(rk, u, master_full)
+                rk.opt.append({x: np.zeros(rk.master[u].size, np.float32) for x in names})
+                rk.grad.append(np.zeros(self.grad_numel(u), self.red))
                 rk.peak_partials.append(0)
 
-    def _state_names(self, name):
-        return optim.state_names(self.cfg.optimizer, self.cfg.groups[self.spec.group_of[name]])
+    # -- what the partition decides (the methods Stage1-3 override) ------------------------
 
-    # -- one step --------------------------------------------------------------------------
+    def own(self, rk: Rank, u: int) -> slice:
+        """Rank rk's shard of unit u in the padded buffer."""
+        return slice(rk.rank * self.shard[u], (rk.rank + 1) * self.shard[u])
+
+    def extent(self, rk: Rank, u: int) -> slice:
+        """The part of unit u whose master, optimizer states and gradient rk keeps: all of it."""
+        return slice(0, self.n * self.shard[u])
+
+    def allocate(self, rk: Rank, u: int, master_full: np.ndarray) -> None:
+        """The full working copy; the master is its view in pure fp32, else an fp32 copy."""
+        rk.working.append(cast(master_full, self.cfg.precision))
+        fp32 = self.cfg.precision == "fp32"
+        ext = self.extent(rk, u)
+        rk.master.append(rk.working[u][ext] if fp32 else master_full[ext].copy())
+
+    def grad_numel(self, u: int) -> int:
+        return self.n * self.shard[u]  # a full-size gradient buffer
+
+    def held_grad(self, rk: Rank, u: int) -> np.ndarray:
+        """The part of R that rk optimises, a view into its gradient buffer."""
+        return rk.grad[u][self.extent(rk, u)]
+
+    def pre_forward(self, u: int) -> None:
+        """Every unit's parameters are resident: nothing to gather."""
+
+    def pre_backward(self, u: int) -> None:
+        """Every unit's parameters are resident: nothing to gather."""
+
+    def reduce_microstep(self, u: int, bufs, streams, acc) -> None:
+        """One micro-step's gradients of unit u: reduce-scatter now and stream the parts into
+        the tree (deterministic), or accumulate locally, as DDP's no_sync (fast)."""
+        if self.mode == "fast":
+            _accumulate(acc, bufs)
+            return
+        for s, part in zip(streams, self._reduce_scatter(u, bufs, "grad"), strict=True):
+            s.push(part)
+
+    def finish_reduction(self, u: int, streams, acc) -> list[np.ndarray]:
+        """Every rank needs all of R: all-gather the reduced shards (or all-reduce, fast)."""
+        if self.mode == "fast":
+            return all_reduce(acc, self.shard[u], self.padding[u], self.log, **self._tag(u, "grad"))
+        parts = self._tree_results(u, streams)
+        return all_gather(parts, self.padding[u], self.log, **self._tag(u, "grad_gather"))
+
+    def norm_partials(self, u: int, g_u) -> np.ndarray:
+        """Every rank holds the whole gradient: its chunk partials, no traffic."""
+        return chunk_sumsq(g_u[0], self.spec.layouts[u].chunk)
+
+    def refresh_working(self, u: int) -> None:
+        """Cast the updated master locally (in pure fp32 the master is the working copy)."""
+        if self.cfg.precision != "fp32":
+            for rk in self.ranks:
+                rk.working[u][:] = cast(rk.master[u], self.cfg.precision)
+
+    # -- one step (shared by every stage) --------------------------------------------------
 
     def step(self, grads) -> StepInfo:
         """grads[j]: micro-batch j's gradients (name -> compute-dtype array), on rank j mod N."""
@@ -197,27 +248,33 @@ class World:
         streams = [[StreamingTree() for _ in range(n)] for _ in units]  # deterministic mode
         acc: list[list] = [[None] * n for _ in units]  # fast mode's running sums
         for k in range(m // n):
-            if self.stage == 3:  # forward: gather every unit just before it runs
-                for u in units:
-                    self.gathered[u] = self._gather_params(u, "param_fwd")
+            for u in units:
+                self.pre_forward(u)
             for u in reversed(units):  # backward runs the units in reverse
-                if self.stage == 3:
-                    self._gather_params(u, "param_bwd")
+                self.pre_backward(u)
                 bufs = [
                     self.spec.layouts[u].flatten(grads[k * n + r], n, self.red) for r in range(n)
                 ]
                 local_bad = [b or not_finite(x) for b, x in zip(local_bad, bufs, strict=True)]
-                self._reduce_microstep(u, bufs, streams[u], acc[u])
+                self.reduce_microstep(u, bufs, streams[u], acc[u])
         for u in units:
-            self._finish_reduction(u, streams[u], acc[u])
-        held = [[self._held_grad(rk, u) for rk in self.ranks] for u in units]
+            out = self.finish_reduction(u, streams[u], acc[u])
+            for rk in self.ranks:
+                self.held_grad(rk, u)[:] = out[rk.rank]
+        held = [[self.held_grad(rk, u) for rk in self.ranks] for u in units]
         local_bad = [b or any(not_finite(h[r]) for h in held) for r, b in enumerate(local_bad)]
         if all_reduce_max(local_bad, self.log):
             return self._skip(scale)
 
         c = f32(1.0 / (scale * m))
         g = [[x.astype(np.float32) * c for x in per_rank] for per_rank in held]
-        norm = self._norm(g)
+        # the chunk partials, N-padding chunks dropped ([Note: norm invariance], layout.py)
+        norm = global_norm(
+            [
+                self.norm_partials(u, g[u])[: lay.num_chunks]
+                for u, lay in enumerate(self.spec.layouts)
+            ]
+        )
         coef = clip_coefficient(norm, cfg.clip_norm)
         if coef is not None:
             g = [[x * coef for x in per_rank] for per_rank in g]
@@ -225,7 +282,7 @@ class World:
         for u in units:
             for rk in self.ranks:
                 self._optimizer_step(rk, u, g[u][rk.rank], t)
-            self._refresh_working(u)
+            self.refresh_working(u)
         scaler = None if state.scaler is None else scaler_update(state.scaler, False, cfg.scaler)
         self.state = TrainState(
             master={}, opt={}, t=t, data_step=state.data_step + 1, scaler=scaler
@@ -234,72 +291,26 @@ class World:
             overflow=False, skipped=False, scale=scale, norm=norm, clip_coef=coef, reduced={}
         )
 
-    def _gather_params(self, u: int, phase: str) -> np.ndarray:
-        """Stage 3: all-gather unit u's working shards; returns the full unit (rank 0's copy)."""
-        shards = [rk.working[u] for rk in self.ranks]
-        return all_gather(shards, self.padding[u], self.log, phase=phase, unit=u, kind="model")[0]
+    def _tag(self, u: int, phase: str) -> dict:
+        return {"phase": phase, "unit": u, "kind": "model"}
 
-    def _reduce_microstep(self, u: int, bufs, streams, acc) -> None:
-        """One micro-step's gradients of unit u: reduce now, or (fast, stages 0-1) accumulate."""
-        if self.mode == "fast" and self.stage < 2:  # local accumulation, as DDP's no_sync
-            for r, b in enumerate(bufs):
-                acc[r] = b if acc[r] is None else acc[r] + b
-            return
-        tag = {"phase": "grad", "unit": u, "kind": "model"}
-        parts = reduce_scatter(bufs, self.shard[u], self.padding[u], self.log, **tag)
-        for r, part in enumerate(parts):
-            if self.mode == "fast":
-                acc[r] = part if acc[r] is None else acc[r] + part
-            else:
-                streams[r].push(part)
+    def _reduce_scatter(self, u: int, bufs, phase: str) -> list[np.ndarray]:
+        return reduce_scatter(bufs, self.shard[u], self.padding[u], self.log, **self._tag(u, phase))
 
-    def _finish_reduction(self, u: int, streams, acc) -> None:
-        """Complete R for unit u and store each rank's part in its gradient buffer."""
-        L, pad, tag = self.shard[u], self.padding[u], {"unit": u, "kind": "model"}
-        if self.mode == "fast" and self.stage == 0:
-            out = all_reduce(acc, L, pad, self.log, phase="grad", **tag)
-        elif self.mode == "fast" and self.stage == 1:
-            out = reduce_scatter(acc, L, pad, self.log, phase="grad", **tag)
-        elif self.mode == "fast":
-            out = acc
-        else:
-            out = [s.result() for s in streams]
-            for rk, s in zip(self.ranks, streams, strict=True):
-                rk.peak_partials[u] = s.peak_partials
-            if self.stage == 0:  # every rank needs the whole reduced gradient
-                out = all_gather(out, pad, self.log, phase="grad_gather", **tag)
-        for rk in self.ranks:
-            if out[rk.rank].size == rk.grad[u].size:
-                rk.grad[u][:] = out[rk.rank]
-            else:  # stage 1: the reduced shard lands in the rank's own slice of the full buffer
-                rk.grad[u][rk.rank * L : (rk.rank + 1) * L] = out[rk.rank]
+    def _tree_results(self, u: int, streams) -> list[np.ndarray]:
+        """Each rank's streamed tree, finished; its peak partial sums are counted as gradients."""
+        for rk, s in zip(self.ranks, streams, strict=True):
+            rk.peak_partials[u] = s.peak_partials
+        return [s.result() for s in streams]
 
-    def _held_grad(self, rk: Rank, u: int) -> np.ndarray:
-        """The part of R this rank optimises: all of it at stage 0, its own shard otherwise."""
-        if self.stage == 1:
-            L = self.shard[u]
-            return rk.grad[u][rk.rank * L : (rk.rank + 1) * L]
-        return rk.grad[u]
-
-    def _norm(self, g) -> np.float64:
-        """Chunk partials of each rank's part, all-gathered (control), N-padding chunks dropped
-        ([Note: norm invariance] in reference/layout.py)."""
-        partials = []
-        for u, lay in enumerate(self.spec.layouts):
-            if self.stage == 0:  # every rank holds the whole gradient: no traffic
-                per_unit = chunk_sumsq(g[u][0], lay.chunk)
-            else:
-                mine = [chunk_sumsq(x, lay.chunk) for x in g[u]]
-                all_gather(mine, [0] * self.n, self.log, phase="norm", unit=u, kind="control")
-                per_unit = np.concatenate(mine)
-            partials.append(per_unit[: lay.num_chunks])
-        return global_norm(partials)
+    def _state_names(self, name):
+        return optim.state_names(self.cfg.optimizer, self.cfg.groups[self.spec.group_of[name]])
 
     def _optimizer_step(self, rk: Rank, u: int, g: np.ndarray, t: int) -> None:
-        """Update the parameter segments inside this rank's extent, each with its group's
+        """Update the parameter segments inside rk's extent, each with its group's
         hyper-parameters ([Note: op-ordered optimizers]: elementwise, so slices are exact)."""
         lay, cfg = self.spec.layouts[u], self.cfg
-        start = 0 if self.stage == 0 else rk.rank * self.shard[u]
+        start = self.extent(rk, u).start
         stop = start + rk.master[u].size
         for s in lay.slots:
             a, b = max(s.offset, start), min(s.offset + s.numel, stop)
@@ -312,20 +323,6 @@ class World:
             rk.master[u][loc] = p
             for x, arr in new.items():
                 rk.opt[u][x][loc] = arr
-
-    def _refresh_working(self, u: int) -> None:
-        """The new working copy: cast locally (stages 0, 3), or cast the shard and all-gather
-        it (stages 1, 2). In pure fp32 the master is a view of the working copy already."""
-        prec = self.cfg.precision
-        if self.stage in (1, 2):
-            mine = [cast(rk.master[u], prec) for rk in self.ranks]
-            tag = {"phase": "param_update", "unit": u, "kind": "model"}
-            full = all_gather(mine, self.padding[u], self.log, **tag)
-            for rk in self.ranks:
-                rk.working[u][:] = full[rk.rank]
-        elif prec != "fp32":
-            for rk in self.ranks:
-                rk.working[u][:] = cast(rk.master[u], prec)
 
     def _skip(self, scale: float) -> StepInfo:
         """Overflow on some rank: every rank skips; only the scaler and data step move."""
@@ -378,6 +375,103 @@ class World:
         """(elements, of which padding) that rank sent this step, for model or control traffic."""
         sent = [s for s in self.log[rank] if s.kind == kind]
         return sum(s.elements for s in sent), sum(s.padding for s in sent)
+
+
+class Stage1(Stage0):
+    """P_os: each rank keeps the master and optimizer states of its own shard only."""
+
+    stage = 1
+
+    def extent(self, rk: Rank, u: int) -> slice:
+        return self.own(rk, u)
+
+    def finish_reduction(self, u: int, streams, acc) -> list[np.ndarray]:
+        """The reduce-scatter already left shard r of R on rank r: no gradient all-gather."""
+        if self.mode == "fast":
+            return self._reduce_scatter(u, acc, "grad")
+        return self._tree_results(u, streams)
+
+    def norm_partials(self, u: int, g_u) -> np.ndarray:
+        """Each rank has its shard's chunk partials: all-gather them (control traffic)."""
+        mine = [chunk_sumsq(x, self.spec.layouts[u].chunk) for x in g_u]
+        all_gather(mine, [0] * self.n, self.log, phase="norm", unit=u, kind="control")
+        return np.concatenate(mine)
+
+    def refresh_working(self, u: int) -> None:
+        """Cast the updated shard, then all-gather the working copy."""
+        mine = [cast(rk.master[u], self.cfg.precision) for rk in self.ranks]
+        full = all_gather(mine, self.padding[u], self.log, **self._tag(u, "param_update"))
+        for rk in self.ranks:
+            rk.working[u][:] = full[rk.rank]
+
+
+class Stage2(Stage1):
+    """P_os+g: + the reduced gradient kept as a shard; so it is reduced every micro-step."""
+
+    stage = 2
+
+    def grad_numel(self, u: int) -> int:
+        return self.shard[u]
+
+    def held_grad(self, rk: Rank, u: int) -> np.ndarray:
+        return rk.grad[u]  # the buffer is the shard
+
+    def reduce_microstep(self, u: int, bufs, streams, acc) -> None:
+        """Reduce-scatter every micro-step in both modes (fast: the parts add up locally)."""
+        parts = self._reduce_scatter(u, bufs, "grad")
+        if self.mode == "fast":
+            _accumulate(acc, parts)
+            return
+        for s, part in zip(streams, parts, strict=True):
+            s.push(part)
+
+    def finish_reduction(self, u: int, streams, acc) -> list[np.ndarray]:
+        return acc if self.mode == "fast" else self._tree_results(u, streams)
+
+
+class Stage3(Stage2):
+    """P_os+g+p: + the working parameters kept as a shard, gathered per unit for fwd and bwd."""
+
+    stage = 3
+
+    def __init__(self, *args, **kwargs):
+        self.gathered: dict[int, np.ndarray] = {}  # last full unit gathered for forward
+        super().__init__(*args, **kwargs)
+
+    def allocate(self, rk: Rank, u: int, master_full: np.ndarray) -> None:
+        own, fp32 = self.own(rk, u), self.cfg.precision == "fp32"
+        rk.working.append(cast(master_full, self.cfg.precision)[own].copy())
+        rk.master.append(rk.working[u] if fp32 else master_full[own].copy())
+
+    def pre_forward(self, u: int) -> None:
+        self.gathered[u] = self._gather_params(u, "param_fwd")
+
+    def pre_backward(self, u: int) -> None:
+        self._gather_params(u, "param_bwd")
+
+    def refresh_working(self, u: int) -> None:
+        Stage0.refresh_working(self, u)  # the shard is cast locally; gathered when next used
+
+    def _gather_params(self, u: int, phase: str) -> np.ndarray:
+        """All-gather unit u's working shards; returns the full unit (rank 0's copy)."""
+        shards = [rk.working[u] for rk in self.ranks]
+        return all_gather(shards, self.padding[u], self.log, **self._tag(u, phase))[0]
+
+
+STAGES = (Stage0, Stage1, Stage2, Stage3)
+
+
+def World(master, spec: ModelSpec, cfg: StepConfig, *, stage: int, mode: str) -> Stage0:  # noqa: N802
+    """N simulated ranks running ZeRO `stage` in `mode`: STAGES[stage](...)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage}: allowed are 0, 1, 2, 3")
+    return STAGES[stage](master, spec, cfg, mode=mode)
+
+
+def _accumulate(acc: list, parts) -> None:
+    """Fast mode's running sums, one per rank, in arrival order."""
+    for r, p in enumerate(parts):
+        acc[r] = p if acc[r] is None else acc[r] + p
 
 
 def not_finite(x: np.ndarray) -> bool:

@@ -1,22 +1,23 @@
-"""The logic of the teaching notebooks: pictures of who holds which bytes, message tables,
-exercise checkers, real gloo runs with timelines, and the measurements behind the claims.
+"""What the teaching notebooks draw and measure: pictures of who holds which bytes, message and
+memory tables, exercise checkers, real gloo runs with timelines, and the measurements behind the
+claims.
 
-Used by ``notebooks/03_zero_from_scratch.ipynb`` (ZeRO built step by step on the NumPy
-simulation, reference/simulate.py, then the same steps on real gloo ranks) and by
-``notebooks/00_claims_vs_measurements.ipynb`` (popular claims about ZeRO, each tested with a
-measurement). The notebooks hold narrative, calls and plots; everything they compute is here, so
-tests/distributed/test_teaching.py can test it. Both use it as ``import teaching`` and
-``teaching.X``; every name they use is re-exported here.
+Used by ``notebooks/02_zero_from_scratch.ipynb`` and ``notebooks/04_claims_vs_measurements.ipynb``
+as ``import teaching`` and ``teaching.X``; every name they use is re-exported here. The mechanism
+itself is not here: notebook 02 writes each stage's step in its own cells (NumPy over simulated
+ranks, the reduce-scatter and all-gather written out), and reference/simulate.py holds the same
+steps as Stage0-Stage3. Tested in tests/unit/test_teaching.py (one process) and
+tests/distributed/test_teaching.py (gloo ranks).
 
 Modules:
     common        category and stage names, bitwise comparison, Markdown tables, save_figure
-    simulation    the toy problem; N simulated ranks beside the reference; stage reports
+    simulation    the toy problem; reference/simulate.py's ranks beside the reference; tables
     pictures      blocks of who holds which bytes ([Note: counted bytes]); message tables
-    exercises     notebook 03's exercises and their checkers
+    exercises     notebook 02's exercises and their checkers
     gloo          Job, RankRun, run_on_gloo: zero/ on local gloo ranks
     engine_check  zero/ on gloo against the simulation of the same steps
     timeline      compute and communication intervals of a traced step
-    claims        notebook 00's measurements: volumes, memory reduction, invariance
+    claims        notebook 04's measurements: volumes, memory reduction, invariance
     figures       the bar and line charts over stages and world sizes
 
 Legend (ZeRO paper §5, docs/design.md §2-§3):
@@ -77,7 +78,7 @@ from .pictures import (
     PHASE_DTYPE,
     Block,
     MessageRow,
-    _blocks_of,  # noqa: F401  (tests/distributed/test_teaching.py checks its refusal directly)
+    _blocks_of,  # noqa: F401  (tests/unit/test_teaching.py checks its refusal)
     bytes_by_rank,
     draw_rank_bytes,
     engine_blocks,
@@ -103,7 +104,7 @@ from .timeline import (
     TIMELINE_COLORS,
     Interval,
     SyncPoints,
-    _rows,  # noqa: F401  (tests/distributed/test_teaching.py checks the row packing directly)
+    _rows,  # noqa: F401  (tests/unit/test_teaching.py checks the row packing)
     draw_timeline,
     forward_calls,
     gathers_per_unit,

@@ -1,4 +1,4 @@
-"""The measurements behind the claims of notebook 00 (each claim about ZeRO tested against a
+"""The measurements behind the claims of notebook 04 (each claim about ZeRO tested against a
 measurement): model-state volume per stage on gloo ranks, the memory reduction on simulated
 ranks against zero.memory's formula, and bitwise invariance of a run under the world size.
 

@@ -1,4 +1,4 @@
-"""zero/ on gloo against the NumPy simulation (notebook 03's last section): the same steps, from
+"""zero/ on gloo against the NumPy simulation (notebook 02's last section): the same steps, from
 the same start values and the same single-process micro-batch gradients, must give the
 reference's bits, the simulation's traffic and the simulation's bytes on every rank.
 
@@ -46,7 +46,7 @@ def all_blocks(runs: Sequence[RankRun]) -> list[Block]:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineCheck:
-    """One stage of notebook 03's last section: zero/ on gloo against the simulation."""
+    """One stage of notebook 02's last section: zero/ on gloo against the simulation."""
 
     stage: int
     engine_equals_reference: bool  # every rank's full master, bit for bit

@@ -1,4 +1,4 @@
-"""The exercises of notebook 03 and their checkers: (1) the tree-ordered reduce-scatter,
+"""The exercises of notebook 02 and their checkers: (1) the tree-ordered reduce-scatter,
 (2) the bytes one rank holds per stage.
 
 A checker runs the student's function on every case and prints one line per case. Until the

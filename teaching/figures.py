@@ -1,4 +1,4 @@
-"""The bar and line charts of notebooks 03 and 00: bytes and message volume per stage, FLOPs
+"""The bar and line charts of notebooks 02 and 04: bytes and message volume per stage, FLOPs
 per rank, the memory reduction against N_d, and bitwise invariance against N. Each returns its
 axes; the notebooks save them with save_figure.
 

@@ -1,4 +1,4 @@
-"""Real ranks: zero/ on local gloo ranks, one forked world per call, for notebooks 03 and 00.
+"""Real ranks: zero/ on local gloo ranks, one forked world per call, for notebooks 02 and 04.
 
 A Job says what to train (a small GPT, zero.models) and what to record; run_on_gloo runs a list
 of them on N ranks and returns, per job and rank, a RankRun: plain data (traffic per step, the

@@ -1,4 +1,4 @@
-"""Who holds which bytes, and who sends which messages: the block pictures of notebook 03 and
+"""Who holds which bytes, and who sends which messages: the block pictures of notebook 02 and
 its message and memory tables, for simulated ranks (reference/simulate.py) and real ones
 (zero.engine.ZeroEngine).
 
@@ -8,8 +8,8 @@ Legend: see the package docstring; a *block* is (category, unit, shard) of one r
 ZeroEngine.memory_report count them: each buffer once (a view, such as the fp32 master inside an
 fp32 working copy, owns nothing new), padding included, and the deterministic mode's extra
 streaming-tree partial sums (shards) counted as gradients. The block pictures are built from the
-buffers themselves and tests/distributed/test_teaching.py checks that their per-rank totals equal
-World.resident_bytes and memory_report exactly.
+buffers themselves; tests/unit/test_teaching.py and tests/distributed/test_teaching.py check that
+their per-rank totals equal World.resident_bytes and memory_report exactly.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Timelines of one traced step on real ranks (a Job with trace=True): each rank's compute
 intervals (unit forward and backward, the optimizer step) and its collectives, the overlap
-between them, and the synchronisation points read off them (notebook 00, claims 1 and 3).
+between them, and the synchronisation points read off them (notebook 04, claims 1 and 3).
 
 Times are seconds from the start of the traced step; a collective's interval runs from its
 launch to its completion (when the engine waited for it).

@@ -1,5 +1,6 @@
 """Every notebook in notebooks/ is stored stripped, executes with its small profile, and draws
-labelled, non-empty figures. A notebook is covered the day it is added.
+labelled, non-empty figures; notebooks/README.md is the index generated from them. A notebook is
+covered the day it is added.
 
 The harness itself is tested too (the last tests here): an unlabelled figure and a stored output
 must be caught.
@@ -12,12 +13,14 @@ import matplotlib
 import nbformat
 import pytest
 
-import notebook_tools
-from notebook_tools import (
+import notebooks as notebook_tools  # tools/notebooks.py (pytest's pythonpath holds tools/)
+from notebooks import (
+    INDEX_PATH,
     check_figures,
     describe_figures,
     execute_notebook,
     has_outputs,
+    index_markdown,
     kernel_for_this_interpreter,
     notebook_paths,
     strip,
@@ -35,6 +38,27 @@ def test_notebook_is_stored_stripped(path):
         f"{path.name} is stored with outputs:\n  "
         + "\n  ".join(problems)
         + "\nRun `make strip-notebooks` and commit the result."
+    )
+
+
+def test_index_is_generated_from_the_notebooks():
+    assert [p.name[:3] for p in NOTEBOOKS] == [f"{i:02d}_" for i in range(1, len(NOTEBOOKS) + 1)]
+    assert INDEX_PATH.read_text(encoding="utf-8") == index_markdown(), (
+        "notebooks/README.md is stale: run `python tools/notebooks.py index` and commit it"
+    )
+
+
+def test_index_takes_title_and_summary_from_the_notebook(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    intro = (
+        "# 07 — A title\n\nFirst sentence, which is long enough on its own: it goes on. Two.\n\n3"
+    )
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_markdown_cell(intro)]
+    nbformat.write(nb, tmp_path / "07_new.ipynb")
+    row = index_markdown(tmp_path).split("|---|---|---|\n")[1].splitlines()[0]
+    assert row == (
+        "| [`07_new`](07_new.ipynb) | A title | First sentence, which is long enough on its own: "
+        "it goes on. |"
     )
 
 

@@ -1,9 +1,17 @@
-"""Notebook helpers: the git policy (outputs stripped), execution, and figure inspection.
+"""Notebook tools: the git policy (outputs stripped), the generated index, execution, and
+figure inspection.
 
-Used by tests/notebooks/test_notebooks.py and by ``make strip-notebooks``:
+Used by tests/notebooks/test_notebooks.py (which imports it as ``notebooks``; pyproject's pytest
+pythonpath holds tools/) and by ``make strip-notebooks``:
 
-    python tests/helpers/notebook_tools.py strip notebooks/*.ipynb   # strip outputs in place
-    python tests/helpers/notebook_tools.py check notebooks/*.ipynb   # exit 1 if any has outputs
+    python tools/notebooks.py strip notebooks/*.ipynb   # strip outputs in place
+    python tools/notebooks.py check notebooks/*.ipynb   # exit 1 if any has outputs
+    python tools/notebooks.py index                     # write notebooks/README.md
+    python tools/notebooks.py index --check             # exit 1 if notebooks/README.md is stale
+
+The index (``index_markdown``) is generated from the notebooks themselves: each one's title is
+its first Markdown heading and its summary the first paragraph after it, so the index cannot
+list a notebook that does not exist, or miss one that does.
 
 Execution (``execute_notebook``) runs a notebook in a fresh kernel of *this* interpreter with
 ``ZERO_NOTEBOOK_PROFILE`` set (``small`` in tests) and ``MPLBACKEND=Agg``. With Agg, figures stay
@@ -28,7 +36,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
+INDEX_PATH = REPO_ROOT / "notebooks" / "README.md"
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 FIGURES_MARKER = "__FIGURES__"
 KERNEL_NAME = "python3"
@@ -344,15 +353,107 @@ def execute_notebook(
 
 
 # ---------------------------------------------------------------------------------------------
+# The index: notebooks/README.md, generated from the notebooks
+
+INDEX_HEAD = """\
+# Notebooks
+
+Notebooks that teach ZeRO (Rajbhandari et al.,
+[arXiv 1910.02054](https://arxiv.org/abs/1910.02054)) and reproduce its results with this
+codebase, numbered in reading order. Every one runs on a laptop CPU; none needs a GPU. This index
+is generated from the notebooks by `python tools/notebooks.py index` (a test checks that it is
+current): each title is the notebook's first heading, each summary the start of its first
+paragraph.
+
+| notebook | title | summary |
+|---|---|---|
+"""
+
+INDEX_TAIL = """
+## Running them
+
+```bash
+.venv/bin/pip install -e '.[notebooks]'    # jupyter, for reading and editing them
+.venv/bin/jupyter lab notebooks/
+```
+
+- **Profiles.** `ZERO_NOTEBOOK_PROFILE=small` is what `tests/notebooks/test_notebooks.py` uses:
+  fewer ranks and steps, under a minute each. Unset, a notebook runs its `full` profile.
+- **Figures.** Each notebook saves its figures as PNG to `notebooks/figures/`, named after it.
+- **Stored without outputs.** Notebooks are committed stripped (`make strip-notebooks`); a test
+  checks it.
+- **Exercises.** Replace the `raise NotImplementedError` in an exercise cell with your code and
+  run the checking cell below it. Until you write one, the check runs the collapsed solution and
+  says so.
+"""
+
+
+def _first_heading_and_paragraph(nb: Any) -> tuple[str, str]:
+    """The first Markdown heading's text and the first paragraph after it, on one line."""
+    for cell in nb.cells:
+        if cell.cell_type != "markdown":
+            continue
+        lines = cell.source.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("#"):
+                title = line.lstrip("#").strip()
+                paragraph: list[str] = []
+                for rest in lines[i + 1 :]:
+                    if rest.strip():
+                        paragraph.append(rest.strip())
+                    elif paragraph:
+                        break
+                return title, _summary(" ".join(paragraph))
+    raise ValueError("no Markdown heading")
+
+
+def _summary(paragraph: str, at_least: int = 60) -> str:
+    """The paragraph's first sentences, as few as make ``at_least`` characters; a sentence that
+    ends in a colon (it introduces a list) ends in a full stop instead."""
+    out = ""
+    for sentence in re.split(r"(?<=[.:!?])\s+(?=[A-Z`*$\[])", paragraph):
+        out = f"{out} {sentence}".strip()
+        if len(out) >= at_least:
+            break
+    return out[:-1] + "." if out.endswith(":") else out
+
+
+def index_markdown(directory: Path = NOTEBOOKS_DIR) -> str:
+    """notebooks/README.md, from every notebook in ``directory`` in name (= reading) order."""
+    import nbformat
+
+    rows = []
+    for path in notebook_paths(directory):
+        try:
+            title, summary = _first_heading_and_paragraph(nbformat.read(path, as_version=4))
+        except ValueError as error:
+            raise ValueError(f"{path.name}: {error}; the index needs a title") from None
+        title = re.sub(r"^\d+\s*[—-]\s*", "", title)  # "02 — Title": the number is the name's
+        cells = (f"[`{path.stem}`]({path.name})", title, summary)
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return INDEX_HEAD + "\n".join(rows) + "\n" + INDEX_TAIL
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str]) -> int:
     import nbformat
 
-    usage = "usage: python tests/helpers/notebook_tools.py {strip|check} NOTEBOOK..."
-    if not argv or argv[0] not in {"strip", "check"}:
+    usage = "usage: python tools/notebooks.py {strip|check} NOTEBOOK... | index [--check]"
+    if not argv or argv[0] not in {"strip", "check", "index"}:
         print(usage, file=sys.stderr)
         return 2
+    if argv[0] == "index":
+        text = index_markdown()
+        if argv[1:] == ["--check"]:
+            if INDEX_PATH.read_text(encoding="utf-8") != text:
+                print(f"{INDEX_PATH} is stale: run `python tools/notebooks.py index`")
+                return 1
+            return 0
+        INDEX_PATH.write_text(text, encoding="utf-8")
+        print(f"wrote {INDEX_PATH}")
+        return 0
     command, paths = argv[0], [Path(p) for p in argv[1:]]
     failed = 0
     for path in paths:
