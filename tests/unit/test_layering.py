@@ -8,6 +8,7 @@ and teaching helpers built on top. Imports inside functions count as much as mod
 """
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def test_the_layering_check_sees_an_upward_import(tmp_path, monkeypatch):
     fake.mkdir()
     (fake / "bad.py").write_text("def f():\n    from measure import bench\n")
     (fake / "ok.py").write_text("from . import bad\nfrom reference import tree\n")
-    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     assert imports(fake / "bad.py", "zero") == {"measure", "measure.bench"}
     assert imports(fake / "ok.py", "zero") == {"zero", "zero.bad", "reference", "reference.tree"}
 
