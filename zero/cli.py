@@ -97,9 +97,11 @@ def add_fields(parser, cls, *, default=None, exclude=(), choices=None, aliases=N
             )  # fmt: skip
             continue
         kw = _option(hints[f.name], value, choices.get(path))
-        if "choices" not in kw and kw.get("action") is None:
-            kw["metavar"] = kw.get("metavar", f.name.upper())
         help_text = docs.get(f.name, "").replace("%", "%%")
+        shown = ", ".join(map(str, kw.get("choices", ())))
+        if kw.get("action") is None and (not shown or len(shown) > 30):
+            kw["metavar"] = kw.get("metavar", f.name.upper())
+            help_text += f" Choices: {shown}." if shown else ""
         if value is dataclasses.MISSING:
             kw["required"] = True
         else:
