@@ -868,11 +868,7 @@ def run_bench(cfg: BenchConfig, *, pools=None, say=print) -> list[dict]:
 
 def parse(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
     """The configuration and the output options of a command line."""
-    p = argparse.ArgumentParser(
-        prog="python -m measure.bench",
-        usage="%(prog)s [options]",
-        description=__doc__.split("\n\n")[0],
-    )
+    p = cli.new_parser("python -m measure.bench", __doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--from-json", default=None, help="print the table of a results file only")

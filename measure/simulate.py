@@ -16,7 +16,6 @@ Legend: Ψ parameters of the model, N = N_d world size, K = 12 (mixed-precision 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -320,11 +319,7 @@ def measure_rank(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m measure.simulate",
-        usage="%(prog)s [options]",
-        description=__doc__.split("\n")[0],
-    )
+    p = cli.new_parser("python -m measure.simulate", __doc__.split("\n")[0])
     p.add_argument("--json", default=None, help="write the record (zero.results) here")
     p.add_argument("--quiet", action="store_true", help="print nothing (for measure_rank)")
     cfg, a = cli.parse(SimulateConfig, argv, parser=p, choices={"stage": (0, 1, 2, 3)})

@@ -128,16 +128,20 @@ def _show(value) -> str:
     return str(value).replace("%", "%%")
 
 
+def new_parser(prog: str | None, description: str | None) -> argparse.ArgumentParser:
+    """An empty parser in the style of these CLIs: a one-line usage, the description as written."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        usage="%(prog)s [options]",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def parse(cls, argv=None, *, parser=None, description=None, prog=None, **options):
     """(the dataclass, the namespace) of a command line; `parser` may carry further options
     that are not fields (they stay in the namespace). `options` go to add_fields."""
-    if parser is None:
-        parser = argparse.ArgumentParser(
-            prog=prog,
-            usage="%(prog)s [options]",
-            description=description,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+    parser = new_parser(prog, description) if parser is None else parser
     build = add_fields(parser, cls, **options)
     ns = parser.parse_args(argv)
     try:

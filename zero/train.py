@@ -412,12 +412,7 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
 
 
 def parse(argv=None) -> TrainConfig:
-    p = argparse.ArgumentParser(
-        prog="python -m zero.train",
-        usage="%(prog)s [options]",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = cli.new_parser("python -m zero.train", __doc__.split("\n\n")[0])
     p.add_argument(
         "--fast", dest="zero.deterministic", action="store_false", default=argparse.SUPPRESS,
         help="the same as --no-deterministic",
