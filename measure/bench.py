@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from reference.optim import Hyper
+from zero import cli
 from zero import engine as engine_module
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.models import GPT, GPTConfig, gpt_microbatches
@@ -826,28 +827,20 @@ def run_bench(cfg: BenchConfig, *, pools=None, say=print) -> list[dict]:
     return records
 
 
-def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m measure.bench", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per repeat")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per repeat")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    p.add_argument("--model", default="anchor", choices=list(MODELS))
+def parse(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
+    """The configuration and the output options of a command line."""
+    p = cli.new_parser("python -m measure.bench", __doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the records here")
-    p.add_argument("--quiet-cores", type=float, default=0.3, help="see BenchConfig.quiet_cores")
-    p.add_argument("--retries", type=int, default=3, help="times a disturbed repeat is redone")
-    p.add_argument("--profile", action="store_true", help="phase timings after the repeats")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--from-json", default=None, help="print the table of a results file only")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per call into ranks")
-    return p.parse_args(argv)
+    return cli.parse(
+        BenchConfig, argv, parser=p, aliases={"timeout_s": ("--timeout",)},
+        choices={"model": MODELS, "systems": SYSTEMS},
+    )  # fmt: skip
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
+    cfg, args = parse(argv)
     if args.from_json:
         records = read_json(args.from_json)["records"]
         add_ratios(records)  # the ratios follow from the timings; recomputed, never trusted
@@ -855,18 +848,6 @@ def main(argv=None) -> int:
         if any("profile_ms" in r["result"] for r in records):
             print("\n" + format_profile(records, markdown=args.markdown))
         return 0
-    cfg = BenchConfig(
-        model=args.model,
-        systems=tuple(args.systems),
-        world_sizes=tuple(args.world_sizes),
-        repeats=args.repeats,
-        steps=args.steps,
-        warmup=args.warmup,
-        profile=args.profile,
-        quiet_cores=args.quiet_cores,
-        retries=args.retries,
-        timeout_s=args.timeout,
-    )
     lead = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone prints and writes
 
     def say(*a):

@@ -21,11 +21,14 @@ with status 2.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
+from dataclasses import asdict, dataclass
 
 import torch
+
+from zero import cli
+from zero.config import STAGES
 
 STATS = (
     ("allocated", "allocated_bytes.all.current"),
@@ -43,56 +46,66 @@ def _check(name: str, value, lo: int, hi: int | None = None) -> None:
         raise ValueError(f"{name}={value!r}: allowed is {allowed}")
 
 
-def fragmentation(
-    *,
-    n_layer: int = 12,
-    n_embd: int = 768,
-    n_head: int = 12,
-    seq: int = 512,
-    batch: int = 8,
-    micro_batches: int = 4,
-    steps: int = 4,
-    stage: int = 2,
-    vary_seq: bool = False,
-    device: str = "cuda",
-) -> dict:
-    """Measure both configurations; returns {"off": stats, "on": stats, "ratio": on/off, "config"}
-    with stats in bytes (retries a count) relative to each run's baseline. ValueError for a bad
-    argument, RuntimeError where CUDA is missing (checked after the arguments)."""
-    for name, value, lo, hi in (
-        ("n_layer", n_layer, 1, None),
-        ("n_embd", n_embd, 1, None),
-        ("n_head", n_head, 1, None),
-        ("seq", seq, 2, None),
-        ("batch", batch, 1, None),
-        ("micro_batches", micro_batches, 1, None),
-        ("steps", steps, 1, None),
-        ("stage", stage, 0, 3),
-    ):
-        _check(name, value, lo, hi)
-    if n_embd % n_head:
-        raise ValueError(f"n_head={n_head}: must divide n_embd={n_embd}")
-    if not isinstance(vary_seq, bool):
-        raise ValueError(f"vary_seq={vary_seq!r}: must be True or False")
-    if not isinstance(device, str) or torch.device(device).type != "cuda":
-        raise ValueError(f"device={device!r}: allowed is a CUDA device ('cuda', 'cuda:0', ...)")
+@dataclass(frozen=True, kw_only=True)
+class FragmentationConfig:
+    """The GPT trained and how; every field is an option of `python -m measure.fragmentation`."""
+
+    n_layer: int = 12
+    """Transformer blocks of the GPT (each block one unit)."""
+    n_embd: int = 768
+    """Hidden width; a multiple of n_head."""
+    n_head: int = 12
+    """Attention heads."""
+    seq: int = 512
+    """Tokens per sequence (the longest with vary_seq), at least 2."""
+    batch: int = 8
+    """Sequences per micro-batch."""
+    micro_batches: int = 4
+    """Micro-batches per step (world size 1: all on this device)."""
+    steps: int = 4
+    """Optimizer steps of each of the two runs."""
+    stage: int = 2
+    """ZeRO stage 0-3."""
+    vary_seq: bool = False
+    """Give every micro-batch another sequence length in [seq/2, seq] (variable-length batches)."""
+    device: str = "cuda"
+    """The CUDA device measured ('cuda', 'cuda:0', ...)."""
+
+    def __post_init__(self):
+        for name, lo, hi in (
+            ("n_layer", 1, None),
+            ("n_embd", 1, None),
+            ("n_head", 1, None),
+            ("seq", 2, None),
+            ("batch", 1, None),
+            ("micro_batches", 1, None),
+            ("steps", 1, None),
+            ("stage", 0, 3),
+        ):
+            _check(name, getattr(self, name), lo, hi)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_head={self.n_head}: must divide n_embd={self.n_embd}")
+        if not isinstance(self.vary_seq, bool):
+            raise ValueError(f"vary_seq={self.vary_seq!r}: must be True or False")
+        if not isinstance(self.device, str) or torch.device(self.device).type != "cuda":
+            raise ValueError(
+                f"device={self.device!r}: allowed is a CUDA device ('cuda', 'cuda:0', ...)"
+            )
+
+
+def fragmentation(cfg: FragmentationConfig | None = None, **fields) -> dict:
+    """Measure both configurations of `cfg` (or of FragmentationConfig(**fields)); returns
+    {"off": stats, "on": stats, "ratio": on/off, "config"} with stats in bytes (retries a count)
+    relative to each run's baseline. ValueError for a bad field, RuntimeError where CUDA is
+    missing (checked after the fields)."""
+    cfg = FragmentationConfig(**fields) if cfg is None else cfg
     if not torch.cuda.is_available():
         raise RuntimeError(
             "measure.fragmentation measures the CUDA caching allocator: torch.cuda.is_available() "
             "is False on this machine, so there is nothing to measure"
         )
-    config = dict(
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        seq=seq,
-        batch=batch,
-        micro_batches=micro_batches,
-        steps=steps,
-        stage=stage,
-        vary_seq=vary_seq,
-    )
-    dev = torch.device(device)
+    config = asdict(cfg)
+    dev = torch.device(config.pop("device"))
     torch.cuda.set_device(dev)
     _single_rank_group()
     off = _measure(False, dev, **config)
@@ -177,29 +190,14 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m measure.fragmentation", description=__doc__)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--embd", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--stage", type=int, default=2)
-    p.add_argument("--vary-seq", action="store_true")
-    a = p.parse_args(argv)
+    cfg, _ = cli.parse(
+        FragmentationConfig, argv, prog="python -m measure.fragmentation",
+        description=__doc__.split("\n\n")[0],
+        aliases={"n_layer": ("--layers",), "n_embd": ("--embd",), "n_head": ("--heads",)},
+        choices={"stage": STAGES},
+    )  # fmt: skip
     try:
-        result = fragmentation(
-            n_layer=a.layers,
-            n_embd=a.embd,
-            n_head=a.heads,
-            seq=a.seq,
-            batch=a.batch,
-            micro_batches=a.micro_batches,
-            steps=a.steps,
-            stage=a.stage,
-            vary_seq=a.vary_seq,
-        )
+        result = fragmentation(cfg)
     except (RuntimeError, ValueError) as exc:
         print(f"measure.fragmentation: {exc}", file=sys.stderr)
         return 2

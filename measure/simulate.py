@@ -16,17 +16,20 @@ Legend: Ψ parameters of the model, N = N_d world size, K = 12 (mixed-precision 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, fields
+
+from zero import cli
 
 from .resident import MemoryProbe, mem_available_bytes, peak_rss_bytes, rss_bytes
 
 __all__ = [
+    "SimulateConfig",
     "estimate_peak_bytes",
     "measure_rank",
     "peak_rss_bytes",
@@ -99,6 +102,47 @@ def fits_here(estimate: dict, *, device: str = "cpu") -> tuple[bool, str]:
         what = f"MemAvailable {avail / 1e9:.1f} GB, keeping {HEADROOM_BYTES / 1e9:.1f} GB headroom"
     verdict = "fits" if ok else "does not fit"
     return ok, f"estimated peak {estimate['peak'] / 1e9:.2f} GB {verdict}: {what}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulateConfig:
+    """One simulated rank; every field is an option of `python -m measure.simulate` and an
+    argument of simulate_rank and measure_rank."""
+
+    params: float = 7.5e9
+    """Ψ requested: the GPT is zero.models.gpt_config_for(params) unless `shape` is given."""
+    world_size: int = 64
+    """N: the fake world's size."""
+    rank: int = 0
+    """Which rank of the N this process is."""
+    stage: int = 3
+    """ZeRO stage 0-3."""
+    steps: int = 1
+    """Real optimizer steps after construction."""
+    seq: int = 64
+    """Tokens per sequence."""
+    batch: int = 1
+    """Sequences per micro-batch."""
+    vocab_size: int = 50257
+    """Vocabulary of the GPT."""
+    device: str = "cpu"
+    """'cpu', or 'cuda[:i]' (allocator bytes instead of RSS)."""
+    shape: dict | None = None
+    """JSON {"n_layer", "n_embd", "n_head"} replacing gpt_config_for(params)."""
+    options: dict | None = None
+    """JSON of further ZeroConfig fields (e.g. {"activation_checkpointing": true})."""
+
+    def __post_init__(self):
+        for name in ("world_size", "steps", "seq", "batch", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: allowed are integers >= 1")
+        if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size):
+            raise ValueError(f"rank={self.rank!r}: allowed are 0 .. world_size-1")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage={self.stage!r}: allowed are 0, 1, 2, 3")
+        if not self.params > 0:
+            raise ValueError(f"params={self.params!r}: allowed are counts > 0")
 
 
 def simulate_rank(
@@ -249,19 +293,7 @@ def measure_rank(
         ok, reason = fits_here(est, device=device)
         if not ok:
             return {"ran": False, "reason": reason, "estimate": est}
-    flags = {
-        "params": "--params",
-        "world_size": "--world-size",
-        "rank": "--rank",
-        "stage": "--stage",
-        "steps": "--steps",
-        "seq": "--seq",
-        "batch": "--batch",
-        "vocab_size": "--vocab-size",
-        "device": "--device",
-        "shape": "--shape",
-        "options": "--options",
-    }
+    flags = {f.name: "--" + f.name.replace("_", "-") for f in fields(SimulateConfig)}
     unknown = set(kwargs) - set(flags)
     if unknown:
         raise ValueError(f"measure_rank: unknown argument(s) {sorted(unknown)}")
@@ -287,40 +319,11 @@ def measure_rank(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m measure.simulate", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--params", type=float, default=7.5e9)
-    p.add_argument("--world-size", type=int, default=64)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
-    p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
-    p.add_argument(
-        "--shape", type=json.loads, default=None, help='JSON {"n_layer", "n_embd", "n_head"}'
-    )
-    p.add_argument(
-        "--options", type=json.loads, default=None, help="JSON of further ZeroConfig fields"
-    )
-    p.add_argument("--json", default=None)
+    p = cli.new_parser("python -m measure.simulate", __doc__.split("\n")[0])
+    p.add_argument("--json", default=None, help="write the record (zero.results) here")
     p.add_argument("--quiet", action="store_true", help="print nothing (for measure_rank)")
-    a = p.parse_args(argv)
-    out = simulate_rank(
-        params=a.params,
-        world_size=a.world_size,
-        rank=a.rank,
-        stage=a.stage,
-        steps=a.steps,
-        seq=a.seq,
-        batch=a.batch,
-        vocab_size=a.vocab_size,
-        device=a.device,
-        shape=a.shape,
-        options=a.options,
-    )
+    cfg, a = cli.parse(SimulateConfig, argv, parser=p, choices={"stage": (0, 1, 2, 3)})
+    out = simulate_rank(**asdict(cfg))
     if not a.quiet:
         gb = 1e9
         print(

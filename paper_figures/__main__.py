@@ -13,6 +13,9 @@ from pathlib import Path
 from paper_figures.common import PROFILES, Outputs, SummaryRow
 from paper_figures.sections import SECTIONS
 
+DEFAULT_OUT = Path("runs/paper_figures")
+"""The default output root, under the working directory (runs/ is not in git)."""
+
 
 def _parser() -> argparse.ArgumentParser:
     names = [s.name for s in SECTIONS]
@@ -25,8 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).resolve().parent,
-        help="output root for results/, figures/ and tables/ (default: this package's directory)",
+        default=None,
+        help=f"output root for results/, figures/, tables/ and INDEX.md (default: {DEFAULT_OUT}, "
+        "with INDEX.md written to the committed paper_figures/INDEX.md)",
     )
     parser.add_argument(
         "--only", nargs="+", choices=names, metavar="NAME", help="run only these sections"
@@ -46,9 +50,17 @@ def _print_summary(rows: list[tuple[SummaryRow, float]], out: Outputs) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def outputs(root: Path | None) -> Outputs:
+    """Where a run writes: under `root`, or by default under DEFAULT_OUT with the index written
+    to the committed paper_figures/INDEX.md."""
+    if root is not None:
+        return Outputs(root=root.resolve())
+    return Outputs(root=DEFAULT_OUT.resolve(), index=Path(__file__).resolve().parent / "INDEX.md")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    out = Outputs(root=args.out.resolve())
+    out = outputs(args.out)
     selected = [s for s in SECTIONS if args.only is None or s.name in args.only]
     rows = []
     for section in selected:

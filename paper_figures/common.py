@@ -11,6 +11,7 @@ mixed-precision Adam).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,21 @@ seconds, for the tests of the main job itself."""
 
 @dataclass(frozen=True, kw_only=True)
 class Outputs:
-    """Where a run writes: ``root/results/*.json``, ``root/figures/*.png``, ``root/tables/*.md``."""
+    """Where a run writes: ``root/results/*.json``, ``root/figures/*.png``, ``root/tables/*.md``
+    and the index (``root/INDEX.md`` unless ``index`` says otherwise)."""
 
     root: Path
+    """The output root."""
+    index: Path | None = None
+    """Where INDEX.md goes; None: ``root/INDEX.md``."""
+
+    @property
+    def index_path(self) -> Path:
+        return self.root / "INDEX.md" if self.index is None else self.index
+
+    def linked(self, relative: str) -> str:
+        """A path under the root (e.g. ``figures/x.png``), relative to the index's folder."""
+        return os.path.relpath(self.root / relative, self.index_path.parent)
 
     def result(self, name: str) -> Path:
         return self.root / "results" / f"{name}.json"

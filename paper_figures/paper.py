@@ -122,6 +122,56 @@ FIG8_BATCH_60B = {"C1": 2, "C2": 4, "C3": 32, "C4": 32, "C5": 8}
 """Batch per GPU of each configuration on the 60B model (docs/paper.md §1.9)."""
 
 
+# --- Figures 2, 3 and 4 (docs/paper.md §1.8, configurations §1.9): TFLOP/s per GPU. -------------
+# Each row: (label, GPUs, MP, layers, hidden, B sequences per data-parallel rank per step,
+# TFLOP/s per GPU read off the plot, approximate). ZeRO runs are stage 2 (P_os+g), with
+# partitioned activations where MP > 1; Baseline DP and Megatron are stage 0.
+FIG4_ZERO = (
+    ("1.5B", 128, 1, 34, 1920, 24, 40.0),
+    ("2.5B", 128, 1, 54, 1920, 24, 42.0),
+    ("4B", 128, 1, 64, 2304, 16, 43.5),
+    ("6B", 128, 1, 52, 3072, 12, 47.0),
+    ("8B", 128, 1, 72, 3072, 8, 47.0),
+    ("10B", 128, 1, 50, 4096, 6, 41.0),
+    ("11B", 128, 1, 54, 4096, 4, 35.5),
+    ("12B", 128, 1, 58, 4096, 4, 33.0),
+    ("13B", 128, 1, 62, 4096, 2, 21.0),
+)
+FIG4_BASELINE_DP = (
+    ("1.16B", 128, 1, 24, 1920, 8, 39.5),
+    ("1.38B", 128, 1, 40, 1536, 1, 18.0),
+)
+FIG2_ZERO = (
+    ("1.5B", 400, 1, 48, 1600, 24, 30.0),
+    ("8B", 400, 4, 72, 3072, 64, 37.0),
+    ("40B", 400, 4, 88, 6144, 12, 36.0),
+    ("60B", 400, 16, 132, 6144, 64, 36.5),
+    ("80B", 400, 16, 100, 8192, 32, 37.5),
+    ("100B", 400, 16, 125, 8192, 32, 38.5),
+    ("120B", 400, 16, 150, 8192, 24, 28.0),
+    ("140B", 400, 16, 175, 8192, 16, 27.0),
+    ("170B", 400, 16, 212, 8192, 12, 21.0),
+)
+"""Figure 2's 20B point exists only in the SC20 appendix, without a plotted value: left out."""
+FIG2_MEGATRON = (
+    ("1.5B", 400, 2, 48, 1600, 16, 26.0),
+    ("8B", 400, 8, 72, 3072, 8, 23.0),
+    ("40B", 384, 32, 88, 6144, 4, 5.0),
+    ("60B", 384, 64, 132, 6144, 4, 6.0),
+    ("80B", 384, 128, 100, 8192, 4, 5.0),
+    ("100B", 384, 128, 125, 8192, 2, 3.5),
+    ("120B", 384, 128, 150, 8192, 2, 3.5),
+    ("140B", 384, 128, 175, 8192, 2, 3.5),
+    ("170B", 256, 256, 212, 8192, 2, 2.0),
+)
+FIG3_ZERO = (
+    ("64 GPUs", 64, 16, 75, 8192, 16, 25.5),
+    ("128 GPUs", 128, 16, 75, 8192, 48, 37.5),
+    ("256 GPUs", 256, 16, 75, 8192, 48, 39.0),
+    ("400 GPUs", 400, 16, 75, 8192, 64, 36.5),
+)
+
+
 # --- The paper's rounding rules (docs/paper.md §1.2 and §1.3). ------------------------------------
 def _decimal(x: float) -> Decimal:
     # The shortest repr is the decimal number the float stands for (41.25 -> "41.25"), so rounding

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paper_figures import paper
 from zero.models import gpt_flops
 from zero.results import make_record, provenance, read_json, write_json
 
@@ -128,47 +129,14 @@ def _b(fig, label, gpus, mp, layers, hidden, batch, tflops, series):
                hidden=hidden, batch=batch, stage=0, paper_tflops=tflops)  # fmt: skip
 
 
-# The paper's values, read off its plots (docs/paper.md §1.8), with the configurations of §1.9.
-# Figure 2's 20B point exists only in the SC20 appendix, without a plotted value: left out.
-FIGURE4 = (
-    _z("4", "1.5B", 128, 1, 34, 1920, 24, 40.0),
-    _z("4", "2.5B", 128, 1, 54, 1920, 24, 42.0),
-    _z("4", "4B", 128, 1, 64, 2304, 16, 43.5),
-    _z("4", "6B", 128, 1, 52, 3072, 12, 47.0),
-    _z("4", "8B", 128, 1, 72, 3072, 8, 47.0),
-    _z("4", "10B", 128, 1, 50, 4096, 6, 41.0),
-    _z("4", "11B", 128, 1, 54, 4096, 4, 35.5),
-    _z("4", "12B", 128, 1, 58, 4096, 4, 33.0),
-    _z("4", "13B", 128, 1, 62, 4096, 2, 21.0),
-    _b("4", "1.16B", 128, 1, 24, 1920, 8, 39.5, "Baseline DP"),
-    _b("4", "1.38B", 128, 1, 40, 1536, 1, 18.0, "Baseline DP"),
+FIGURE4 = tuple(_z("4", *r) for r in paper.FIG4_ZERO) + tuple(
+    _b("4", *r, "Baseline DP") for r in paper.FIG4_BASELINE_DP
 )
-FIGURE2 = (
-    _z("2", "1.5B", 400, 1, 48, 1600, 24, 30.0),
-    _z("2", "8B", 400, 4, 72, 3072, 64, 37.0),
-    _z("2", "40B", 400, 4, 88, 6144, 12, 36.0),
-    _z("2", "60B", 400, 16, 132, 6144, 64, 36.5),
-    _z("2", "80B", 400, 16, 100, 8192, 32, 37.5),
-    _z("2", "100B", 400, 16, 125, 8192, 32, 38.5),
-    _z("2", "120B", 400, 16, 150, 8192, 24, 28.0),
-    _z("2", "140B", 400, 16, 175, 8192, 16, 27.0),
-    _z("2", "170B", 400, 16, 212, 8192, 12, 21.0),
-    _b("2", "1.5B", 400, 2, 48, 1600, 16, 26.0, "Megatron"),
-    _b("2", "8B", 400, 8, 72, 3072, 8, 23.0, "Megatron"),
-    _b("2", "40B", 384, 32, 88, 6144, 4, 5.0, "Megatron"),
-    _b("2", "60B", 384, 64, 132, 6144, 4, 6.0, "Megatron"),
-    _b("2", "80B", 384, 128, 100, 8192, 4, 5.0, "Megatron"),
-    _b("2", "100B", 384, 128, 125, 8192, 2, 3.5, "Megatron"),
-    _b("2", "120B", 384, 128, 150, 8192, 2, 3.5, "Megatron"),
-    _b("2", "140B", 384, 128, 175, 8192, 2, 3.5, "Megatron"),
-    _b("2", "170B", 256, 256, 212, 8192, 2, 2.0, "Megatron"),
+FIGURE2 = tuple(_z("2", *r) for r in paper.FIG2_ZERO) + tuple(
+    _b("2", *r, "Megatron") for r in paper.FIG2_MEGATRON
 )
-FIGURE3 = (
-    _z("3", "64 GPUs", 64, 16, 75, 8192, 16, 25.5),
-    _z("3", "128 GPUs", 128, 16, 75, 8192, 48, 37.5),
-    _z("3", "256 GPUs", 256, 16, 75, 8192, 48, 39.0),
-    _z("3", "400 GPUs", 400, 16, 75, 8192, 64, 36.5),
-)
+FIGURE3 = tuple(_z("3", *r) for r in paper.FIG3_ZERO)
+"""The paper's values (paper_figures/paper.py, docs/paper.md §1.8) as Runs."""
 FITTED, HELD_OUT = FIGURE4, FIGURE2 + FIGURE3
 
 SENSITIVITY = {"nvswitch_efficiency": 0.5, "internode_efficiency": 0.5}

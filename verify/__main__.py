@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import itertools
 import json
 import os
 import sys
@@ -107,28 +106,16 @@ def parse(argv=None) -> argparse.Namespace:
 
 def cells_for(args) -> list[Cell]:
     """The explicit grid of the selection options (no preset)."""
-    modes = MODES if args.mode == "both" else (args.mode,)
-    grid = itertools.product(
-        args.world_sizes or [1, 2, 4],
-        args.stages,
-        args.precisions,
-        args.optimizers,
-        modes,
-        args.models,
+    return matrix.cells(
+        world_size=args.world_sizes or [1, 2, 4],
+        stage=args.stages,
+        precision=args.precisions,
+        optimizer=args.optimizers,
+        mode=MODES if args.mode == "both" else args.mode,
+        model=args.models,
+        steps=args.steps,
+        accumulation=args.accumulation,
     )
-    return [
-        Cell(
-            stage=s,
-            world_size=n,
-            precision=p,
-            optimizer=o,
-            mode=m,
-            model=mdl,
-            steps=args.steps,
-            accumulation=args.accumulation,
-        )
-        for n, s, p, o, m, mdl in grid
-    ]
 
 
 def plan(args) -> tuple[list[Cell], list[dict]]:

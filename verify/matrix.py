@@ -39,6 +39,7 @@ and that the harness reports those cells failing with the bug planted.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 from .covering import covering_array
@@ -57,8 +58,24 @@ DIMENSIONS: dict[str, tuple] = {
     "mode": ("deterministic", "fast"),
     "gradients": ("backward", "random", "extreme", "nonfinite"),
 }
+STAGES, PRECISIONS, OPTIMIZERS = (DIMENSIONS[k] for k in ("stage", "precision", "optimizer"))
 CLIP_NORM = 0.5  # below the norms of these workloads' gradients, so "on" really clips
 INVARIANT_WORLD_SIZES = (1, 2, 4, 8)
+
+
+def cells(*, cls: type[Cell] = Cell, **axes) -> list[Cell]:
+    """The product of `axes` as cells (`cls`: Cell or a subclass), the first axis outermost.
+    Each axis is a Cell field with one value or a list, tuple or range of values; an axis of
+    dicts (any name) sets several fields together, e.g. numerics=({"precision": "bf16",
+    "optimizer": "sgd"}, ...), a later axis winning. A tuple value goes in a list of one."""
+    grid = [v if isinstance(v, (list, tuple, range)) else (v,) for v in axes.values()]
+    out = []
+    for combo in itertools.product(*grid):
+        fields: dict = {}
+        for name, value in zip(axes, combo):
+            fields.update(value if isinstance(value, dict) else {name: value})
+        out.append(cls(**fields))
+    return out
 
 
 def cell_of(row: dict, *, seed: int = 0, steps: int = 3) -> Cell:
@@ -264,23 +281,18 @@ def small() -> tuple[list[Cell], list[dict]]:
 def extras() -> list[Cell]:
     """Options outside DIMENSIONS, each at a few points: stage 3's persistent small units
     (persist_below) and gradients reduced in the compute dtype (the paper's configuration)."""
-    out = [
-        Cell(
-            stage=3,
-            world_size=n,
-            precision=p,
-            optimizer="adam",
-            mode=m,
-            model="mlp",
-            persist_below=1000,
-            seed=4000,
-        )
-        for n, p, m in (
-            (2, "bf16", "deterministic"),
-            (3, "fp32", "deterministic"),
-            (4, "fp16", "fast"),
-        )
-    ]
+    out = cells(
+        stage=3,
+        at=[
+            {"world_size": 2, "precision": "bf16", "mode": "deterministic"},
+            {"world_size": 3, "precision": "fp32", "mode": "deterministic"},
+            {"world_size": 4, "precision": "fp16", "mode": "fast"},
+        ],
+        optimizer="adam",
+        model="mlp",
+        persist_below=1000,
+        seed=4000,
+    )
     # fp16 sums of injected fp16 values overflow at once (every step skipped, nothing tested);
     # the model's own gradients let the loss scaler find its level, over 5 steps
     for s, n, p, g in (
@@ -300,24 +312,13 @@ def complete() -> tuple[list[Cell], list[dict]]:
     every triple and pair), the slices stage × N × precision for each gradient source and for
     fast mode, the GPT (tied embedding and head) at every stage × precision for N ∈ {2, 3, 4},
     the extras, TEETH; invariance for every stage × precision × optimizer."""
-    cells = covering_cells(4)
+    gpt_cells = cells(
+        stage=STAGES, precision=PRECISIONS, world_size=(2, 3, 4), optimizer="adamw",
+        mode="deterministic", model="gpt", accumulation=2, seed=3000,
+    )  # fmt: skip
+    out = covering_cells(4)
     for kind in ("random", "extreme", "nonfinite", "backward"):
-        cells += slice_cells(gradients=kind, accumulation=4 if kind == "random" else 1)
-    cells += slice_cells(mode="fast", sizes="even")
-    cells += [
-        Cell(
-            stage=s,
-            world_size=n,
-            precision=p,
-            optimizer="adamw",
-            mode="deterministic",
-            model="gpt",
-            accumulation=2,
-            seed=3000,
-        )
-        for s in DIMENSIONS["stage"]
-        for p in DIMENSIONS["precision"]
-        for n in (2, 3, 4)
-    ]
-    cells += extras() + list(TEETH) + zero_r_cells((2, 3, 4))
-    return cells, invariance_runs(full=True)
+        out += slice_cells(gradients=kind, accumulation=4 if kind == "random" else 1)
+    out += slice_cells(mode="fast", sizes="even") + gpt_cells
+    out += extras() + list(TEETH) + zero_r_cells((2, 3, 4))
+    return out, invariance_runs(full=True)

@@ -48,11 +48,13 @@ import torch.distributed as dist
 
 from reference.optim import Hyper
 
-from .config import ZeroConfig, decay_matrices_only
+from . import cli
+from .config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from .data import VOCAB_SIZE, Corpus, load_corpus
 from .engine import StepResult, ZeroEngine
 from .launch import init_from_env, spawn, under_torchrun
 from .models import GPT, GPTConfig
+from .optim import TORCH_OPTIMIZERS
 from .results import make_record, write_atomic, write_json
 
 KIND = "train.run"
@@ -112,30 +114,37 @@ MODELS = {
 """name -> (model, B sequences per micro-batch)."""
 
 
+ZERO_DEFAULT = ZeroConfig(stage=2, optimizer="adamw", clip_norm=1.0)
+"""The engine options of a run unless the command line says otherwise."""
+ZERO_DERIVED = ("zero.groups", "zero.group_of", "zero.units", "zero.micro_batches", "zero.scaler")
+"""ZeroConfig fields a run derives (from --lr, --weight-decay, --model, --micro-batches); the
+others are options of the command line under their own names."""
+ZERO_CHOICES = {
+    "zero.stage": STAGES,
+    "zero.precision": TORCH_DTYPES,
+    "zero.reduce_dtype": TORCH_DTYPES,
+    "zero.optimizer": TORCH_OPTIMIZERS,
+    "zero.nonfinite": ("raise", "skip"),
+}
+"""The known values of ZeroConfig's string and stage fields, as command-line choices."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run of `python -m zero.train`; every field is a CLI option of the same name."""
 
-    stage: int = 2
-    """ZeRO stage 0-3."""
     nproc: int | None = None
     """N: local ranks to spawn (None: 2), or, under torchrun, the launched world (None: any)."""
     model: str = "small"
-    """A key of MODELS."""
-    precision: str = "fp32"
-    """'fp32', 'bf16' or 'fp16' (dynamic loss scaling)."""
-    deterministic: bool = True
-    """The reference's reduction tree (bitwise reproducible); False: the backends' fast paths."""
+    """The GPT (MODELS): tiny ~0.11M parameters (tests), small ~0.82M, medium ~4.8M, large ~85M."""
     steps: int = 200
     """Total optimizer steps of the run (a resumed run continues up to this number)."""
     micro_batches: int | None = None
     """M per step over all ranks, a multiple of N (None: N, one micro-batch per rank)."""
     lr: float = 2e-3
-    """AdamW learning rate (constant)."""
+    """Learning rate (constant), every parameter."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay on matrices; none on biases and norms."""
-    clip_norm: float | None = 1.0
-    """Global gradient-norm clipping (None: off)."""
+    """Weight decay (decoupled for AdamW) on matrices; none on biases and norms."""
     seed: int = 0
     """Seed of the initial parameters and of the data sampling."""
     data: str | None = None
@@ -156,6 +165,8 @@ class TrainConfig:
     """Continue from OUT/ckpt/latest (a fresh start when there is none)."""
     timeout_s: float = 3600.0
     """Local ranks: the whole run's limit; every run: a collective's limit before it raises."""
+    zero: ZeroConfig = ZERO_DEFAULT
+    """How the engine trains; groups, units and micro-batches are filled in per run."""
 
     def __post_init__(self):
         def need(ok: bool, name: str, allowed: str):
@@ -167,10 +178,8 @@ class TrainConfig:
             v = getattr(self, name)
             return not isinstance(v, bool) and isinstance(v, int) and v >= low
 
-        need(self.stage in (0, 1, 2, 3), "stage", "one of 0, 1, 2, 3")
         need(self.nproc is None or integer("nproc", 1), "nproc", "an integer >= 1")
         need(self.model in MODELS, "model", f"one of {tuple(MODELS)}")
-        need(self.precision in ("fp32", "bf16", "fp16"), "precision", "fp32, bf16 or fp16")
         for name, low in (("steps", 1), ("eval_batches", 1), ("seed", 0), ("log_every", 1)):
             need(integer(name, low), name, f"an integer >= {low}")
         for name in ("eval_every", "ckpt_every"):
@@ -184,21 +193,16 @@ class TrainConfig:
         )
         need(self.lr > 0, "lr", "a learning rate > 0")
         need(self.weight_decay >= 0, "weight_decay", "a value >= 0")
-        need(self.clip_norm is None or self.clip_norm > 0, "clip_norm", "None or a value > 0")
         need(0.0 < self.val_fraction < 1.0, "val_fraction", "a fraction in (0, 1)")
         need(self.timeout_s > 0, "timeout_s", "seconds > 0")
 
     def zero_config(self, world_size: int) -> ZeroConfig:
         gpt, _ = MODELS[self.model]
-        return ZeroConfig(
-            stage=self.stage,
-            precision=self.precision,
-            deterministic=self.deterministic,
-            optimizer="adamw",
+        return replace(
+            self.zero,
             groups=(Hyper(lr=self.lr, weight_decay=self.weight_decay), Hyper(lr=self.lr)),
             group_of=decay_matrices_only,
             micro_batches=self.micro_batches or world_size,
-            clip_norm=self.clip_norm,
             units=tuple(f"transformer.h.{i}" for i in range(gpt.n_layer)),
         )
 
@@ -321,8 +325,8 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     }
     if lead:
         print(
-            f"GPT {cfg.model}: Ψ = {config['num_params']:,}; stage {cfg.stage}, N = {world_size}, "
-            f"M = {M}, {cfg.precision}; corpus {corpus.source}: "
+            f"GPT {cfg.model}: Ψ = {config['num_params']:,}; stage {cfg.zero.stage}, "
+            f"N = {world_size}, M = {M}, {cfg.zero.precision}; corpus {corpus.source}: "
             f"{corpus.fingerprint['files']} files, {corpus.fingerprint['bytes']:,} bytes; "
             f"steps {start}..{cfg.steps}",
             flush=True,
@@ -347,9 +351,8 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
         rec = record(final_hash)
         if lead:
             write_json(out / "train_log.json", rec)
-            title = (
-                f"GPT {cfg.model} on {Path(corpus.source).name}, stage {cfg.stage}, N={world_size}"
-            )
+            title = f"GPT {cfg.model} on {Path(corpus.source).name}, stage {cfg.zero.stage}, "
+            title += f"N={world_size}"
             plot_losses(history, out / "loss_curve.png", title=title)
         return rec
 
@@ -409,64 +412,16 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
 
 
 def parse(argv=None) -> TrainConfig:
-    p = argparse.ArgumentParser(
-        prog="python -m zero.train",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    d = TrainConfig()
-    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=d.stage)
+    p = cli.new_parser("python -m zero.train", __doc__.split("\n\n")[0])
     p.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="local ranks (default 2); under torchrun, must equal the launched world",
-    )
-    p.add_argument("--model", choices=tuple(MODELS), default=d.model)
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision)
-    p.add_argument(
-        "--fast",
-        action="store_true",
-        help="fast mode (backend reductions) instead of the deterministic tree",
-    )
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--micro-batches", type=int, default=None, help="M (default: N)")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="0: off")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--data", default=None, help="a text file or folder (default: the stdlib)")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction)
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds")
-    a = p.parse_args(argv)
-    return TrainConfig(
-        stage=a.stage,
-        nproc=a.nproc,
-        model=a.model,
-        precision=a.precision,
-        deterministic=not a.fast,
-        steps=a.steps,
-        micro_batches=a.micro_batches,
-        lr=a.lr,
-        weight_decay=a.weight_decay,
-        clip_norm=a.clip_norm or None,
-        seed=a.seed,
-        data=a.data,
-        val_fraction=a.val_fraction,
-        out=a.out,
-        eval_every=a.eval_every,
-        eval_batches=a.eval_batches,
-        ckpt_every=a.ckpt_every,
-        log_every=a.log_every,
-        resume=a.resume,
-        timeout_s=a.timeout,
-    )
+        "--fast", dest="zero.deterministic", action="store_false", default=argparse.SUPPRESS,
+        help="the same as --no-deterministic",
+    )  # fmt: skip
+    cfg, _ = cli.parse(
+        TrainConfig, argv, parser=p, exclude=ZERO_DERIVED, aliases={"timeout_s": ("--timeout",)},
+        choices={"model": MODELS, **ZERO_CHOICES},
+    )  # fmt: skip
+    return cfg
 
 
 def main(argv=None) -> dict | None:

@@ -171,3 +171,15 @@ def test_unavailable_system_is_reported_not_fatal():
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         BenchConfig(**kwargs)
+
+
+def test_the_command_line_is_the_config(capsys):
+    """Every BenchConfig field is an option (the README's spellings too); a bad value is an
+    argparse error naming the field."""
+    argv = ["--model", "small", "--systems", "zero-s0", "ddp", "--world-sizes", "2"]
+    argv += ["--repeats", "1", "--steps", "2", "--profile", "--retries", "0", "--timeout", "60"]
+    cfg, args = bench.parse([*argv, "--quiet-wait-s", "0", "--json", "out.json"])
+    assert cfg == dataclasses.replace(SMALL, timeout_s=60.0) and args.json == "out.json"
+    with pytest.raises(SystemExit) as exc:
+        bench.parse(["--world-sizes", "0"])
+    assert exc.value.code == 2 and "world_sizes=(0,)" in capsys.readouterr().err

@@ -16,7 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reference.precision import DTYPES
+from verify import matrix
 from verify.harness import Cell, run_cells
+from verify.matrix import OPTIMIZERS, PRECISIONS, STAGES
 from zero import collectives
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
@@ -28,13 +30,10 @@ from zero.partition import UnitPartition
 pytestmark = pytest.mark.timeout(600)
 
 
-def cells(n, **kw):
-    return [
-        Cell(stage=s, world_size=n, precision=p, optimizer=o, mode="deterministic", **kw)
-        for s in (0, 1, 2, 3)
-        for p in ("fp32", "bf16", "fp16")
-        for o in ("sgd", "adam", "adamw")
-    ]
+def cells(n, mode="deterministic", **kw):
+    return matrix.cells(
+        stage=STAGES, world_size=n, precision=PRECISIONS, optimizer=OPTIMIZERS, mode=mode, **kw
+    )
 
 
 @pytest.mark.dist
@@ -417,19 +416,11 @@ def test_collective_names_resolve_on_this_torch():
 
 
 def fast_cells(n, model="mlp"):
-    return [
-        Cell(
-            stage=s,
-            world_size=n,
-            precision=p,
-            optimizer=o,
-            mode="fast",
-            model=model,
-            reduce_dtype=rd,
-        )
-        for s in (0, 1, 2, 3)
+    numerics = [
+        {"precision": p, "optimizer": o, "reduce_dtype": rd}
         for p, o, rd in (("fp32", "adamw", None), ("bf16", "sgd", "bf16"), ("fp16", "adam", None))
     ]
+    return matrix.cells(stage=STAGES, world_size=n, numerics=numerics, mode="fast", model=model)
 
 
 @pytest.mark.dist
@@ -489,21 +480,8 @@ def test_fast_checks_catch_planted_bugs(bug, stage):
 @pytest.mark.parametrize("mode", ["deterministic", "fast"])
 def test_release_matrix_on_the_gpt(n, mode):
     """Release tier: every stage x precision x optimizer on the GPT, M = 4N, 4 steps."""
-    todo = [
-        Cell(
-            stage=s,
-            world_size=n,
-            precision=p,
-            optimizer=o,
-            mode=mode,
-            model="gpt",
-            accumulation=4,
-            steps=4,
-        )
-        for s in (0, 1, 2)
-        for p in ("fp32", "bf16", "fp16")
-        for o in ("sgd", "adam", "adamw")
-    ]
+    todo = cells(n, mode=mode, model="gpt", accumulation=4, steps=4)
+    todo = [c for c in todo if c.stage < 3]
     assert failures(n, todo) == []
 
 
@@ -525,20 +503,11 @@ def test_stage3_persistent_units(deterministic):
     gradients reduced as at stage 0 (2Ψ_unit: reduce-scatter per micro-step + all-gather of the
     reduced gradient, or one all-reduce in fast mode); the rest gather per use."""
     k, n = 2, 2
-    todo = [
-        Cell(
-            stage=3,
-            world_size=n,
-            precision=p,
-            optimizer="adam",
-            mode=m,
-            model=mdl,
-            persist_below=pb,
-        )
-        for p in ("fp32", "bf16")
-        for m in ("deterministic", "fast")
-        for mdl, pb in (("mlp", 1000), ("gpt", 3000))
-    ]
+    todo = matrix.cells(
+        stage=3, world_size=n, precision=("fp32", "bf16"), optimizer="adam",
+        mode=("deterministic", "fast"),
+        models=({"model": "mlp", "persist_below": 1000}, {"model": "gpt", "persist_below": 3000}),
+    )  # fmt: skip
     assert failures(n, todo) == []
     by_unit, numel = get_pool(n).run(persistent_traffic, k, deterministic)[0]
     for name, ops in by_unit.items():

@@ -8,31 +8,23 @@ import pytest
 from engine_tools import OptCell, failures, mlp_engine, one_step
 
 from reference.precision import DTYPES
+from verify.matrix import PRECISIONS, STAGES, cells
 from zero.launch import get_pool
 
 pytestmark = pytest.mark.timeout(600)
 
 OFFLOAD = (("offload_optimizer", True),)
+NUMERICS = [{"precision": p, "optimizer": o} for p, o in zip(PRECISIONS, ("adamw", "sgd", "adam"))]
 
 
 # -- bits --------------------------------------------------------------------------------------
 
 
 def offload_cells(n, mode, model="mlp", gradients="backward"):
-    return [
-        OptCell(
-            stage=s,
-            world_size=n,
-            precision=p,
-            optimizer=o,
-            mode=mode,
-            model=model,
-            gradients=gradients,
-            options=OFFLOAD,
-        )
-        for s in (0, 1, 2, 3)
-        for p, o in (("fp32", "adamw"), ("bf16", "sgd"), ("fp16", "adam"))
-    ]
+    return cells(
+        cls=OptCell, stage=STAGES, world_size=n, numerics=NUMERICS, mode=mode, model=model,
+        gradients=gradients, options=[OFFLOAD],
+    )  # fmt: skip
 
 
 @pytest.mark.dist

@@ -206,6 +206,22 @@ def test_main_job_only(tmp_path):
         main(["--out", str(tmp_path), "--only", "no_such_section"])
 
 
+def test_the_default_output_is_under_runs_and_the_index_is_the_committed_one(tmp_path, monkeypatch):
+    """Without --out, results, figures and tables go to runs/paper_figures/ (not into the
+    package) and INDEX.md to paper_figures/INDEX.md, its links pointing back into runs/."""
+    from paper_figures.__main__ import outputs
+
+    monkeypatch.chdir(tmp_path)
+    out = outputs(None)
+    assert out.root == tmp_path / "runs" / "paper_figures"
+    assert out.index_path == REPO / "paper_figures" / "INDEX.md"
+    link = out.linked("figures/fig1_memory.png")
+    assert (out.index_path.parent / link).resolve() == out.figure("fig1_memory")
+    given = outputs(tmp_path / "x")
+    assert given.index_path == tmp_path / "x" / "INDEX.md"
+    assert given.linked("figures/fig1_memory.png") == "figures/fig1_memory.png"
+
+
 def test_table1_is_drawn_from_the_records(tmp_path):
     # Change one record and the table must show it: the numbers come from the JSON, not the code.
     payload = table1_memory.compute("quick")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from zero.data import load_corpus, split_names, stdlib_dir, stdlib_files
-from zero.train import main
+from zero.train import main, parse
 
 REPO = Path(__file__).resolve().parents[2]
 # tiny model, no checkpoints or evaluations in between unless a test asks: seconds per run
@@ -206,12 +206,21 @@ def test_micro_batches_are_a_pure_function_of_seed_step_and_index(text):
         (["--eval-every", "-1"], "eval_every"),
         (["--nproc", "0"], "nproc"),
         (["--val-fraction", "1.5"], "val_fraction"),
-        (["--data", "/nonexistent/corpus"], "data"),
+        (["--chunk", "100"], "chunk"),
+        (["--offload-activations"], "offload_activations"),
     ],
 )
-def test_bad_input_is_refused_by_name(tmp_path, argv, field):
-    with pytest.raises(ValueError, match=rf"^{field}="):
+def test_bad_input_is_refused_by_name(tmp_path, argv, field, capsys):
+    """A value the configuration refuses is an argparse error: exit 2, one line naming it."""
+    with pytest.raises(SystemExit) as exc:
         main([*argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f" {field}=" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_missing_corpus_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"^data="):
+        main(["--data", "/nonexistent/corpus", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize(
@@ -221,3 +230,17 @@ def test_bad_choices_are_argparse_errors_naming_the_option(argv, field, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and field in capsys.readouterr().err
+
+
+def test_every_option_is_explained_and_the_old_spellings_work(capsys):
+    """--help gives every option a help text with its default; --fast and --timeout, the
+    spellings in the README, still set the engine's mode and the run's limit."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for option in ("--stage", "--precision", "--steps", "--eval-every", "--bucket-elements"):
+        assert option in text
+    assert text.count("(default: ") >= 30, text
+    cfg = parse(["--fast", "--timeout", "60", "--stage", "3", "--clip-norm", "none"])
+    assert not cfg.zero.deterministic and cfg.timeout_s == 60 and cfg.zero.stage == 3
+    assert cfg.zero.clip_norm is None and cfg.zero_config(2).micro_batches == 2

@@ -215,3 +215,28 @@ def test_complete_preset_passes(tmp_path):
     cells, runs = matrix.complete()
     inv = check_preset_report(data, cells)
     assert len(inv) == 4 * len(runs)  # every run at N = 1, 2, 4, 8
+
+
+def test_cells_is_the_product_of_its_axes():
+    """matrix.cells: one value or several per axis, the first axis outermost, dicts setting
+    fields together (a later axis wins); `python -m verify`'s explicit grid is that product."""
+    got = matrix.cells(
+        stage=(0, 3),
+        world_size=2,
+        optimizer="adam",
+        numerics=[{"precision": "bf16", "optimizer": "sgd"}, {"precision": "fp32"}],
+        mode="fast",
+    )
+    want = [
+        Cell(stage=s, world_size=2, precision=p, optimizer=o, mode="fast")
+        for s in (0, 3)
+        for p, o in (("bf16", "sgd"), ("fp32", "adam"))
+    ]
+    assert got == want
+    from verify.__main__ import cells_for, parse
+
+    args = parse(["--stages", "1", "2", "--world-sizes", "2", "--mode", "both", "--models", "gpt"])
+    assert cells_for(args) == matrix.cells(
+        world_size=2, stage=(1, 2), precision=matrix.PRECISIONS, optimizer=matrix.OPTIMIZERS,
+        mode=("deterministic", "fast"), model="gpt",
+    )  # fmt: skip

@@ -10,6 +10,7 @@ import torch
 from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe_gpt_engine
 
 from verify.harness import run_cells
+from verify.matrix import PRECISIONS, cells
 from zero.activations import saved_activation_bytes
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
@@ -55,21 +56,12 @@ def test_nested_checkpointed_units_are_refused():
 # -- bits --------------------------------------------------------------------------------------
 
 
-def ckpt_cells(n, stages, options, precisions=("fp32", "bf16", "fp16")):
-    return [
-        OptCell(
-            stage=s,
-            world_size=n,
-            precision=p,
-            optimizer=o,
-            mode="deterministic",
-            model=m,
-            options=options,
-        )
-        for s in stages
-        for p in precisions
-        for m, o in (("gpt", "adamw"), ("mlp", "adam"))
-    ]
+def ckpt_cells(n, stages, options, precisions=PRECISIONS):
+    models = ({"model": "gpt", "optimizer": "adamw"}, {"model": "mlp", "optimizer": "adam"})
+    return cells(
+        cls=OptCell, stage=stages, world_size=n, precision=precisions, models=models,
+        mode="deterministic", options=[options],
+    )  # fmt: skip
 
 
 @pytest.mark.dist
@@ -91,11 +83,10 @@ def test_checkpointed_cells_are_bitwise_equal_to_the_reference(n, stages, option
 
 @pytest.mark.dist
 def test_checkpointed_fast_cells_stay_within_their_bounds():
-    todo = [
-        OptCell(stage=s, world_size=2, precision="bf16", optimizer="adamw", mode="fast", options=o)
-        for s in (2, 3)
-        for o in (CKPT, CKPT_CPU)
-    ]
+    todo = cells(
+        cls=OptCell, stage=(2, 3), world_size=2, precision="bf16", optimizer="adamw", mode="fast",
+        options=[CKPT, CKPT_CPU],
+    )  # fmt: skip
     assert failures(2, todo) == []
 
 
@@ -246,18 +237,10 @@ def test_checkpointing_reduces_activations_as_the_paper_says(stage):
 
 
 def bucket_cells(n, grid):
-    return [
-        OptCell(
-            stage=s,
-            world_size=n,
-            precision=p,
-            optimizer="adam",
-            mode=mode,
-            model=m,
-            options=(("bucket_elements", 64),),
-        )
-        for s, p, m, mode in grid
-    ]
+    at = [dict(zip(("stage", "precision", "model", "mode"), row)) for row in grid]
+    return cells(
+        cls=OptCell, at=at, world_size=n, optimizer="adam", options=[(("bucket_elements", 64),)]
+    )
 
 
 FULL_GRID = [

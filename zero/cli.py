@@ -1,0 +1,153 @@
+"""Command lines derived from keyword-only dataclasses: one declaration per configuration.
+
+`parse(Config, argv)` gives every field an option `--field-name` whose help is the field's
+docstring (the string literal after it in the class body) with its default, and builds the
+dataclass back from the parsed options, so that its `__post_init__` validates: a ValueError
+there becomes an argparse error (exit 2, one line naming the field). A field holding a dataclass
+is merged: its fields become options of their own. Types: int, float, str, bool
+(--flag/--no-flag), `X | None` (the word 'none' gives None), tuple[X, ...] (several values),
+dict (JSON) and Literal (choices); `choices` gives the known set of any other field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import json
+import re
+import types
+import typing
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """{field: its docstring, whitespace collapsed} of a dataclass and of its bases."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        body = ast.parse(inspect.getsource(klass).lstrip()).body[0].body
+        for stmt, after in zip(body, body[1:]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                    docs[stmt.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def _none_or(convert):
+    def parse(text: str):
+        return None if text.lower() == "none" else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def _option(hint, default, choices) -> dict:
+    """argparse keywords for a field of type `hint`."""
+    args = typing.get_args(hint)
+    optional = type(None) in args and typing.get_origin(hint) in (typing.Union, types.UnionType)
+    if optional:
+        (hint,) = [a for a in args if a is not type(None)]
+        args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if origin is typing.Literal:
+        choices, hint = args, type(args[0])
+    kw: dict = {}
+    if origin in (tuple, list):
+        kw["nargs"], hint = "+", args[0]
+    if hint is dict or typing.get_origin(hint) is dict:
+        kw["type"], kw["metavar"] = json.loads, "JSON"
+    elif hint in (int, float, str):
+        kw["type"] = hint
+    else:
+        raise TypeError(f"no command-line option for type {hint!r}; exclude the field")
+    if choices is not None:
+        kw["choices"] = tuple(choices) + ((None,) if optional else ())
+    if optional:
+        kw["type"] = _none_or(kw["type"])
+    return kw
+
+
+def add_fields(parser, cls, *, default=None, exclude=(), choices=None, aliases=None, _path=""):
+    """Add an option per field of `cls` (defaults from the instance `default`, else cls's own);
+    returns build(namespace) -> the dataclass. exclude/choices/aliases are keyed by dotted path
+    ('zero.stage'); aliases gives further option strings of a field."""
+    choices, aliases = choices or {}, aliases or {}
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    builders = {}
+    for f in dataclasses.fields(cls):
+        path = _path + f.name
+        if path in exclude or not f.init:
+            continue
+        if default is not None:
+            value = getattr(default, f.name)
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = f.default
+        if dataclasses.is_dataclass(hints[f.name]):
+            title = f"{path} ({hints[f.name].__name__}): {docs.get(f.name, '')}"
+            builders[f.name] = add_fields(
+                parser.add_argument_group(title.replace("%", "%%")), hints[f.name], default=value,
+                exclude=exclude, choices=choices, aliases=aliases, _path=path + ".",
+            )  # fmt: skip
+            continue
+        kw = _option(hints[f.name], value, choices.get(path))
+        help_text = docs.get(f.name, "").replace("%", "%%")
+        shown = ", ".join(map(str, kw.get("choices", ())))
+        if kw.get("action") is None and (not shown or len(shown) > 30):
+            kw["metavar"] = kw.get("metavar", f.name.upper())
+            help_text += f" Choices: {shown}." if shown else ""
+        if value is dataclasses.MISSING:
+            kw["required"] = True
+        else:
+            kw["default"] = value
+            help_text += f" (default: {_show(value)})"
+        names = ["--" + f.name.replace("_", "-"), *aliases.get(path, ())]
+        parser.add_argument(*names, dest=path, help=help_text, **kw)
+        builders[f.name] = path
+
+    def build(ns):
+        def value(how):
+            got = how(ns) if callable(how) else getattr(ns, how)
+            return tuple(got) if isinstance(got, list) else got
+
+        kwargs = {k: value(how) for k, how in builders.items()}
+        return cls(**kwargs) if default is None else dataclasses.replace(default, **kwargs)
+
+    return build
+
+
+def _show(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value))
+    return str(value).replace("%", "%%")
+
+
+def new_parser(prog: str | None, description: str | None) -> argparse.ArgumentParser:
+    """An empty parser in the style of these CLIs: a one-line usage, the description as written."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        usage="%(prog)s [options]",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def parse(cls, argv=None, *, parser=None, description=None, prog=None, **options):
+    """(the dataclass, the namespace) of a command line; `parser` may carry further options
+    that are not fields (they stay in the namespace). `options` go to add_fields."""
+    parser = new_parser(prog, description) if parser is None else parser
+    build = add_fields(parser, cls, **options)
+    ns = parser.parse_args(argv)
+    try:
+        return build(ns), ns
+    except ValueError as exc:
+        msg = " ".join(str(exc).split())
+        named = re.match(r"(\w+)=", msg)
+        where = f"argument --{named.group(1).replace('_', '-')}: " if named else ""
+        parser.exit(2, f"{parser.prog}: error: {where}{msg}\n")
