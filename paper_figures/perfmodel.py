@@ -444,7 +444,7 @@ def render(results_path, figure_path) -> Path:
 
 
 def cpu_terms(records: list[dict]) -> list[dict]:
-    """From measure.bench's profiled records (paper_figures/results/bench_step_time.json): each
+    """From measure.bench's profiled records (runs/paper_figures/results/bench_step_time.json): each
     of our systems' measured step split as this model splits it: compute (forward + backward),
     communication in step() (reduce + all-gather + flag + loss), optimizer (kernels + norm),
     and the achieved FLOP/s of forward + backward (Megatron's count without recomputation)."""

@@ -314,7 +314,7 @@ ARCHIVE = Path("measured") / f"{NAME}_large.json"
 """[Note: archived large ranks] results/ is not kept in git, but a large rank takes minutes and
 more memory than most machines have. So a full run also writes its large ranks' records to
 ``measured/simulated_ranks_large.json`` under the output root (tracked in git for the package's
-own directory), after every cell, atomically: a run stopped part-way (a session's end, the
+own directory), after every cell, atomically: a run stopped part-way (an interrupted job, the
 machine's memory) keeps the cells it finished and the earlier records of those it did not
 reach. A quick run carries them from there (the output root's archive, else the package's;
 its own earlier results only when neither exists). Their provenance (machine, commit, date)

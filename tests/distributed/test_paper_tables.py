@@ -340,7 +340,7 @@ def test_a_full_run_stopped_part_way_keeps_its_cells_and_the_earlier_ones(monkey
     def measure_cell(psi, n, stage, *, device, vocab, prov):
         calls.append((psi, n, stage))
         if (psi, n, stage) == cells[2]:
-            raise KeyboardInterrupt  # the session ends during the third cell
+            raise KeyboardInterrupt  # the job is interrupted during the third cell
         return record(psi, n, stage, "new")
 
     monkeypatch.setattr(sr, "measure_cell", measure_cell)

@@ -20,7 +20,7 @@ from zero.launch import get_pool
 from zero.models import GPT, GPTConfig, gpt_microbatches, gpt_num_params
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "paper_figures" / "results" / "perf_model.json"
+RESULTS = REPO / "runs" / "paper_figures" / "results" / "perf_model.json"
 P = pm.Params(peak_fraction=0.4, half_work=1e6, overlap=0.3)
 
 
@@ -169,7 +169,7 @@ def test_records_fit_on_figure_4_only_and_report_errors(tmp_path):
     # The stored file is what the code produces now. Numbers within 1e-4 relative: the fit's
     # last steps are 1e-7, and another CPU's log() may differ in its last bit, which can move
     # the search a step along the flat valley; structure and every string exactly.
-    if RESULTS.is_file():  # paper_figures/results/ is not in git: a fresh clone has none
+    if RESULTS.is_file():  # runs/ is not in git: a fresh clone has none
         stored = json.loads(RESULTS.read_text())["records"]
         assert len(stored) == len(records), "rerun paper_figures.perfmodel.write_records"
         for old, new in zip(stored, records):
