@@ -25,12 +25,12 @@ seconds, for the tests of the main job itself."""
 @dataclass(frozen=True, kw_only=True)
 class Outputs:
     """Where a run writes: ``root/results/*.json``, ``root/figures/*.png``, ``root/tables/*.md``
-    and the index (``root/INDEX.md`` unless ``index`` says otherwise)."""
+    and the index (INDEX.md under the root unless ``index`` says otherwise)."""
 
     root: Path
     """The output root."""
     index: Path | None = None
-    """Where INDEX.md goes; None: ``root/INDEX.md``."""
+    """Where INDEX.md goes; None: INDEX.md under the root."""
 
     @property
     def index_path(self) -> Path:
