@@ -63,7 +63,7 @@ def test_meta_construction_gives_the_same_bits_as_a_plain_model():
 
 
 def count_full_units_during_construction(rank, n):
-    from zero import stage3
+    from zero.stages import stage3
 
     seen = []
     original = stage3.Stage3.allocate
