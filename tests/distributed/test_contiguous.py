@@ -12,11 +12,11 @@ from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe
 from measure.fragmentation import fragmentation, main
 from reference.layout import unit_layout
 from reference.precision import DTYPES
-from zero.zero_r import contiguous as md
-from zero.zero_r.activations import saved_activation_bytes
 from zero.config import ZeroConfig
 from zero.launch import get_pool
 from zero.models import gpt_microbatches, mlp_microbatches
+from zero.zero_r import contiguous as md
+from zero.zero_r.activations import saved_activation_bytes
 
 pytestmark = pytest.mark.timeout(600)
 

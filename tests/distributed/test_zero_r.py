@@ -10,12 +10,12 @@ import torch
 from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe_gpt_engine
 
 from verify.harness import run_cells
-from zero.zero_r.activations import saved_activation_bytes
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
 from zero.launch import RankError, get_pool
 from zero.models import MLP, MLPConfig, gpt_microbatches
 from zero.stages.stage3 import PartitionState
+from zero.zero_r.activations import saved_activation_bytes
 
 pytestmark = pytest.mark.timeout(600)
 
