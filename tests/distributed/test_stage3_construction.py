@@ -70,7 +70,8 @@ def count_full_units_during_construction(rank, n):
 
     def allocate(self, u):
         # full working buffers alive (storage not freed) when this unit is allocated
-        seen.append(sum(x.working.untyped_storage().nbytes() > 0 for x in self.eng.units))
+        units = [*self.units, u]  # the stage's units so far, and this one
+        seen.append(sum(x.working.untyped_storage().nbytes() > 0 for x in units))
         return original(self, u)
 
     stage3.Stage3.allocate = allocate

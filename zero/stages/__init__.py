@@ -7,7 +7,7 @@ Legend: P_os, P_g, P_p the partitioned optimizer states, gradients and parameter
     stage3.Stage3   P_os+g+p: working parameters sharded, gathered unit by unit
     stage3.Persistent  stage 0 for the small units stage 3 keeps whole (persist_below)
 Every stage is built from a StageContext (base.py) and never holds the engine; the engine picks
-one stage object per unit (for_unit), so a persistent unit is simply given to Persistent.
+one stage object per unit (ZeroEngine.stage_of), so a persistent unit is simply given to Persistent.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ update this rank owns; R the reduced gradient.
 
 A stage decides *what* it keeps (full buffer or shard) and asks its Placement *where*: the
 gradient buffer (an allocation of its own, a view of the gradient arena with contiguous_memory,
-[Note: contiguous memory] in zero/contiguous.py, or the host with offload_optimizer), and the
+[Note: contiguous memory] in zero/zero_r/contiguous.py, or the host with offload_optimizer), and the
 copies that cross between the optimizer's side and the device (zero/zero_r/offload.py counts
 them). Without offload every copy is a plain device copy, so the stages have no offload branch.
 """
