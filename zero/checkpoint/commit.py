@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..introspect import Introspect
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -221,7 +222,7 @@ def _prune(root: Path, current: str, keep_last: int | None) -> list[str]:
     return removed
 
 
-def save(engine, directory, *, keep_last: int | None = None, extra=None) -> Path:
+def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=None) -> Path:
     """Save every rank's state into a new step directory under `directory`; call on every rank.
 
     keep_last: after the commit, keep only this many committed step directories (None: all).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..introspect import Introspect
 from .commit import _buffers
 from .format import CheckpointInfo, _agree, _check_idle, _Reader, read_manifest, resolve
 
@@ -76,7 +77,7 @@ def _extent(u, reader: _Reader, where: dict, key: str, ext: slice, device) -> to
     return out.to(device)
 
 
-def _load_here(engine, directory) -> CheckpointInfo:
+def _load_here(engine: Introspect, directory) -> CheckpointInfo:
     from reference.precision import ScalerState, scaler_init
 
     step_dir = resolve(directory)
@@ -126,7 +127,7 @@ def _load_here(engine, directory) -> CheckpointInfo:
     )
 
 
-def load(engine, directory) -> CheckpointInfo:
+def load(engine: Introspect, directory) -> CheckpointInfo:
     """Load a checkpoint saved at any world size and stage into this engine; call on every rank.
 
     `directory` is a root (its `latest` is read) or a step directory. The engine's own config
