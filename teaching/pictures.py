@@ -134,7 +134,7 @@ def engine_blocks(engine) -> list[Block]:
     seen: set[int] = set()  # storage pointers already counted
     for u in engine.units:
         buffers = {
-            "params": [buffer(engine.impl.working_extent(u)[0])],
+            "params": [buffer(engine.working_extent(u)[0])],
             "grads": [buffer(u.grad)],
             "master": [buffer(u.master)],
             "optimizer": [buffer(t) for t in u.opt.values()],
@@ -146,9 +146,7 @@ def engine_blocks(engine) -> list[Block]:
             full_size=u.part.padded_numel,
             buffers=buffers,
             seen=seen,
-            partial_nbytes=engine.extra_partials[u.index]
-            * u.part.shard_numel
-            * u.grad.element_size(),
+            partial_nbytes=engine.partial_peak(u) * u.part.shard_numel * u.grad.element_size(),
         )
     return out
 

@@ -229,7 +229,7 @@ def compare_rank(eng: ZeroEngine, ref, rcfg) -> tuple[bool, float, int, str]:
         lay = u.part.layout
         ext, held = expected_extents(stage, persist, lay, rank, n)
         where = f"unit {u.index} ({u.name or 'root'})"
-        claimed = (eng.impl.master_extent(u), eng.impl.working_extent(u)[1])
+        claimed = (eng.master_extent(u), eng.working_extent(u)[1])
         if claimed != (ext, held):
             ok, first = (
                 False,
@@ -241,7 +241,7 @@ def compare_rank(eng: ZeroEngine, ref, rcfg) -> tuple[bool, float, int, str]:
                 s.name: ref.opt[s.name].get(x, np.zeros(s.shape, np.float32)) for s in lay.slots
             }
             pairs.append((x, t, flat(lay, states, n)[ext]))
-        resident = eng.impl.working_extent(u)[0]
+        resident = eng.working_extent(u)[0]
         pairs.append(("working", resident, lay.flatten(work, n, DTYPES[rcfg.precision])[held]))
         for what, ours, theirs in pairs:
             ours = to_numpy(ours)

@@ -131,7 +131,7 @@ def check_fast_step(
     u_c = UNIT_ROUNDOFF[rcfg.precision]
     work_ref = {k: cast(v, rcfg.precision) for k, v in after.master.items()}
     for u, held in zip(eng.units, eng.last_reduced, strict=True):
-        lay, ext = u.part.layout, eng.impl.master_extent(u)
+        lay, ext = u.part.layout, eng.master_extent(u)
         theirs = _flat(lay, info.reduced, n)[ext]
         note("reduced", to_numpy(held).astype(np.float64), theirs, _flat(lay, e_r, n)[ext])
         ours = to_numpy(u.master).astype(np.float64)
@@ -141,7 +141,7 @@ def check_fast_step(
             want = _flat(lay, {k: after.opt[k].get(x, zeros[k]) for k in zeros}, n)[ext]
             bound = _flat(lay, {k: err_state[k].get(x, zeros[k]) for k in zeros}, n)[ext]
             note("optimizer", to_numpy(t).astype(np.float64), want, bound)
-        resident, held = eng.impl.working_extent(u)
+        resident, held = eng.working_extent(u)
         full_p = _flat(lay, err_p, n)[held]
         master_abs = np.abs(_flat(lay, after.master, n))[held]
         bound = (1 + u_c) * full_p + 2 * u_c * master_abs + SMALLEST_SUBNORMAL[rcfg.precision]

@@ -1,21 +1,43 @@
 """ZeRO, the Zero Redundancy Optimizer (Rajbhandari et al., arXiv 1910.02054), on torch.distributed.
 
-Stages, as in the paper (§5):
-- stage 0: plain data parallelism, the baseline every other stage is compared with;
-- stage 1: optimizer states partitioned across the data-parallel ranks (P_os);
-- stage 2: gradients partitioned as well (P_os+g);
-- stage 3: parameters partitioned as well (P_os+g+p), gathered unit by unit when needed.
+    from zero import ZeroConfig, ZeroEngine, spawn, train_steps
 
-Collectives are torch.distributed's: NCCL on GPUs, gloo on CPUs. The semantics every stage must
-reproduce are defined by the single-process NumPy package ``reference``; ``verify`` checks them.
-
-Modules (most of them arrive later):
-- ``zero.memory``: the paper's analytic model of resident model-state bytes per rank. Pure Python.
-- ``zero.results``: the one JSON record format, with provenance, for everything measured.
+Stages, as in the paper (§5), in zero/stages/: 0 plain data parallelism (the baseline); 1 the
+optimizer states partitioned (P_os); 2 gradients too (P_os+g); 3 parameters too (P_os+g+p),
+gathered unit by unit. ZeRO-R's options (offload, arenas, C_B, activation checkpointing) are
+policies the stages are given (zero/zero_r/); checkpoints are zero/checkpoint/. The semantics
+every stage must reproduce are the single-process NumPy package ``reference``'s; ``verify``
+checks them. ``zero.memory`` (the analytic model) and ``zero.results`` are pure Python.
 
 Legend: Ψ = num_params, N_d = world_size (the data-parallel degree), K = the optimizer-state
 multiplier (12 for mixed-precision Adam).
 
 Importing ``zero`` does not import torch: the analytic modules must stay usable (and fast to
-import) where torch is absent, so submodules import it themselves.
+import) where torch is absent, so the public names below are loaded on first use.
 """
+
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "ZeroConfig": "zero.config",
+    "ZeroEngine": "zero.engine",
+    "spawn": "zero.launch",
+    "train_steps": "zero.train",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    """The public names, imported (with torch) only when first asked for."""
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'zero' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -221,7 +221,7 @@ class Pieces:
     anyway (its flat working parameters, or its flat gradient at stage 0), so there is no fused
     buffer to cap, only the L elements this rank sends. What a gather holds is set by the unit
     choice instead: one unit's parameters, and at stage 3 at most `max_live` units besides the
-    root (zero/stage3.py), so splitting units, not C_B, bounds it."""
+    root (zero/stages/stage3.py), so splitting units, not C_B, bounds it."""
 
     depth = 2
 

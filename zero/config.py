@@ -74,7 +74,8 @@ class ZeroConfig:
     """ZeRO-R (paper §6.1): run every unit's forward (the root's excepted) under
     torch.utils.checkpoint (non-reentrant), so that backward keeps only each unit's inputs and
     recomputes the rest. Bits unchanged; at stage 3 the recomputation finds its unit gathered by
-    the backward gather it already has ([Note: recomputation at stage 3] in zero/activations.py)."""
+    the backward gather it already has ([Note: recomputation at stage 3] in
+    zero/zero_r/activations.py)."""
     offload_activations: bool = False
     """ZeRO-R's P_a+cpu applied to data parallelism: the checkpointed unit inputs are kept in
     host memory (pinned on CUDA) and brought back for recomputation. Needs
@@ -83,7 +84,7 @@ class ZeroConfig:
     """ZeRO-Offload: the fp32 master, the optimizer states and (stages 2-3) the reduced gradient
     shard live in host memory (pinned on CUDA) and the optimizer runs on the CPU; gradients go
     down and the updated working parameters come back up in the compute dtype
-    (zero/offload.py). Bits unchanged; host<->device bytes are counted as kind='offload'."""
+    (zero/zero_r/offload.py). Bits unchanged; host<->device bytes are counted as kind='offload'."""
     bucket_elements: int | None = None
     """ZeRO-R's constant-size buffers C_B: the most elements any fused reduction buffer holds. A
     unit's gradient reduce-scatter is then done in pieces of at most this many elements (the
@@ -95,7 +96,7 @@ class ZeroConfig:
     buffers come from one host arena), and with activation_checkpointing the checkpointed unit
     inputs are copied into one checkpoint arena reused across micro-steps (the host one with
     offload_activations). Long-lived buffers then stop cutting the allocator's free memory into
-    pieces between short-lived activations ([Note: contiguous memory] in zero/contiguous.py).
+    pieces between short-lived activations ([Note: contiguous memory] in zero/zero_r/contiguous.py).
     Bits unchanged (the copies are exact); `python -m measure.fragmentation` measures it on a
     GPU."""
 

@@ -2,7 +2,7 @@
 
 Legend: N world size, L shard length, so a full flat buffer has N·L elements (UnitPartition).
 Tensor comments give rank (1D), dtype and extent. Which of these a rank keeps full, keeps as a
-shard, or never allocates is the stage's choice (zero/stage0.py, stage1.py, stage2.py).
+shard, or never allocates is the stage's choice (zero/stages/), where, the placement's.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class FlatUnit:
         self.master: torch.Tensor  # 1D, fp32, N·L (stage 0) or L; a view of working in fp32
         self.opt: dict[str, torch.Tensor] = {}  # 1D, fp32, the master's extent
         # 1D, reduction dtype, N·L (stages 0-1) or L (stages 2-3); with contiguous_memory a view
-        # of the engine's gradient arena (zero/contiguous.py), with offload (stages 2-3) on the host
+        # of the gradient arena (zero/zero_r/contiguous.py); with offload (stages 2-3) on the host
         self.grad: torch.Tensor
-        # offload_optimizer only (zero/offload.py), host memory, None otherwise:
+        # offload_optimizer only (zero/zero_r/offload.py), host memory, None otherwise:
         self.host_grad: torch.Tensor | None = None  # 1D, reduction dtype, the master's extent
         self.host_stage: torch.Tensor | None = None  # 1D, reduction dtype, L: fast-mode addend
         self.staging: torch.Tensor | None = None  # 1D, compute dtype, the master's extent

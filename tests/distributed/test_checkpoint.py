@@ -140,8 +140,8 @@ def extents_match_master(eng) -> bool:
     for u in eng.units:
         full = torch.zeros(u.part.padded_numel)
         u.part.flatten_into(full, master)
-        ext = eng.impl.master_extent(u)
-        resident, held = eng.impl.working_extent(u)
+        ext = eng.master_extent(u)
+        resident, held = eng.working_extent(u)
         if not torch.equal(u.master.view(torch.int32), full[ext].view(torch.int32)):
             return False
         want = full[held].to(resident.dtype)

@@ -12,11 +12,11 @@ from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe
 from measure.fragmentation import fragmentation, main
 from reference.layout import unit_layout
 from reference.precision import DTYPES
-from zero import contiguous as md
-from zero.activations import saved_activation_bytes
 from zero.config import ZeroConfig
 from zero.launch import get_pool
 from zero.models import gpt_microbatches, mlp_microbatches
+from zero.zero_r import contiguous as md
+from zero.zero_r.activations import saved_activation_bytes
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,7 +50,7 @@ def state_bits(eng) -> list[torch.Tensor]:
     """Every unit's resident working parameters, fp32 master and optimizer states, as bits."""
     out = []
     for u in eng.units:
-        out.append(bits(eng.impl.working_extent(u)[0]))
+        out.append(bits(eng.working_extent(u)[0]))
         out.append(bits(u.master))
         out += [bits(u.opt[x]) for x in sorted(u.opt)]
     return out

@@ -76,7 +76,7 @@ def offload_traffic(rank, n, stage, k, precision, reduce_dtype, deterministic=Tr
         (r.phase, r.unit, r.elements, r.padding, r.nbytes)
         for r in eng.counter.of_step(1, "offload")
     ]
-    extents = [eng.impl.master_extent(u) for u in eng.units]
+    extents = [eng.master_extent(u) for u in eng.units]
     return recs, [e.stop - e.start for e in extents], model.num_params()
 
 
@@ -140,9 +140,7 @@ def split_of(rank, n, stage, precision, reduce_dtype, offload):
         offload_optimizer=offload,
     )
     one_step(eng, model, rank, n, 1)
-    extent = sum(
-        eng.impl.master_extent(u).stop - eng.impl.master_extent(u).start for u in eng.units
-    )
+    extent = sum(eng.master_extent(u).stop - eng.master_extent(u).start for u in eng.units)
     return eng.memory_split(), eng.memory_report(), extent
 
 

@@ -63,14 +63,15 @@ def test_meta_construction_gives_the_same_bits_as_a_plain_model():
 
 
 def count_full_units_during_construction(rank, n):
-    from zero import stage3
+    from zero.stages import stage3
 
     seen = []
     original = stage3.Stage3.allocate
 
     def allocate(self, u):
         # full working buffers alive (storage not freed) when this unit is allocated
-        seen.append(sum(x.working.untyped_storage().nbytes() > 0 for x in self.eng.units))
+        units = [*self.units, u]  # the stage's units so far, and this one
+        seen.append(sum(x.working.untyped_storage().nbytes() > 0 for x in units))
         return original(self, u)
 
     stage3.Stage3.allocate = allocate

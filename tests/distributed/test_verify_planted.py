@@ -35,7 +35,7 @@ from zero import optim as zoptim
 from zero.engine import ZeroEngine
 from zero.launch import get_pool
 from zero.partition import UnitPartition
-from zero.stage3 import PartitionState, Stage3
+from zero.stages.stage3 import PartitionState, Stage3
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -48,7 +48,7 @@ def plant_one_ulp(mp):
         if self.rank == self.world_size - 1 and self.t == 1 and not getattr(self, "_ulp", False):
             self._ulp = True
             u = self.units[-1]
-            ext = self.impl.master_extent(u)
+            ext = self.master_extent(u)
             # the first parameter element inside this rank's extent (else its first padding)
             i = next(
                 (

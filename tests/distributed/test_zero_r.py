@@ -11,12 +11,12 @@ from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe
 
 from verify.harness import run_cells
 from verify.matrix import PRECISIONS, cells
-from zero.activations import saved_activation_bytes
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
 from zero.launch import RankError, get_pool
 from zero.models import MLP, MLPConfig, gpt_microbatches
-from zero.stage3 import PartitionState
+from zero.stages.stage3 import PartitionState
+from zero.zero_r.activations import saved_activation_bytes
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -93,7 +93,7 @@ def test_checkpointed_fast_cells_stay_within_their_bounds():
 def cells_with_a_recomputation_that_differs(rank, n, todo):
     """A broken checkpoint: the recomputation sees its input scaled by 1.01 (metadata
     unchanged, so torch's own recomputation check does not notice)."""
-    from zero import activations
+    from zero.zero_r import activations
 
     real = activations.checkpoint
 

@@ -11,7 +11,7 @@ forward (an instance attribute), so that module hooks, parameter names and state
 as they were; recomputation calls the original forward directly, so no module hook runs twice.
 
 [Note: recomputation at stage 3] At stage 3 a unit is sharded between its forward and its
-backward. Its outputs carry the _PreBackward marker (zero/stage3.py), which sits *after* the
+backward. Its outputs carry the _PreBackward marker (zero/stages/stage3.py), which sits *after* the
 checkpointed region in the graph, so its backward (the unit's all-gather) runs before any node
 of the region, and the first saved tensor the region unpacks triggers the recomputation on
 gathered parameters. So recomputation needs no gather of its own: 2 all-gathers per unit per
@@ -25,8 +25,8 @@ offload hook is entered around the checkpoint call, and non-reentrant checkpoint
 inputs before entering its own hook for the region's insides, so exactly the unit inputs (the
 checkpoints) pass through the offload hook; everything else is recomputed. With
 contiguous_memory (ZeRO-R's M_D) a hook in the same place copies each checkpoint into
-engine.activation_arena, a host one under offload_activations ([Note: checkpoint generations]
-in zero/contiguous.py).
+the engine's activation_arena, a host one under offload_activations ([Note: checkpoint generations]
+in zero/zero_r/contiguous.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
+
+from .contiguous import CheckpointArena
 
 
 def check_not_nested(names) -> None:
@@ -52,22 +54,31 @@ def check_not_nested(names) -> None:
                 )
 
 
-def checkpoint_units(engine, modules: dict[str, torch.nn.Module]) -> None:
+def checkpoint_units(
+    units, modules: dict[str, torch.nn.Module], *, config, counter, device
+) -> CheckpointArena | None:
     """Run every non-root unit's forward under non-reentrant checkpointing (and, with
-    config.offload_activations, keep its checkpointed inputs in host memory; with
-    config.contiguous_memory, copy them into engine.activation_arena)."""
-    check_not_nested(list(engine.config.units))
-    offload, arena = engine.config.offload_activations, engine.activation_arena
-    for u in engine.units:
+    config.offload_activations, keep its checkpointed inputs in host memory, counted in
+    `counter`; with config.contiguous_memory, copy them into the CheckpointArena returned)."""
+    check_not_nested(list(config.units))
+    offload, arena = config.offload_activations, None
+    if config.contiguous_memory:  # M_D: checkpoints in one buffer (zero/zero_r/contiguous.py)
+        arena = CheckpointArena(
+            units=sum(1 for u in units if u.name),
+            device="cpu" if offload else device,
+            pin=offload and device.type == "cuda",
+        )
+    for u in units:
         if not u.name:
             continue
         m = modules[u.name]
         hooks = None  # a fresh hook context per call: each one records its unit's transfers
         if offload:
-            hooks = functools.partial(ActivationOffload, engine, u.index, arena)
+            hooks = functools.partial(ActivationOffload, counter, u.index, arena)
         elif arena is not None:
             hooks = functools.partial(saved_tensors_hooks, arena.store, arena.load)
         m.forward = _checkpointed(m.forward, hooks)
+    return arena
 
 
 def _checkpointed(forward, hooks):
@@ -91,13 +102,11 @@ class ActivationOffload(saved_tensors_hooks):
     CPU-only machine this is a change of accounting only. Every transfer is counted in the
     engine's CommCounter (kind='offload', phases activation_down / activation_up).
 
-    With contiguous_memory, `arena` (engine.activation_arena, a host CheckpointArena, pinned
-    on CUDA) replaces the per-checkpoint host tensors: each checkpoint is copied into the next
-    host slot (on CPU as well: the arena is the point), counted exactly as before."""
+    With contiguous_memory, `arena` (the engine's activation_arena, a host CheckpointArena,
+    pinned on CUDA) replaces the per-checkpoint host tensors: each checkpoint is copied into the
+    next host slot (on CPU as well: the arena is the point), counted exactly as before."""
 
-    def __init__(self, engine, unit: int, arena=None):
-        counter = engine.counter
-
+    def __init__(self, counter, unit: int, arena=None):
         def record(t: torch.Tensor, phase: str, op: str) -> None:
             counter.add(
                 op=op,

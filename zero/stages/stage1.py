@@ -1,6 +1,6 @@
 """Stage 1, P_os: the fp32 master and the optimizer states are partitioned (ZeRO paper §5.1).
 
-A diff of stage 0 (zero/stage0.py). Rank r keeps only its shard of the fp32 master and of the
+A diff of stage 0 (zero/stages/stage0.py). Rank r keeps only its shard of the fp32 master and of the
 optimizer states, so it updates only its shard; after the update it all-gathers the new working
 parameters. Resident per rank: working params Ψ·compute bytes, gradients Ψ·reduction bytes,
 master + states KΨ/N. Traffic per step (× (N-1)/N): deterministic (M/N + 1)Ψ (reduce-scatter
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .partition import UnitPartition
+from ..partition import UnitPartition
+from ..unit import FlatUnit
 from .stage0 import Stage0
-from .unit import FlatUnit
 
 
 class Stage1(Stage0):
@@ -25,7 +25,8 @@ class Stage1(Stage0):
         own = u.initial[u.part.own]
         return own if u.initial is u.working else own.clone()
 
-    def extent(self, part: UnitPartition) -> slice:
+    @staticmethod
+    def extent(part: UnitPartition) -> slice:
         return part.own
 
     def runs(self, u: FlatUnit):
@@ -44,7 +45,7 @@ class Stage1(Stage0):
     def reduce_accumulated(self, u: FlatUnit):
         """Fast mode: one reduce-scatter of the locally accumulated sum."""
         pending = self.reduce_scatter(u, u.grad)
-        self.note_pieces(u)
+        self.buckets.note(self.ctx, u)
         return pending
 
     def refresh_working(self, u: FlatUnit) -> None:

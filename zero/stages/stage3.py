@@ -1,6 +1,6 @@
 """Stage 3, P_os+g+p: the working parameters are partitioned too (ZeRO paper §5.3).
 
-A diff of stage 2 (zero/stage2.py). Between uses, rank r holds only its shard of each unit's
+A diff of stage 2 (zero/stages/stage2.py). Between uses, rank r holds only its shard of each unit's
 working parameters (compute dtype, L elements); the unit's full flat buffer exists only while the
 unit runs:
     pre_forward(u)    all-gather u (or wait for its prefetch), then prefetch the next unit
@@ -17,8 +17,9 @@ storage of 0 bytes would crash, so the parameters become Stage3Parameter, whose 
 values while its unit is sharded raises an error naming the parameter and the unit (shape, dtype
 and grad stay readable). To read full parameters between steps: `with engine.gathered_params():`.
 
-Units of at most `persist_below` parameters are persistent: they keep the stage-0 policy (whole
-on every rank, no parameter traffic, gradients reduced to every rank: 2Ψ_unit per step).
+Units of at most `persist_below` parameters are persistent: the engine gives them to Persistent,
+the stage-0 policy (whole on every rank, no parameter traffic, gradients reduced to every rank:
+2Ψ_unit per step), so Stage3 only ever sees the units it shards.
 
 Resident per rank: working params Ψ·compute bytes / N, gradients Ψ·reduction bytes / N, master +
 states KΨ/N, plus the units gathered at the moment (at most `max_live` besides the root).
@@ -36,10 +37,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .partition import UnitPartition
+from ..unit import FlatUnit
+from .base import StageContext
 from .stage0 import Stage0
 from .stage2 import Stage2
-from .unit import FlatUnit
 
 
 class PartitionState(enum.Enum):
@@ -113,72 +114,36 @@ class _PreBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class Persistent(Stage0):
+    """A stage-3 unit of at most persist_below parameters: stage 0, and always gathered."""
+
+    stage = 3
+
+    def allocate(self, u: FlatUnit) -> None:
+        super().allocate(u)
+        u.state = PartitionState.GATHERED
+
+
 class Stage3(Stage2):
     stage = 3
 
-    def __init__(self, engine):
-        super().__init__(engine)
+    def __init__(self, ctx: StageContext):
+        super().__init__(ctx)
+        self.units: list[FlatUnit] = []  # the units this stage shards (not the persistent ones)
         self.order: list[FlatUnit] = []  # units in forward execution order, this pass
         self.last_order: list[FlatUnit] = []  # ... and the previous pass's: forward prefetch
         self.max_live = 2  # gathered non-root units at once: the running one and one prefetched
         self.peak_live = 0
         self.gathering: dict[int, object] = {}  # unit index -> Pending all-gather
 
-    # -- resident state ----------------------------------------------------------------------
-
-    # -- persistent units: stage 0 inside stage 3 ----------------------------------------------
-    # A unit of at most cfg.persist_below parameters is kept whole, with the stage-0 policy:
-    # each method below hands it to Stage0 (replicated master and states, gradients reduced to
-    # every rank, no parameter traffic).
-
-    def persistent(self, u: FlatUnit) -> bool:
-        return self.persists(u.part)
-
-    def persists(self, part: UnitPartition) -> bool:
-        return part.layout.numel <= self.cfg.persist_below
-
-    def extent(self, part: UnitPartition) -> slice:
-        return Stage0.extent(self, part) if self.persists(part) else super().extent(part)
-
-    def grad_numel(self, part: UnitPartition) -> int:
-        return Stage0.grad_numel(self, part) if self.persists(part) else super().grad_numel(part)
-
-    def own_master(self, u: FlatUnit) -> torch.Tensor:
-        return Stage0.own_master(self, u) if self.persistent(u) else super().own_master(u)
-
-    def runs(self, u: FlatUnit):
-        return Stage0.runs(self, u) if self.persistent(u) else super().runs(u)
-
     def post_backward(self, u: FlatUnit) -> None:
-        if self.persistent(u):
-            return Stage0.post_backward(self, u)
         super().post_backward(u)  # copy the gradients out, launch the reduce-scatter
         self.transition(u, PartitionState.SHARDED)
-
-    def grad_on_host(self, part: UnitPartition) -> bool:
-        return not self.persists(part)
-
-    def reduce_accumulated(self, u: FlatUnit):
-        # only persistent units accumulate locally (fast mode): they reduce as at stage 0
-        return Stage0.reduce_accumulated(self, u)
-
-    def complete(self, u: FlatUnit, pending) -> None:
-        if self.persistent(u):
-            return Stage0.complete(self, u, pending)
-        super().complete(u, pending)
-
-    def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
-        if self.persistent(u):
-            return Stage0.finish_reduction(self, u)
-        return super().finish_reduction(u)
 
     # -- resident state ----------------------------------------------------------------------
 
     def allocate(self, u: FlatUnit) -> None:
-        if self.persistent(u):
-            Stage0.allocate(self, u)
-            u.state = PartitionState.GATHERED
-            return
+        self.units.append(u)
         super().allocate(u)
         u.shard = u.working[u.part.own].clone()  # 1D, compute dtype, L: the resident part
         if u.shard.dtype == torch.float32:  # pure fp32: the shard is the master itself
@@ -194,7 +159,7 @@ class Stage3(Stage2):
         """Every unit gathered (full working parameters readable), then sharded again. It is a
         deliberate exception to the live-unit bound, so it does not count in peak_live."""
         peak = self.peak_live
-        units = [u for u in self.eng.units if not self.persistent(u)]
+        units = list(self.units)
         for u in units:
             self.gather(u, "gathered_params")
         try:
@@ -205,11 +170,9 @@ class Stage3(Stage2):
             self.peak_live = peak
 
     def working_extent(self, u: FlatUnit):
-        return Stage0.working_extent(self, u) if self.persistent(u) else (u.shard, u.part.own)
+        return u.shard, u.part.own
 
     def refresh_working(self, u: FlatUnit) -> None:
-        if self.persistent(u):
-            return Stage0.refresh_working(self, u)
         if u.master is not u.shard:
             self.write_working(u, u.shard)  # round to nearest even; it stays sharded
 
@@ -249,11 +212,7 @@ class Stage3(Stage2):
     def _live(self) -> int:
         """Gathered or gathering units, the root excepted (it is accounted apart)."""
         sharded = PartitionState.SHARDED
-        return sum(
-            getattr(x, "state", sharded) is not sharded
-            for x in self.eng.units
-            if x.name and not self.persistent(x)
-        )
+        return sum(getattr(x, "state", sharded) is not sharded for x in self.units if x.name)
 
     def gather(self, u: FlatUnit, phase: str) -> None:
         if u.state is not PartitionState.GATHERED:
@@ -270,13 +229,13 @@ class Stage3(Stage2):
 
     def register_hooks(self, modules: dict[str, torch.nn.Module]) -> None:
         root = modules[""]
-        for u in self.eng.units:
-            if u.name and not self.persistent(u):
+        for u in self.units:
+            if u.name:
                 m = modules[u.name]
                 m.register_forward_pre_hook(lambda _m, _a, u=u: self.pre_forward(u))
                 m.register_forward_hook(lambda _m, _a, out, u=u: self.post_forward(u, out))
-        root_unit = next((u for u in self.eng.units if not u.name), None)
-        if root_unit is not None and not self.persistent(root_unit):
+        root_unit = next((u for u in self.units if not u.name), None)
+        if root_unit is not None:
             root.register_forward_pre_hook(lambda _m, _a: self.gather(root_unit, "param_fwd"))
 
     def pre_forward(self, u: FlatUnit) -> None:
@@ -312,11 +271,11 @@ class Stage3(Stage2):
 
     def end_microstep(self, u: FlatUnit) -> None:
         super().end_microstep(u)
-        if u.state is not PartitionState.SHARDED and not self.persistent(
-            u
-        ):  # the root, or a unit unused in backward
+        if u.state is not PartitionState.SHARDED:  # the root, or a unit unused in backward
             if u.index in self.gathering:
                 self.gathering.pop(u.index).wait()
             self.transition(u, PartitionState.SHARDED)
-        if u is self.eng.units[-1]:  # the order is relearned every pass: it may depend on data
-            self.last_order, self.order = self.order, []
+
+    def end_backward(self) -> None:
+        """The order is relearned every pass: it may depend on data."""
+        self.last_order, self.order = self.order, []

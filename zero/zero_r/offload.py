@@ -37,18 +37,27 @@ import time
 
 import torch
 
-from .unit import FlatUnit
+from ..collectives import CommCounter
+from ..unit import FlatUnit
 
 
 class HostOffload:
     """The engine's host side: host buffers, counted copies, and which storages are host."""
 
-    def __init__(self, engine):
-        self.eng = engine
-        self.device = engine.device
-        self.pinned = engine.device.type == "cuda"  # pinned memory makes copies asynchronous
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        counter: CommCounter,
+        grad_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+    ):
+        self.device, self.counter = device, counter
+        self.grad_dtype, self.compute_dtype = grad_dtype, compute_dtype
+        self.pinned = device.type == "cuda"  # pinned memory makes copies asynchronous
         self.host_ptrs: set[int] = set()  # storages placed on the host by this class
         self.queued: list = []  # records of non-blocking downloads, stamped at synchronize()
+        self.padding: dict[int, int] = {}  # unit index -> padding elements in its extent
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -67,19 +76,19 @@ class HostOffload:
     def is_host(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.host_ptrs
 
-    def place(self, u: FlatUnit, grad_shard: bool) -> None:
+    def place(self, u: FlatUnit, grad_shard: bool, extent: slice, arena=None) -> None:
         """After the stage allocated u: master and states to the host; the gradient shard too
         (grad_shard, stages 2-3: the stage left a placeholder), else a host buffer for the
         extent's gradient. The master gets its own storage even where it was a view of the
         working copy (pure fp32). With contiguous_memory the host gradient buffers are views of
-        one host arena (engine.host_grad_arena, registered here as host memory): like the
+        one host `arena` (registered here as host memory when it was made by empty): like the
         device arena, one allocation instead of one per unit, and on CUDA one pinned block
         rather than many (pinned allocations are slow and rounded up by the host allocator)."""
         u.master = self.copy(u.master)
         u.opt = {k: self.empty(v.numel(), v.dtype) for k, v in u.opt.items()}  # zeros at start
         u.host_stage = None
-        dtype = self.eng.config.grad_dtype
-        arena = self.eng.host_grad_arena
+        self.padding[u.index] = (extent.stop - extent.start) - _real_in(u, extent)
+        dtype = self.grad_dtype
         if arena is None:
             u.host_grad = self.empty(u.master.numel(), dtype)
         else:
@@ -87,15 +96,14 @@ class HostOffload:
             assert u.host_grad is not None, "the host arena was sized from the same extents"
         if grad_shard:  # the reduced shard's extent is the master's (stages 2-3)
             u.grad = u.host_grad
-        compute = self.eng.config.compute_dtype
+        compute = self.compute_dtype
         u.staging = None if compute == torch.float32 else self.empty(u.master.numel(), compute)
 
     # -- counted copies ------------------------------------------------------------------------
 
     def _record(self, u: FlatUnit, t: torch.Tensor, op: str, phase: str):
-        extent = self.eng.impl.master_extent(u)
-        pad = (extent.stop - extent.start) - _real_in(u, extent)
-        return self.eng.counter.add(
+        pad = self.padding[u.index]
+        return self.counter.add(
             op=op,
             phase=phase,
             kind="offload",

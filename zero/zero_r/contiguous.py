@@ -14,7 +14,7 @@ reports for very large models. With `contiguous_memory=True` the engine allocate
 once, as one block: every unit's resident gradient buffer is a view into one gradient arena
 (sized at construction from the partitions), and every checkpointed unit input is copied into a
 checkpoint arena reused across micro-steps (CheckpointArena). Views own nothing new, so memory
-accounting counts each arena once (ZeroEngine.memory_split counts storages). The copies are exact
+accounting counts each arena once (zero/introspect.py counts storages). The copies are exact
 (same dtype): bits never change. `python -m measure.fragmentation` measures the effect on a GPU.
 """
 
@@ -145,3 +145,24 @@ class CheckpointArena:
     @staticmethod
     def load(saved: _Saved) -> torch.Tensor:
         return saved.tensor
+
+
+def grad_arenas(parts, stages, *, dtype: torch.dtype, device, offload=None):
+    """contiguous_memory: (device, host) gradient arenas, each sized to exactly the sum of the
+    buffers it will hand out, in unit order ([Note: contiguous memory]). `stages[i]` is unit
+    i's stage class: its grad_numel, extent and grad_on_host are known from the partition.
+    Device: every u.grad that stays on the device. Host (offload, a HostOffload): every unit's
+    host gradient buffer, the reduced gradient of its extent (at stages 2-3 that is u.grad
+    itself, so the device arena then holds only stage-3 persistent units, or is not created at
+    all). One dtype (the reduction dtype) for all gradients: one arena per placement."""
+    on_device = [
+        span(s.grad_numel(p), dtype)
+        for p, s in zip(parts, stages, strict=True)
+        if offload is None or not s.grad_on_host(p)
+    ]
+    arena = Arena.zeros(sum(on_device), device=device) if sum(on_device) else None
+    host = None
+    if offload is not None:
+        ext = [s.extent(p) for p, s in zip(parts, stages, strict=True)]
+        host = Arena(offload.empty(sum(span(e.stop - e.start, dtype) for e in ext), torch.uint8))
+    return arena, host

@@ -1,0 +1,133 @@
+"""Construction helpers of ZeroEngine: which parameters form which unit, and rank agreement.
+
+Legend: a unit is a submodule named in config.units (the root "" holds every other parameter
+and all tied ones); a "meta" model has its parameters on the meta device and is materialised
+unit by unit (zero/init.py's counter-based start values). Nothing here communicates except
+check_ranks_agree, which exchanges digests as control traffic before any step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import fields
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .config import ZeroConfig
+from .partition import UnitPartition
+from .zero_r.activations import check_not_nested
+
+
+def check_config(config: ZeroConfig, n: int) -> None:
+    """What the config cannot check alone: the options that depend on the world size n."""
+    if config.bucket_elements is not None and config.bucket_elements < n:
+        raise ValueError(
+            f"bucket_elements={config.bucket_elements}: must be at least the world size {n} "
+            "(every rank gets at least one element of each piece)"
+        )
+    if config.micro_batches % n:
+        raise ValueError(
+            f"micro_batches={config.micro_batches}: must be a multiple of the world size {n}"
+        )
+    if config.activation_checkpointing:
+        check_not_nested(config.units)
+
+
+def collect_units(module: nn.Module, config: ZeroConfig):
+    """[(unit name, [(param name, param)])], root first; shared parameters go to the root."""
+    mods = dict(module.named_modules())
+    owner: dict[int, str] = {}
+    for uname in config.units:
+        if uname not in mods:
+            raise ValueError(f"units: {uname!r} is not a submodule of the model")
+        for p in mods[uname].parameters():
+            owner[id(p)] = "" if owner.get(id(p), uname) != uname else uname
+    named = {uname: [] for uname in ("", *config.units)}
+    for p_name, p in module.named_parameters():  # each Parameter once, tied ones too
+        named[owner.get(id(p), "")].append((p_name, p))
+    return [(k, v) for k, v in named.items() if v]
+
+
+def partitions(config: ZeroConfig, named, groups, *, world_size: int, rank: int):
+    """Each unit's UnitPartition at this world size, seen from this rank."""
+    return [
+        UnitPartition.build(
+            [(p_name, p.shape) for p_name, p in params],
+            world_size=world_size,
+            rank=rank,
+            groups=[groups[p_name] for p_name, _ in params],
+            chunk=config.chunk,
+        )
+        for _, params in named
+    ]
+
+
+def start_values(module: nn.Module, seed):
+    """Start values of a meta model's parameters, by name (zero.models' counter-based rule)."""
+    from .init import init_value, param_init
+
+    def value(name: str, shape) -> torch.Tensor:
+        if seed is None:
+            return torch.zeros(shape)
+        rule = param_init(module, name)
+        return init_value(seed, name, shape, rule.kind, std=rule.std)
+
+    return value
+
+
+def rebind(module: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
+    """Put materialised parameters in place of their meta originals in every module that
+    holds them (so a tied weight stays one Parameter)."""
+    for mod in module.modules():
+        for key, p in list(mod._parameters.items()):
+            if p is not None and id(p) in replaced:
+                mod._parameters[key] = replaced[id(p)]
+
+
+def group_index(config: ZeroConfig, named) -> dict[str, int]:
+    """Parameter name -> its optimizer parameter group (config.group_of, else 0)."""
+    fn, k = config.group_of, len(config.groups)
+    out = {pn: (fn(pn, p) if fn else 0) for _, ps in named for pn, p in ps}
+    for pn, g in out.items():
+        if not 0 <= g < k:
+            raise ValueError(f"group_of({pn!r})={g}: allowed are 0..{k - 1}")
+    return out
+
+
+def check_ranks_agree(config: ZeroConfig, named, groups: dict[str, int], *, engine_like) -> None:
+    """Different models, unit orders, configs or initial values on different ranks would
+    hang or silently diverge: compare digests and name the first rank and unit that differ.
+    engine_like: group, world_size, counter and device (control tensors live there)."""
+    group, world_size = engine_like.group, engine_like.world_size
+    counter, device = engine_like.counter, engine_like.device
+    cfg = {f.name: repr(getattr(config, f.name)) for f in fields(config) if f.name != "group_of"}
+    rows = [("config", json.dumps(cfg, sort_keys=True))]
+    for uname, ps in named:
+        shape = [(pn, tuple(p.shape), str(p.dtype), groups[pn]) for pn, p in ps]
+        rows.append((f"unit {uname or '<root>'} structure", repr(shape)))
+        if not any(p.is_meta for _, p in ps):  # meta values come from (seed, name) alone
+            vals = b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in ps)
+            rows.append((f"unit {uname or '<root>'} initial values", vals))
+    digests = [
+        int.from_bytes(
+            hashlib.blake2b(v if isinstance(v, bytes) else v.encode(), digest_size=7).digest(),
+            "little",
+        )
+        for _, v in rows
+    ]
+    mine = torch.tensor([len(named), *digests], dtype=torch.int64, device=device)
+    counts = C.gather_control(mine[:1], group=group, counter=counter, phase="agree")
+    for r, c in enumerate(counts[:, 0].tolist()):
+        if c != counts[0, 0]:
+            raise ValueError(
+                f"rank {r} has {c} units, rank 0 has {int(counts[0, 0])}: the ranks built "
+                "different models or unit lists"
+            )
+    every = C.gather_control(mine, group=group, counter=counter, phase="agree")
+    for r in range(world_size):
+        for i, (what, _) in enumerate(rows):
+            if every[r, 1 + i] != every[0, 1 + i]:
+                raise ValueError(f"rank {r} disagrees with rank 0 on {what}")

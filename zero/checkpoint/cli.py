@@ -1,0 +1,42 @@
+"""The command line: `python -m zero.checkpoint consolidate DIR OUT` and `... verify DIR`.
+
+Legend: DIR a checkpoint root (its `latest` is followed) or a step directory; OUT a file that
+torch.save writes. Exit status 0 on success, 1 with the error on stderr (CheckpointError or
+ValueError: a corrupt, incomplete or mismatched checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __doc__ as package_doc
+from .consolidate import consolidate_to
+from .format import CheckpointError, resolve, verify
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m zero.checkpoint", description=package_doc.split("\n")[0]
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write one plain PyTorch state dict")
+    c.add_argument("directory", help="a checkpoint root (follows `latest`) or a step directory")
+    c.add_argument("out", help="output file (torch.save)")
+    v = sub.add_parser("verify", help="check the manifest and every file's sha256")
+    v.add_argument("directory")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "consolidate":
+            out = consolidate_to(args.directory, args.out)
+            print(f"wrote {out} from {resolve(args.directory)}")
+        else:
+            m = verify(args.directory)
+            print(
+                f"{resolve(args.directory)}: {len(m['files'])} files verified; step "
+                f"{m['data_step']}, t {m['t']}, N {m['world_size']}, stage {m['stage']}"
+            )
+    except (CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

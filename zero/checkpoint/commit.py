@@ -1,0 +1,274 @@
+"""Save: every rank writes its shards, then one atomic commit makes the checkpoint live.
+
+Legend: N the world size at save time, L a unit's shard length, r a rank; ROOT the directory
+given to save(), holding step directories and `latest` (zero/checkpoint/format.py).
+
+[Note: atomic commit] (docs/design.md §3) 1. rank 0 creates a fresh step directory (never one that
+exists, so the live checkpoint is never written into); 2. every rank writes its files (temp file,
+fsync, rename) and fsyncs the directory, then all ranks exchange their checksums, which is the
+barrier; 3. rank 0 writes manifest.json the same way and fsyncs the directory; 4. rank 0 switches
+`latest` (temp file, fsync, os.replace, fsync ROOT). A directory without a manifest is an
+interrupted save and is ignored; only after step 4 does rank 0 prune: interrupted saves always,
+and committed ones beyond `keep_last`. A crash at any point leaves `latest` naming a complete,
+verifiable checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..introspect import Introspect
+from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    STEP_DIR,
+    _agree,
+    _all_gather,
+    _broadcast,
+    _canonical,
+    _check_idle,
+    _fsync_dir,
+    _tensor_file,
+    _write_durably,
+    notify_written,
+)
+
+# -- save ----------------------------------------------------------------------------------------
+
+
+def _own(engine, u, t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice [r·L, (r+1)·L) of a tensor that covers the unit's master extent."""
+    ext, own = engine.master_extent(u), u.part.own
+    return t[own.start - ext.start : own.stop - ext.start]
+
+
+def _buffers(module) -> list[tuple[str, torch.Tensor]]:
+    """Persistent buffers, as state_dict() would list them (without reading any parameter)."""
+    out = []
+    for prefix, mod in module.named_modules():
+        for key, b in mod._buffers.items():
+            if b is not None and key not in mod._non_persistent_buffers_set:
+                out.append((f"{prefix}.{key}" if prefix else key, b))
+    return out
+
+
+def _rng_tensors(engine) -> list[tuple[str, torch.Tensor]]:
+    out = [("rng:torch_cpu", torch.get_rng_state())]
+    if engine.device.type == "cuda":
+        out.append(("rng:cuda", torch.cuda.get_rng_state(engine.device)))
+    return out
+
+
+def _write_rank_files(engine, step_dir: Path) -> dict:
+    files = {}
+    for u in engine.units:
+        tensors = [("master", _own(engine, u, u.master))]
+        tensors += [(x, _own(engine, u, t)) for x, t in sorted(u.opt.items())]
+        name = f"u{u.index:04d}-r{engine.rank:04d}.bin"
+        files[name] = _tensor_file(step_dir / name, tensors)
+    extra = _rng_tensors(engine)
+    if engine.rank == 0:
+        extra += [(f"buffer:{k}", b) for k, b in _buffers(engine.module)]
+    name = f"r{engine.rank:04d}.bin"
+    files[name] = _tensor_file(step_dir / name, extra)
+    _fsync_dir(step_dir)
+    return files
+
+
+def _config_record(cfg) -> dict:
+    return {
+        "precision": cfg.precision,
+        "reduce_dtype": cfg.reduce_dtype,
+        "deterministic": cfg.deterministic,
+        "optimizer": cfg.optimizer,
+        "groups": [dataclasses.asdict(h) for h in cfg.groups],
+        "micro_batches": cfg.micro_batches,
+        "clip_norm": cfg.clip_norm,
+        "scaler": dataclasses.asdict(cfg.scaler),
+        "nonfinite": cfg.nonfinite,
+        "units": list(cfg.units),
+        "persist_below": cfg.persist_below,
+        "chunk": cfg.chunk,
+    }
+
+
+def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
+    n = engine.world_size
+    where = {}
+    for u in engine.units:
+        for s in u.part.layout.slots:
+            where[s.name] = (u.index, s.offset)
+    first = {id(p): k for k, p in engine.module.named_parameters()}  # tied: the first name
+    aliases: dict[str, list[str]] = {}
+    canonical: dict[str, str] = {}
+    for pname, p in engine.module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(first[id(p)], []).append(pname)
+        canonical[pname] = first[id(p)]
+    params = []
+    for pname, p in engine.module.named_parameters():  # module order: torch.optim's order
+        unit, offset = where[pname]
+        params.append(
+            {
+                "name": pname,
+                "shape": list(p.shape),
+                "dtype": str(p.dtype).removeprefix("torch."),  # the working (compute) dtype
+                "group": engine.group_index[pname],
+                "unit": unit,
+                "offset": offset,
+                "aliases": aliases[pname],
+            }
+        )
+    units = [
+        {
+            "name": u.name,
+            "params": [s.name for s in u.part.layout.slots],
+            "layout_numel": u.part.layout.layout_numel,
+            "shard_numel": u.part.shard_numel,
+            "padded_numel": u.part.padded_numel,
+            "master_whole": engine.master_extent(u) != u.part.own,
+            "states": ["master", *sorted(u.opt)],
+            "files": [f"u{u.index:04d}-r{r:04d}.bin" for r in range(n)],
+        }
+        for u in engine.units
+    ]
+    sd_keys = []  # state_dict() order: (key, parameter or buffer name)
+    for prefix, mod in engine.module.named_modules(remove_duplicate=False):
+        for key, p in mod._parameters.items():
+            if p is not None:
+                full = f"{prefix}.{key}" if prefix else key
+                sd_keys.append([full, canonical[full]])
+        for key, b in mod._buffers.items():
+            if b is not None and key not in mod._non_persistent_buffers_set:
+                full = f"{prefix}.{key}" if prefix else key
+                sd_keys.append([full, f"buffer:{full}"])
+    body = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "sequence": sequence,
+        "world_size": n,
+        "stage": engine.config.stage,
+        "t": engine.t,
+        "data_step": engine.data_step,
+        "scaler": None if engine.scaler is None else dataclasses.asdict(engine.scaler),
+        "config": _config_record(engine.config),
+        "params": params,
+        "units": units,
+        "state_dict_keys": list(dict(sd_keys).items()),  # a shared module once
+        "files": files,
+        "rng": {"files": [f"r{r:04d}.bin" for r in range(n)], "restored_at_same_world_size": True},
+        "extra": extra,
+        "torch_version": torch.__version__,
+        "byteorder": sys.byteorder,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    return {**body, "checksum": hashlib.sha256(_canonical(body)).hexdigest()}
+
+
+def _sequence_after(root: Path) -> int:
+    """One more than the newest committed sequence number under root."""
+    seqs = [-1]
+    for d in root.iterdir() if root.is_dir() else ():
+        if STEP_DIR.fullmatch(d.name) and (d / MANIFEST).is_file():
+            try:
+                seqs.append(int(json.loads((d / MANIFEST).read_text())["sequence"]))
+            except (ValueError, KeyError, TypeError):
+                pass
+    return max(seqs) + 1
+
+
+def _fresh_step_dir(root: Path, data_step: int) -> str:
+    base = f"step-{data_step:08d}"
+    name, k = base, 0
+    while (root / name).exists():  # never write into an existing (maybe the live) directory
+        k += 1
+        name = f"{base}-{k}"
+    (root / name).mkdir()
+    _fsync_dir(root)
+    return name
+
+
+def _prune(root: Path, current: str, keep_last: int | None) -> list[str]:
+    committed, removed = [], []
+    for d in root.iterdir():
+        if d.name == current or not d.is_dir() or not STEP_DIR.fullmatch(d.name):
+            continue
+        if not (d / MANIFEST).is_file():  # an interrupted save
+            shutil.rmtree(d)
+            removed.append(d.name)
+            continue
+        try:
+            seq = int(json.loads((d / MANIFEST).read_text())["sequence"])
+        except (ValueError, KeyError, TypeError):
+            seq = -1  # unreadable: the oldest
+        committed.append((seq, d))
+    if keep_last is not None:
+        committed.sort()
+        for _, d in committed[: max(0, len(committed) - (keep_last - 1))]:
+            shutil.rmtree(d)
+            removed.append(d.name)
+    if removed:
+        _fsync_dir(root)
+    return removed
+
+
+def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=None) -> Path:
+    """Save every rank's state into a new step directory under `directory`; call on every rank.
+
+    keep_last: after the commit, keep only this many committed step directories (None: all).
+    extra: any JSON value (a data loader's position, say), returned by load() as info.extra.
+    Returns the committed step directory. Protocol: [Note: atomic commit].
+    """
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(f"keep_last={keep_last!r}: must be None or an integer >= 1")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"extra={extra!r}: must be JSON-serialisable ({exc})") from None
+    _check_idle(engine, "save")
+    root = Path(directory)
+    name, error = None, None
+    if engine.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            name = _fresh_step_dir(root, engine.data_step)
+        except OSError as exc:
+            error = exc
+    name = _broadcast(engine, name)
+    _agree(engine, error, f"save to {root}")
+    step_dir = root / name
+    files, error = None, None
+    try:
+        files = _write_rank_files(engine, step_dir)
+    except Exception as exc:  # reported to every rank below, so none waits forever
+        error = exc
+    every = _all_gather(engine, files)  # the barrier: every rank's files are durable
+    _agree(engine, error, f"save to {step_dir}")
+    error = None
+    if engine.rank == 0:
+        try:
+            all_files = {k: v for f in every for k, v in f.items()}
+            manifest = _manifest(engine, name, all_files, extra, _sequence_after(root))
+            _write_durably(step_dir / MANIFEST, [json.dumps(manifest, indent=1).encode()])
+            _fsync_dir(step_dir)
+            notify_written(step_dir / MANIFEST)
+            _write_durably(root / LATEST, [f"{name}\n".encode()])
+            _fsync_dir(root)
+            notify_written(root / LATEST)
+            _prune(root, name, keep_last)
+        except Exception as exc:
+            error = exc
+    _agree(engine, error, f"commit of {step_dir}")
+    return step_dir

@@ -1,0 +1,108 @@
+"""Consolidation: one plain PyTorch state dict from a checkpoint, no engine, no process group.
+
+Legend: the manifest's params list (module order) names each parameter's unit and offset; a
+value is read slot by slot from the shard files, so the world size it was saved at does not
+matter ([Note: resharding by layout] in zero/checkpoint/reshard.py). The optimizer part is in
+torch.optim's own state_dict format (zero/optim.py maps our hyper-parameters to its kwargs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..optim import TORCH_OPTIMIZERS, torch_kwargs
+from .format import _fsync_dir, _Reader, _write_durably, read_manifest, resolve
+
+# -- consolidation -------------------------------------------------------------------------------
+
+
+def _torch_param_groups(kind: str, hypers: list[dict], indices: list[list[int]]) -> list[dict]:
+    """torch.optim's own param_groups: each group as this torch version's optimizer writes it
+    (every default key present), with our hyper-parameters and parameter indices."""
+    cls = getattr(torch.optim, TORCH_OPTIMIZERS[kind])
+    groups = []
+    for hp, idx in zip(hypers, indices, strict=True):
+        probe = cls([torch.zeros(1, requires_grad=True)], **torch_kwargs(kind, hp))
+        group = probe.state_dict()["param_groups"][0]
+        group["params"] = list(idx)
+        groups.append(group)
+    return groups
+
+
+def consolidate(directory) -> dict:
+    """One plain state dict from a checkpoint, without an engine or a process group:
+
+        {"model": {state_dict key: fp32 tensor},      # model.load_state_dict(...) takes it
+         "optimizer": {"state": ..., "param_groups": ...},  # torch.optim.<Kind>.load_state_dict
+         "param_names": [[names of group 0], ...],    # the order torch.optim's groups must have
+         "meta": {step, t, data_step, scaler, optimizer, world_size, stage, ...}}
+
+    Parameter i of the optimizer state is the i-th name of param_names flattened: group by
+    group, each in the model's named_parameters() order. So for one group,
+    `torch.optim.AdamW(model.parameters())` matches; for several, build each group's list in
+    module order. Every value is the fp32 master bit for bit; Adam's "step" is t as a float32
+    tensor (torch's own convention), SGD keeps "momentum_buffer" only when momentum != 0.
+    """
+    step_dir = resolve(directory)
+    m = read_manifest(step_dir)
+    reader = _Reader(step_dir, m)
+    units = m["units"]
+    kind, t = m["config"]["optimizer"], m["t"]
+    hypers = m["config"]["groups"]
+
+    def value(p: dict, key: str) -> torch.Tensor:
+        numel = 1
+        for d in p["shape"]:
+            numel *= d
+        if key not in units[p["unit"]]["states"]:
+            return torch.zeros(p["shape"])
+        return reader.range(p["unit"], key, p["offset"], p["offset"] + numel).view(p["shape"])
+
+    masters = {p["name"]: value(p, "master") for p in m["params"]}
+    model = {}
+    for key, src in m["state_dict_keys"]:
+        if src.startswith("buffer:"):
+            model[key] = reader.tensor("r0000.bin", src).clone()
+        else:
+            model[key] = masters[src]
+    names = [[p["name"] for p in m["params"] if p["group"] == g] for g in range(len(hypers))]
+    by_name = {p["name"]: p for p in m["params"]}
+    state, indices, i = {}, [], 0
+    for g, group_names in enumerate(names):
+        indices.append(list(range(i, i + len(group_names))))
+        for name in group_names:
+            p, entry = by_name[name], {}
+            if t >= 1 and kind == "sgd" and hypers[g]["momentum"]:
+                entry["momentum_buffer"] = value(p, "momentum_buffer")
+            elif t >= 1 and kind != "sgd":
+                entry["step"] = torch.tensor(float(t), dtype=torch.float32)
+                entry["exp_avg"] = value(p, "exp_avg")
+                entry["exp_avg_sq"] = value(p, "exp_avg_sq")
+            if entry:
+                state[i] = entry
+            i += 1
+    meta = {
+        k: m[k]
+        for k in ("format_version", "name", "t", "data_step", "scaler", "world_size", "stage")
+    }
+    meta.update(optimizer=kind, precision=m["config"]["precision"], extra=m["extra"])
+    return {
+        "model": model,
+        "optimizer": {"state": state, "param_groups": _torch_param_groups(kind, hypers, indices)},
+        "param_names": names,
+        "meta": meta,
+    }
+
+
+def consolidate_to(directory, out) -> Path:
+    """consolidate(directory), written to `out` with torch.save (temp file, fsync, rename)."""
+    import io
+
+    out = Path(out)
+    buf = io.BytesIO()
+    torch.save(consolidate(directory), buf)
+    _write_durably(out, [buf.getbuffer()])
+    _fsync_dir(out.parent if str(out.parent) else Path("."))
+    return out

@@ -1,0 +1,264 @@
+"""The on-disk format: names, the manifest, durable writes, verified reads, rank agreement.
+
+Legend: N1 the world size a checkpoint was saved at; L1 its shard length; a unit's padded
+buffer has N·L elements. On disk, ROOT holds step directories and one pointer:
+    ROOT/latest                       name of the newest committed step directory
+    ROOT/step-00000012/manifest.json  what is where and every file's sha256: the commit record
+    ROOT/step-00000012/u0003-r0001.bin  rank 1's shard of unit 3 at N1: the padded buffer's
+                                      elements [L1, 2·L1) of the fp32 master, then of each
+                                      optimizer state, raw little-endian
+    ROOT/step-00000012/r0001.bin      rank 1's RNG state (rank 0's file also holds the buffers)
+Every rank writes the same thing at every stage: its slice r of each unit, taken from the whole
+master where the stage keeps it whole (stage 0, persistent stage-3 units). The working copy is
+not saved: it is the master rounded to the compute dtype, which is how the engine makes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "zero-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STEP_DIR = re.compile(r"step-\d{8,}(-\d+)?")
+
+
+def notify_written(path: Path) -> None:
+    """Fault injection for tests: zero.checkpoint._after_write (set on the package, None
+    outside tests) is called with each path right after it is durably written (shard files,
+    the manifest) and with ROOT/latest after the switch."""
+    hook = sys.modules[__package__]._after_write
+    if hook is not None:
+        hook(path)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint on disk is incomplete, corrupt, of a newer format, or a rank failed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """What load() restored."""
+
+    directory: Path  # the step directory read
+    data_step: int  # the data position: the next step to run (train_steps' start_step)
+    t: int  # optimizer steps taken
+    world_size: int  # N1
+    stage: int  # the stage it was saved at
+    extra: object  # the JSON value passed to save(extra=...)
+
+
+# -- small I/O helpers ---------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, chunks) -> tuple[str, int]:
+    """Write chunks (buffers) to path via a temp file, fsync, rename; returns (sha256, bytes)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    digest, size = hashlib.sha256(), 0
+    with open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            digest.update(chunk)
+            size += memoryview(chunk).nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return digest.hexdigest(), size
+
+
+def _raw(t: torch.Tensor):
+    """A tensor's bytes as a NumPy buffer (no copy on CPU), whatever its dtype."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _tensor_file(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> dict:
+    """tensors written back to back; returns the file's manifest entry."""
+    entries, offset, chunks = {}, 0, []
+    for key, t in tensors:
+        buf = _raw(t)
+        entries[key] = [offset, t.numel(), str(t.dtype).removeprefix("torch."), list(t.shape)]
+        offset += buf.nbytes
+        chunks.append(buf)
+    sha, size = _write_durably(path, chunks)
+    notify_written(path)
+    return {"sha256": sha, "bytes": size, "entries": entries}
+
+
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+# -- collectives among ranks (control only, outside the engine's traffic counter) -------------
+
+
+def _all_gather(engine, obj) -> list:
+    if engine.world_size == 1:
+        return [obj]
+    out: list = [None] * engine.world_size
+    dist.all_gather_object(out, obj, group=engine.group)
+    return out
+
+
+def _broadcast(engine, obj):
+    if engine.world_size == 1:
+        return obj
+    box = [obj]
+    src = dist.get_global_rank(engine.group, 0)
+    dist.broadcast_object_list(box, src=src, group=engine.group)
+    return box[0]
+
+
+def _agree(engine, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether some rank failed, so that none is left waiting in a later
+    collective: the failing rank re-raises its own error, the others name it."""
+    every = _all_gather(engine, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    for r, msg in enumerate(every):
+        if msg is not None:
+            raise CheckpointError(f"{what} failed on rank {r}: {msg}")
+
+
+def _check_idle(engine, what: str) -> None:
+    if engine.microstep != 0:
+        raise RuntimeError(
+            f"{what} after {engine.microstep} micro-steps of an unfinished step on rank "
+            f"{engine.rank}: save and load only between steps"
+        )
+    if engine.fake:
+        raise RuntimeError(f"{what} on a simulated rank (fake process group): values are void")
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+def resolve(directory) -> Path:
+    """The step directory to read: `directory` itself if it holds a manifest, else the one its
+    `latest` pointer names."""
+    d = Path(directory)
+    if (d / MANIFEST).is_file():
+        return d
+    pointer = d / LATEST
+    if not pointer.is_file():
+        raise CheckpointError(f"{d}: neither a step directory ({MANIFEST}) nor a root ({LATEST})")
+    step_dir = d / pointer.read_text().strip()
+    if not (step_dir / MANIFEST).is_file():
+        raise CheckpointError(f"{pointer} names {step_dir}, which has no {MANIFEST}")
+    return step_dir
+
+
+def read_manifest(step_dir: Path) -> dict:
+    """The manifest, checked: our format, a version we read, its own checksum."""
+    path = Path(step_dir) / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the save did not complete)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    version = m.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version {version!r} is newer than this code reads (up to "
+            f"{FORMAT_VERSION}); load it with the version of zero that wrote it, or a newer one"
+        )
+    body = {k: v for k, v in m.items() if k != "checksum"}
+    got = hashlib.sha256(_canonical(body)).hexdigest()
+    if got != m.get("checksum"):
+        raise CheckpointError(
+            f"{path}: checksum mismatch (sha256 of its contents {got}, "
+            f"recorded {m.get('checksum')})"
+        )
+    if m["byteorder"] != sys.byteorder:
+        raise CheckpointError(f"{path}: saved on a {m['byteorder']}-endian machine")
+    return m
+
+
+class _Reader:
+    """The files of one step directory: each verified against its sha256 on first read, and
+    ranges of a unit's saved padded buffer sliced out of them."""
+
+    def __init__(self, step_dir: Path, manifest: dict):
+        self.dir, self.m, self.cache = Path(step_dir), manifest, {}
+
+    def file(self, name: str) -> bytearray:
+        if name not in self.cache:
+            info = self.m["files"].get(name)
+            path = self.dir / name
+            if info is None:
+                raise CheckpointError(f"{path}: not listed in {self.dir / MANIFEST}")
+            try:
+                with open(path, "rb") as f:
+                    data = bytearray(f.read())
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"missing shard file {path} (the manifest lists it: {info['bytes']} bytes)"
+                ) from None
+            got = hashlib.sha256(data).hexdigest()
+            if len(data) != info["bytes"] or got != info["sha256"]:
+                raise CheckpointError(
+                    f"checksum mismatch in {path}: sha256 {got} ({len(data)} bytes), the "
+                    f"manifest records {info['sha256']} ({info['bytes']} bytes)"
+                )
+            self.cache[name] = data
+        return self.cache[name]
+
+    def tensor(self, name: str, key: str) -> torch.Tensor:
+        data = self.file(name)
+        offset, numel, dtype, shape = self.m["files"][name]["entries"][key]
+        dt = getattr(torch, dtype)
+        if numel == 0:
+            return torch.empty(shape, dtype=dt)
+        return torch.frombuffer(data, dtype=dt, count=numel, offset=offset).view(shape)
+
+    def range(self, unit: int, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of a saved unit's padded fp32 buffer of state `key`."""
+        spec = self.m["units"][unit]
+        L = spec["shard_numel"]
+        out = torch.zeros(stop - start)
+        pos = start
+        while pos < stop:
+            k, end = pos // L, min(stop, (pos // L + 1) * L)
+            name = spec["files"][k]  # slots lie inside the layout, so k < N1 always
+            buf = self.file(name)
+            offset = self.m["files"][name]["entries"][key][0]
+            out[pos - start : end - start] = torch.frombuffer(
+                buf, dtype=torch.float32, count=end - pos, offset=offset + 4 * (pos - k * L)
+            )
+            pos = end
+        return out
+
+    def drop(self) -> None:
+        self.cache.clear()
+
+
+def verify(directory) -> dict:
+    """Check a checkpoint without loading it: the manifest, and every file against its sha256.
+    Returns the manifest; raises CheckpointError naming the first bad file."""
+    step_dir = resolve(directory)
+    m = read_manifest(step_dir)
+    reader = _Reader(step_dir, m)
+    for name in sorted(m["files"]):
+        reader.file(name)
+        reader.drop()
+    return m

@@ -1,0 +1,147 @@
+"""Load: a checkpoint saved at any world size and stage, resharded while it is read.
+
+Legend: N1 the world size a checkpoint was saved at, N2 the one it is loaded at; L1, L2 their
+shard lengths; a unit's *layout* (the parameters' offsets, reference/layout.py) is the first
+layout_numel elements of its padded buffer. "Extent" is a range of the padded buffer.
+
+[Note: resharding by layout] A unit's layout does not depend on N; only the zero padding after
+it does. So loading never assembles a parameter: for each extent a rank holds at N2 (its master
+and optimizer-state shard; its working copy, whole at stages 0-2), each parameter slot that
+overlaps it is copied from the saved files that hold that slot's range, wherever the parameter
+lived at save time (another unit split or chunk size works too). Alignment gaps and padding are
+zeros, which is what every optimizer keeps in them (zero/optim.py), so the copy is exact. A rank
+reads and hashes whole files: at the same N only its own, at stages 0-2 every file of a unit (the
+working copy is whole there). Limitation: a file is read into memory whole, so a unit's shard
+must fit in host memory; no I/O is overlapped with compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..introspect import Introspect
+from .commit import _buffers
+from .format import CheckpointInfo, _agree, _check_idle, _Reader, read_manifest, resolve
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+def _check_model(engine, m: dict) -> None:
+    """The first parameter (in module order) that differs, named with both shapes."""
+    saved = {p["name"]: p for p in m["params"]}
+    mine = dict(engine.module.named_parameters())
+    for name, p in mine.items():
+        if name not in saved:
+            raise ValueError(
+                f"parameter {name!r}: model shape {tuple(p.shape)}, not in the checkpoint "
+                f"(which has {len(saved)} parameters)"
+            )
+        if tuple(saved[name]["shape"]) != tuple(p.shape):
+            raise ValueError(
+                f"parameter {name!r}: checkpoint shape {tuple(saved[name]['shape'])}, model "
+                f"shape {tuple(p.shape)}"
+            )
+    for name, p in saved.items():
+        if name not in mine:
+            raise ValueError(
+                f"parameter {name!r}: checkpoint shape {tuple(p['shape'])}, not in the model"
+            )
+    kind = m["config"]["optimizer"]
+    if kind != engine.config.optimizer:
+        raise ValueError(
+            f"optimizer={engine.config.optimizer!r}: the checkpoint holds the states of "
+            f"optimizer={kind!r}"
+        )
+    for name in mine:
+        g_saved, g_mine = saved[name]["group"], engine.group_index[name]
+        if g_saved != g_mine:
+            raise ValueError(
+                f"parameter {name!r}: parameter group {g_mine} here, {g_saved} in the checkpoint"
+            )
+
+
+def _extent(u, reader: _Reader, where: dict, key: str, ext: slice, device) -> torch.Tensor:
+    """fp32 values of state `key` over elements `ext` of unit u's padded buffer at N2, copied
+    slot by slot from the saved files ([Note: resharding by layout])."""
+    out = torch.zeros(ext.stop - ext.start)
+    for s in u.part.layout.slots:
+        lo, hi = max(ext.start, s.offset), min(ext.stop, s.offset + s.numel)
+        if lo >= hi:
+            continue
+        unit, offset = where[s.name]
+        if key not in reader.m["units"][unit]["states"]:
+            continue  # a state this optimizer did not keep then: zeros, as a fresh one starts
+        out[lo - ext.start : hi - ext.start] = reader.range(
+            unit, key, offset + lo - s.offset, offset + hi - s.offset
+        )
+    return out.to(device)
+
+
+def _load_here(engine: Introspect, directory) -> CheckpointInfo:
+    from reference.precision import ScalerState, scaler_init
+
+    step_dir = resolve(directory)
+    m = read_manifest(step_dir)
+    _check_model(engine, m)
+    reader = _Reader(step_dir, m)
+    where = {p["name"]: (p["unit"], p["offset"]) for p in m["params"]}
+    with torch.no_grad():
+        for u in engine.units:
+            resident, held = engine.working_extent(u)  # held contains the master extent
+            ext = engine.master_extent(u)
+            master = _extent(u, reader, where, "master", held, resident.device)
+            resident.copy_(master)  # rounded to the compute dtype, as refresh_working does
+            if u.master.untyped_storage().data_ptr() != resident.untyped_storage().data_ptr():
+                u.master.copy_(master[ext.start - held.start : ext.stop - held.start])
+            for x, state in u.opt.items():
+                state.copy_(_extent(u, reader, where, x, ext, state.device))
+            reader.drop()
+        name = f"r{engine.rank:04d}.bin"
+        if m["world_size"] == engine.world_size:  # the same rank's RNG; else left as it is
+            torch.set_rng_state(reader.tensor(name, "rng:torch_cpu").clone())
+            entries = m["files"][name]["entries"]
+            if engine.device.type == "cuda" and "rng:cuda" in entries:
+                torch.cuda.set_rng_state(reader.tensor(name, "rng:cuda").clone(), engine.device)
+        for key, b in _buffers(engine.module):
+            saved = reader.tensor("r0000.bin", f"buffer:{key}")
+            if tuple(saved.shape) != tuple(b.shape):
+                raise ValueError(
+                    f"buffer {key!r}: checkpoint shape {tuple(saved.shape)}, model shape "
+                    f"{tuple(b.shape)}"
+                )
+            b.copy_(saved)
+    engine.t, engine.data_step = m["t"], m["data_step"]
+    if engine.config.precision != "fp16":
+        engine.scaler = None
+    elif m["scaler"] is not None:
+        engine.scaler = ScalerState(**m["scaler"])
+    else:  # saved without loss scaling: start the scaler afresh
+        engine.scaler = scaler_init(engine.config.scaler)
+    return CheckpointInfo(
+        directory=step_dir,
+        data_step=m["data_step"],
+        t=m["t"],
+        world_size=m["world_size"],
+        stage=m["stage"],
+        extra=m["extra"],
+    )
+
+
+def load(engine: Introspect, directory) -> CheckpointInfo:
+    """Load a checkpoint saved at any world size and stage into this engine; call on every rank.
+
+    `directory` is a root (its `latest` is read) or a step directory. The engine's own config
+    (hyper-parameters, M, precision) stays in force; the model, the optimizer kind and each
+    parameter's group must match the checkpoint. Every file read is checked against its sha256.
+    If any rank fails, every rank raises (CheckpointError or ValueError naming the problem).
+    The RNG state is restored only at the world size it was saved at (docs/design.md §2: randomness
+    comes from (seed, data step, micro-batch), never from the rank, so nothing depends on it).
+    """
+    _check_idle(engine, "load")
+    info, error = None, None
+    try:
+        info = _load_here(engine, directory)
+    except Exception as exc:
+        error = exc
+    _agree(engine, error, f"load from {directory}")
+    return info

@@ -1,0 +1,106 @@
+"""What a stage is given: StageContext, the shared queue of reductions, the accounting sink.
+
+Legend: N ranks in the group, L a unit's shard length (a full flat buffer has N·L elements),
+u a FlatUnit (zero/unit.py), C_B the bucket size (config.bucket_elements).
+
+A stage never holds the engine (docs/design.md §3). The engine builds one StageContext and gives
+it to every stage object it uses (at stage 3 two: Stage3 and, for persistent units, Stage0); a
+stage reads only the context and its units. Where buffers live (device, arena, host) is the
+placement policy's business (zero/zero_r/placement.py) and how gradients are cut for their
+reduction is the bucketing policy's (zero/zero_r/buckets.py), so neither is a branch in a stage.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .. import collectives as C
+
+if TYPE_CHECKING:
+    from ..config import ZeroConfig
+    from ..unit import FlatUnit
+    from ..zero_r.buckets import Bucketing
+    from ..zero_r.placement import Placement
+
+
+class Accounting:
+    """Where stages report memory that no resident tensor shows: the streaming tree's partial
+    sums (per unit, in shards) and the reduction buffers in flight (bytes, the peak)."""
+
+    def __init__(self) -> None:
+        self.extra_partials: list[int] = []  # per unit: peak partial sums held, in shards of L
+        self.transient_peak = 0  # bytes: the largest set of reduction buffers alive at once
+
+    def partials(self, u: FlatUnit, peak: int) -> None:
+        self.extra_partials[u.index] = max(self.extra_partials[u.index], peak)
+
+    def transient(self, nbytes: int, in_flight: int, bound: int) -> None:
+        """Reductions in flight each hold an arrival and a receive buffer of nbytes."""
+        held = 2 * nbytes * max(1, min(in_flight, bound))
+        self.transient_peak = max(self.transient_peak, held)
+
+
+class Reductions:
+    """Launched gradient reductions, oldest first, shared by every stage object of an engine
+    (a persistent stage-3 unit's reductions queue with the other units').
+
+    [Note: bounded reductions in flight] Each launched reduction keeps its full-size input
+    and receive buffers alive until it completes. Left to the end of the micro-step, that is
+    every unit at once (for a 7.5B GPT, tens of GB); so when more than max_inflight reductions
+    are outstanding, the oldest is completed first (ZeRO-R's constant-size buffers, §6.2)."""
+
+    max_inflight = 2
+
+    def __init__(self) -> None:
+        self.queue: collections.deque = collections.deque()  # (complete, unit, Pending)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def launched(self, complete: Callable, u: FlatUnit, pending: C.Pending) -> None:
+        """Track a launched reduction; complete the oldest beyond the in-flight bound."""
+        self.queue.append((complete, u, pending))
+        while len(self.queue) > self.max_inflight:
+            self.pop()
+
+    def pop(self) -> None:
+        complete, u, pending = self.queue.popleft()
+        complete(u, pending)
+
+    def drain(self) -> None:
+        """Complete every outstanding reduction, oldest first (end of a micro-step)."""
+        while self.queue:
+            self.pop()
+
+
+@dataclass
+class Clock:
+    """Where the engine is in its step: the engine advances it, stages read it."""
+
+    microstep: int = 0  # micro-steps of the current step completed, 0 .. M/N - 1
+
+
+@dataclass(kw_only=True)
+class StageContext:
+    """Everything a stage reads. The engine fills the per-unit lists as it builds units."""
+
+    config: ZeroConfig
+    group: object  # the data-parallel process group
+    rank: int
+    world_size: int  # N
+    counter: C.CommCounter  # every collective is counted here
+    clock: Clock  # the current micro-step
+    group_index: dict[str, int]  # parameter name -> its optimizer parameter group
+    placement: Placement  # where buffers live, and the counted copies between host and device
+    buckets: Bucketing  # whole-buffer reductions, or constant-size C_B pieces
+    accounting: Accounting = field(default_factory=Accounting)
+    reductions: Reductions = field(default_factory=Reductions)
+    pad_rs: list[int] = field(default_factory=list)  # per unit: padding a reduce-scatter sends
+    pad_ag: list[int] = field(default_factory=list)  # per unit: padding an all-gather sends
+
+    def note_transient(self, nbytes: int) -> None:
+        """Account nbytes of reduction buffer for each reduction in flight (at least one)."""
+        self.accounting.transient(nbytes, len(self.reductions), self.reductions.max_inflight)
