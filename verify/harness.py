@@ -187,8 +187,20 @@ class Cell:
         return cls(**d)
 
 
+def cell_device() -> torch.device:
+    """Where a cell runs: this rank's GPU in an NCCL world (torchrun on GPUs), else the CPU.
+    Backward cells then compute the reference's micro-batch gradients on the same device, with
+    the same kernels as the engine's backward (a CPU matmul gives other bits than a GPU's)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def microbatch_grads(model, working, batch, dtype, scale) -> dict[str, np.ndarray]:
-    """g_j of one micro-batch in a single process, on the reference's working copy."""
+    """g_j of one micro-batch in a single process, on the reference's working copy (on the
+    model's device; the batch must be there too)."""
     for name, p in model.named_parameters():
         p.data = (
             torch.from_numpy(np.ascontiguousarray(working[name]).view(np.uint16)).view(
@@ -196,7 +208,7 @@ def microbatch_grads(model, working, batch, dtype, scale) -> dict[str, np.ndarra
             )
             if dtype == torch.bfloat16
             else torch.from_numpy(np.array(working[name]))
-        )
+        ).to(p.device)
         p.grad = None
     _, loss = model(*cast_inputs(batch, dtype))
     backward_scaled(loss, scale)
@@ -336,13 +348,14 @@ class _Backward:
         self.data = MODELS[cell.model][1]
 
     def grads(self, step: int, ref) -> list[dict[str, np.ndarray]]:
-        self.batches = self.data(
+        batches = self.data(
             self.eng.module.cfg,
             seed=self.cell.seed,
             data_step=step,
             count=self.cell.micro_batches,
             batch_size=self.cell.batch_size,
         )
+        self.batches = [tuple(x.to(self.eng.device) for x in b) for b in batches]
         scale = None if ref.scaler is None else ref.scaler.scale
         work = working_copy(ref, self.rcfg)
         dtype = self.eng.config.compute_dtype
@@ -359,14 +372,16 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     """Run one cell on this rank; returns this rank's verdict."""
     assert cell.world_size == world_size, (cell.world_size, world_size)
     build = MODELS[cell.model][0]
+    device = cell_device()
     model = build()
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     cfg = cell.zero_config(model.unit_names())
-    eng = ZeroEngine(model, cfg)
+    eng = ZeroEngine(model.to(device), cfg)
     spec = ModelSpec.build(eng.unit_specs(), eng.group_index, chunk=cfg.chunk)
     rcfg = cfg.step_config(world_size)
     ref = init_state(init, spec, rcfg)
-    source = _Injected(cell, eng) if cell.injected else _Backward(cell, eng, build(), rcfg)
+    ref_model = None if cell.injected else build().to(device)
+    source = _Injected(cell, eng) if cell.injected else _Backward(cell, eng, ref_model, rcfg)
     verdict = {
         "rank": rank,
         "bitwise": True,

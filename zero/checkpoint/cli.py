@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __doc__ as package_doc
 from .consolidate import consolidate_to
 from .format import CheckpointError, resolve, verify
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m zero.checkpoint", description=package_doc.split("\n")[0]
+        prog="python -m zero.checkpoint",
+        description="Checkpoints: consolidate one to plain PyTorch, or verify its checksums.",
     )
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="write one plain PyTorch state dict")
