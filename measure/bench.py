@@ -538,7 +538,7 @@ def _profile(rank: int, n: int, name: str, steps: int) -> dict:
 
 def _peak(rank: int, n: int) -> dict:
     """This rank's measured peak FLOP/s, every rank at once ([Note: the peak a rank can reach]
-    in zero/mfu.py)."""
+    in measure/mfu.py)."""
     device = _device()
     cpu0 = time.process_time()
     peak = mfu.measure_peak_flops(device)
@@ -765,7 +765,7 @@ def _record(name, n, cfg, built, timing, profile, prov, redone, peaks) -> dict:
         "redone_other_cores": redone.get(name, []),
         "waited_for_quiet_s": sum(rep[0]["waited_s"] for rep in timing),
     }
-    # MFU (zero/mfu.py): this rank's model FLOPs over the step's median time (the slowest
+    # MFU (measure/mfu.py): this rank's model FLOPs over the step's median time (the slowest
     # rank's), against the median over ranks of the peak each measured
     flops = mfu.step_flops(cfg.workload.gpt, cfg.workload.batch_size)
     peak = float(np.median([p["peak_flops"] for p in peaks]))

@@ -9,7 +9,7 @@ prints side by side what the caching allocator reports (`torch.cuda.memory_stats
 allocated bytes, reserved bytes, reserved - allocated (the fragmentation: memory the allocator
 holds but cannot hand out as one block), the bytes of inactive split blocks, and allocation
 retries, then the ratio on/off. Why M_D should lower it: [Note: contiguous memory] in
-zero/contiguous.py. `--vary-seq` gives every micro-batch another sequence length (as variable
+zero/zero_r/contiguous.py. `--vary-seq` gives every micro-batch another sequence length (as variable
 length batches do), the case where activations of changing sizes fragment the free memory most.
 
 The two runs share the process: between them every engine tensor is released and the

@@ -1,5 +1,5 @@
-"""The performance model to the paper's scale (zero/perfmodel.py): fitted on Figure 4, Figures
-2 and 3 predicted held out, each point beside the paper's value read off its plot.
+"""The performance model to the paper's scale (paper_figures/perfmodel.py): fitted on Figure 4,
+Figures 2 and 3 predicted held out, each point beside the paper's value read off its plot.
 
 Writes results/perf_model.json (the fit and one record per point), figures/perf_model.png and
 tables/perf_model.md. Every profile runs the same fit: it takes a second.
@@ -57,7 +57,7 @@ def index_rows(payload: dict) -> list[list[str]]:
             "read off the plot",
             f"model, mean |error| {100 * e['mape']:.0f}%",
             "–",
-            "modelled (zero/perfmodel.py; fitted on Figure 4 only)",
+            "modelled (paper_figures/perfmodel.py; fitted on Figure 4 only)",
             "V100 numbers as stated in the paper",
         ]
         for name, e in fit["errors"].items()

@@ -15,7 +15,7 @@ V100s, docs/paper.md §1.6-§1.8) are set beside ours as ratios to C1, since the
 
 The probes run with glibc's mmap threshold fixed, so that the RSS peak measures what the
 configuration needs rather than the heap's fragmentation; the table also gives C3's peak with
-and without M_D under the default allocator ([Note: the CPU allocator] in zero/budget.py).
+and without M_D under the default allocator ([Note: the CPU allocator] in measure/budget.py).
 
 The quick and smoke profiles render the committed measurement
 (``measured/zero_r_configs.json``, tens of minutes on 2 cores); ``--profile full`` measures
@@ -274,7 +274,7 @@ NOTES = (
     "  C4 = C3 here; the paper's C1 → C2 gain (40B → 60B) cannot appear.",
     "- C5's P_a+cpu becomes checkpoints in host memory (offload_activations). On a CPU-only",
     "  machine they stay in the process: their bytes, counted exactly by the engine, are",
-    "  subtracted from the measured RSS peak (zero/budget.py, [Note: measured, not modelled]).",
+    "  subtracted from the measured RSS peak (measure/budget.py, [Note: measured, not modelled]).",
     "- Every configuration keeps one checkpoint per block, as the paper's runs did.",
     "- Step times are one rank's compute, copies and optimizer: collectives on the fake group",
     "  cost nothing, so the paper's communication-bound small batches (C1, C2) do not show.",

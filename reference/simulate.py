@@ -5,7 +5,7 @@ are functions over all ranks' buffers that also log what each rank sends. The re
 same bits as reference/step.py's train_step (deterministic mode), which is what makes the claim
 "partitioning changes nothing numerically" checkable.
 
-The shape is the engine's ladder (zero/stage0.py .. stage3.py) and notebook 02's stage cells:
+The shape is the engine's ladder (zero/stages/stage0.py .. stage3.py) and notebook 02's stage cells:
 Stage0 holds the whole step; Stage1, Stage2 and Stage3 are small subclasses that override only
 what their partition changes (extent, grad_numel, allocate, reduce_microstep, finish_reduction,
 norm_partials, refresh_working, pre_forward/pre_backward). World(..., stage=s) picks STAGES[s].
@@ -143,7 +143,7 @@ class Rank:
 class Stage0:
     """Stage 0, baseline data parallelism, on N simulated ranks: every rank holds everything.
 
-    The step's skeleton lives here, as in zero/stage0.py; Stage1-3 below override only what
+    The step's skeleton lives here, as in zero/stages/stage0.py; Stage1-3 below override only what
     their partition changes, so each reads as a diff of the one before. Starts from the same
     state as the reference's init_state(master, spec, cfg).
     """

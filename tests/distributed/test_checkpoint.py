@@ -1,4 +1,4 @@
-"""Checkpoints (zero/checkpoint.py): resharding, bitwise resume, consolidation, faults, bad input.
+"""Checkpoints (zero/checkpoint/): resharding, bitwise resume, consolidation, faults, bad input.
 
 Multi-process tests run on zero.launch's shared pools (module-level functions, so that the
 workers unpickle them by reference); tests that kill a rank use a throwaway world (spawn) so

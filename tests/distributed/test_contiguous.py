@@ -1,5 +1,5 @@
-"""ZeRO-R's M_D on the engine (zero/contiguous.py): gradient buffers and activation checkpoints in
-pre-allocated contiguous arenas. It changes where bytes live, never the bits.
+"""ZeRO-R's M_D on the engine (zero/zero_r/contiguous.py): gradient buffers and activation
+checkpoints in pre-allocated contiguous arenas. It changes where bytes live, never the bits.
 
 Multi-process tests use zero.launch's shared worker pools; the functions they run are module
 level so that forked workers can unpickle them by reference.

@@ -1,5 +1,5 @@
-"""ZeRO-Offload on the engine (zero/offload.py): the fp32 master, optimizer states and reduced
-gradient shard in host memory, the update on the CPU. On this CPU-only machine offload is a
+"""ZeRO-Offload on the engine (zero/zero_r/offload.py): the fp32 master, optimizer states and
+reduced gradient shard in host memory, the update on the CPU. On this CPU-only machine offload is a
 change of placement: what is tested is the bits, the exact host<->device bytes, and which
 buffers moved from the device to the host.
 """

@@ -2,13 +2,11 @@
 
 import json
 import re
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from torchrun import torchrun
 
 from verify import matrix
 from verify.__main__ import main
@@ -92,37 +90,10 @@ def test_baseline_flags_a_cell_whose_final_digest_changed(tmp_path, capsys):
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_under_torchrun_it_uses_the_given_world(tmp_path):
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     out = tmp_path / "v.json"
-    done = subprocess.run(
-        [
-            torchrun,
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "verify",
-            "--world-sizes",
-            "1",
-            "2",
-            "--stages",
-            "2",
-            "--precisions",
-            "fp32",
-            "--optimizers",
-            "sgd",
-            "--models",
-            "mlp",
-            "--steps",
-            "2",
-            "--json",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    args = ["--world-sizes", "1", "2", "--stages", "2", "--precisions", "fp32"]
+    args += ["--optimizers", "sgd", "--models", "mlp", "--steps", "2", "--json", str(out)]
+    done = torchrun("verify", args, timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "world size 1 skipped" in done.stdout  # the launched world is 2
     cells = json.loads(out.read_text())["cells"]

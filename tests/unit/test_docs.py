@@ -25,6 +25,11 @@ CITATION = re.compile(r"(?<![\w/.])(docs/)?([a-z][a-z0-9_]*)\.md ?§ ?(\d+(?:\.\
 DOCS_MENTION = re.compile(r"(?<![\w/.])docs/([a-z][a-z0-9_]*)\.md")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 UPPER_MD = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[A-Z][A-Z0-9_]*\.md)\b")
+REPO_PATH = re.compile(
+    r"(?<![\w/.-])((?:reference|zero|measure|verify|paper_figures|teaching|tools|tests|notebooks"
+    r"|benchmarks|docs)/[\w/.-]*\w\.(?:py|md|ipynb))\b"
+)
+HISTORY = ("CHANGELOG.md",)  # a changelog names files as they were when it was written
 OUTSIDE = re.compile(r"\.\./shared|(?<![\w.])/" + r"work/")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 NUMBERED = re.compile(r"^(\d+(?:\.\d+)*)\.?(?:\s|$)")
@@ -103,6 +108,9 @@ def scan(root: Path) -> list[str]:
             known = name in md_paths if "/" in name else name in md_names
             if not known:
                 problems.append(f"{rel}: {name!r} is not a file of this repository")
+        for m in REPO_PATH.finditer(text):
+            if str(rel) not in HISTORY and not (root / m.group(1)).exists():
+                problems.append(f"{rel}: {m.group(1)!r} is not a file of this repository")
         for m in OUTSIDE.finditer(text):
             problems.append(f"{rel}: {m.group(0)!r} points outside the repository")
         if path.suffix == ".md":
@@ -168,6 +176,7 @@ def test_a_clean_tree_passes(repo):
         ('"""see ' + "DESIGN" + '.md §2"""', "not a file of this repository"),
         ('"""see ../' + 'shared/PAPER.md"""', "outside the repository"),
         ('"""see /' + 'work/shared/x"""', "outside the repository"),
+        ('"""see zero/stage9.py"""', "not a file of this repository"),
     ],
 )
 def test_a_planted_bad_reference_is_reported(repo, text, why):
