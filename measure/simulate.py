@@ -141,8 +141,8 @@ class SimulateConfig:
             raise ValueError(f"rank={self.rank!r}: allowed are 0 .. world_size-1")
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage={self.stage!r}: allowed are 0, 1, 2, 3")
-        if not self.params > 0:
-            raise ValueError(f"params={self.params!r}: allowed are counts > 0")
+        if self.shape is None and not self.params > 0:  # a given shape makes params unused
+            raise ValueError(f"params={self.params!r}: allowed are counts > 0 (or give shape)")
 
 
 def simulate_rank(
