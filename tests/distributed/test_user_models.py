@@ -181,15 +181,17 @@ def cnn_engine_vs_ddp(rank, n, stage, steps=3, lr=0.1):
     eng = ZeroEngine(ours, cfg)
     theirs = CNN()
     ddp = DDP(theirs, broadcast_buffers=True)
-    opt = torch.optim.SGD(theirs.parameters(), lr=lr, foreach=False)
+    step_size = torch.tensor(lr, dtype=torch.float32)
     trained = []
     for s in range(steps):
         x, y = cnn_batch(s, rank)
         eng.backward(eng(x, y))
         eng.step()
-        opt.zero_grad()
+        theirs.zero_grad()
         ddp(x, y).backward()
-        opt.step()
+        with torch.no_grad():  # reference/optim.py's SGD: p - s(lr)·g, two roundings
+            for p in theirs.parameters():
+                p.copy_(p - step_size * p.grad)
         trained.append((bn_state(ours), bn_state(theirs)))
     with torch.no_grad():
         ours.eval(), theirs.eval()
@@ -206,8 +208,10 @@ def test_batchnorm_buffers_equal_ddp_broadcast_buffers(stage):
     """Rank 0's buffers go to every rank before each forward, as DDP does: after training and
     one eval forward the running statistics are the same on every rank and bitwise DDP's. At
     N = 2 with M = N in fp32 the arithmetic is DDP's: the engine's tree sum of two gradients is
-    DDP's a/2 + b/2 up to the exact factor 1/2, and plain SGD is p - lr·g in both, so the
-    parameters, hence the batch statistics, hence the running statistics, agree bit for bit."""
+    DDP's a/2 + b/2 up to the exact factor 1/2, and SGD is p - s(lr)·g in both, so the
+    parameters, hence the batch statistics, hence the running statistics, agree bit for bit.
+    (The DDP side applies reference/optim.py's SGD by hand: torch.optim.SGD fuses the
+    multiply-add and differs in the last bit, which the optimizer anchors cover elsewhere.)"""
     per_rank = get_pool(2).run(cnn_engine_vs_ddp, stage)
     for ours, theirs, trained, params, ddp_params in per_rank:
         for k, p in params.items():
