@@ -36,19 +36,116 @@ def check_config(config: ZeroConfig, n: int) -> None:
         check_not_nested(config.units)
 
 
+def resolve_units(module: nn.Module, config: ZeroConfig) -> ZeroConfig:
+    """config with units="auto" spelled out (zero/units.py), and a warning when stage 3 would
+    gather the whole model as one root unit for all of forward and backward."""
+    import dataclasses
+    import warnings
+
+    from .units import auto
+
+    if config.units == "auto":
+        config = dataclasses.replace(config, units=tuple(auto(module)))
+    if config.stage == 3 and not config.units:
+        warnings.warn(
+            "stage 3 with units=(): the whole model is one root unit, gathered for all of "
+            "forward and backward, so stage 3 saves no parameter memory; name the repeated "
+            "blocks (units=('blocks.0', 'blocks.1', ...)) or pass units='auto' "
+            "(zero.units.auto(model))",
+            UserWarning,
+            stacklevel=3,
+        )
+    return config
+
+
+def check_units(module: nn.Module, units) -> None:
+    """A unit is a module that is called in forward, apart from every other unit
+    (docs/models.md): containers and nested units are refused by name."""
+    mods = dict(module.named_modules())
+    for uname in units:
+        if uname not in mods:
+            raise ValueError(f"units: {uname!r} is not a submodule of the model")
+        m = mods[uname]
+        if isinstance(m, nn.ModuleList | nn.ModuleDict):
+            kids = ", ".join(repr(f"{uname}.{k}") for k, _ in m.named_children())
+            raise ValueError(
+                f"units: {uname!r} is an nn.{type(m).__name__}, a container that is never called "
+                "itself, and a unit must be a module whose forward runs (its hooks gather and "
+                f"reduce it); name its children instead: units=({kids}), or pass units='auto' "
+                "(zero.units.auto(model))"
+            )
+    for a in units:
+        for b in units:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(
+                    f"units: {a!r} contains {b!r}; nested units are not supported (each "
+                    "parameter belongs to one unit): name only one of them"
+                )
+
+
+def check_params(module: nn.Module, config: ZeroConfig) -> None:
+    """Every parameter is trained, from an fp32 master (docs/design.md §2): frozen parameters
+    and dtypes other than float32 and the compute dtype are refused by name."""
+    allowed = dict.fromkeys((torch.float32, config.compute_dtype))
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            raise ValueError(
+                f"parameter {name!r} has requires_grad=False: frozen parameters are not "
+                "supported yet (ZeroEngine trains every parameter); make it trainable, or keep "
+                "the frozen part outside the module the engine wraps"
+            )
+        if p.dtype not in allowed:
+            raise ValueError(
+                f"parameter {name!r} has dtype {p.dtype}: ZeroEngine keeps an fp32 master and "
+                f"computes in the configured precision={config.precision!r}, so allowed are "
+                f"{' and '.join(str(d) for d in allowed)} (e.g. model.float()); {p.dtype} would "
+                "be trained in another dtype"
+            )
+
+
 def collect_units(module: nn.Module, config: ZeroConfig):
     """[(unit name, [(param name, param)])], root first; shared parameters go to the root."""
+    check_units(module, config.units)
+    check_params(module, config)
     mods = dict(module.named_modules())
     owner: dict[int, str] = {}
     for uname in config.units:
-        if uname not in mods:
-            raise ValueError(f"units: {uname!r} is not a submodule of the model")
         for p in mods[uname].parameters():
             owner[id(p)] = "" if owner.get(id(p), uname) != uname else uname
     named = {uname: [] for uname in ("", *config.units)}
     for p_name, p in module.named_parameters():  # each Parameter once, tied ones too
         named[owner.get(id(p), "")].append((p_name, p))
     return [(k, v) for k, v in named.items() if v]
+
+
+def prepare_buffers(module: nn.Module, device, dtype: torch.dtype):
+    """[Note: buffers] Buffers (BatchNorm's running statistics, ...) are not model states:
+    they are not sharded, reduced or optimised. Each rank keeps them whole on `device`, floating
+    ones in the compute dtype (as the working parameters, so modules that mix the two run in one
+    dtype, as under FSDP's mixed precision with buffer_dtype=param_dtype); rank 0's are
+    broadcast before each forward (config.broadcast_buffers). A meta buffer is materialised by
+    its module's reset_running_stats() (the norms'); any other meta buffer has no value this
+    engine could know, so it is refused by name. Returns [(qualified name, buffer)]."""
+    out = []
+    for prefix, mod in module.named_modules():
+        keys = [k for k, b in mod._buffers.items() if b is not None]
+        meta = [k for k in keys if mod._buffers[k].is_meta]
+        if meta and not callable(getattr(mod, "reset_running_stats", None)):
+            name = f"{prefix}.{meta[0]}" if prefix else meta[0]
+            raise ValueError(
+                f"buffer {name!r} is on the meta device and its module "
+                f"{type(mod).__name__} has no reset_running_stats() to give it a value: build "
+                "buffers on a real device (parameters may stay on meta)"
+            )
+        for k in keys:
+            b = mod._buffers[k]
+            if b.is_meta:
+                b = torch.empty_like(b, device=device)
+            mod._buffers[k] = b.to(device=device, dtype=dtype if b.is_floating_point() else None)
+        if meta:
+            mod.reset_running_stats()
+        out += [(f"{prefix}.{k}" if prefix else k, mod._buffers[k]) for k in keys]
+    return out
 
 
 def partitions(config: ZeroConfig, named, groups, *, world_size: int, rank: int):

@@ -208,6 +208,30 @@ def gather_control(
     return out
 
 
+def broadcast_control(tensors, *, group, counter: CommCounter, phase: str = "buffers") -> None:
+    """Control: every tensor set in place to group rank 0's value (DDP's broadcast_buffers).
+    One broadcast per dtype of a flat copy; each call is counted with the payload's elements
+    (what every other rank receives once), none at N = 1, where nothing moves."""
+    n = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        elements = flat.numel() if n > 1 else 0
+        rec = _record(
+            counter, "broadcast", elements, 0, flat, phase=phase, kind="control", unit=None
+        )
+        if n > 1:
+            dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+            at = 0
+            with torch.no_grad():
+                for t in ts:
+                    t.copy_(flat[at : at + t.numel()].view_as(t))
+                    at += t.numel()
+        rec.end = time.perf_counter()
+
+
 class Pieces:
     """[Note: constant-size buffers] One unit's reduce-scatter done in pieces (ZeRO-R's C_B,
     paper §6.2): piece [a, b) reduces columns a..b of every rank's shard, i.e. elements

@@ -57,9 +57,11 @@ class ZeroConfig:
     """Dynamic loss scaling, used with precision='fp16'."""
     nonfinite: str = "raise"
     """fp32/bf16: 'raise' FloatingPointError on a non-finite gradient, or 'skip' the step."""
-    units: tuple[str, ...] = ()
+    units: tuple[str, ...] | str = ()
     """Qualified names of the submodules that are units (e.g. each transformer block); all
-    other parameters, and any parameter shared between units, form the root unit."""
+    other parameters, and any parameter shared between units, form the root unit. A unit must
+    be a module that is called in forward and may not contain another unit (docs/models.md).
+    "auto": the repeated blocks zero.units.auto(model) finds."""
     overlap: bool = True
     """Run collectives asynchronously: each unit's reduction overlaps the rest of backward, and
     stage 3 prefetches the next unit's parameters. Off: the same collectives, in the same order,
@@ -100,6 +102,12 @@ class ZeroConfig:
     Bits unchanged (the copies are exact); `python -m measure.fragmentation` measures it on a
     GPU."""
 
+    broadcast_buffers: bool = True
+    """Before every forward, rank 0's buffers (BatchNorm's running statistics, ...) are
+    broadcast to every rank, as DDP(broadcast_buffers=True) does, so that ranks keep one model
+    and checkpoints hold what every rank uses. Counted as control traffic (phase "buffers").
+    False: each rank keeps its own buffers (they drift apart; checkpoints keep rank 0's)."""
+
     def __post_init__(self):
         if self.stage not in STAGES:
             raise ValueError(f"stage={self.stage!r}: allowed are {STAGES}")
@@ -114,6 +122,7 @@ class ZeroConfig:
             "offload_activations",
             "offload_optimizer",
             "contiguous_memory",
+            "broadcast_buffers",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
@@ -130,7 +139,13 @@ class ZeroConfig:
             raise ValueError(
                 f"bucket_elements={self.bucket_elements!r}: must be None or an integer >= 1"
             )
-        if len(set(self.units)) != len(self.units) or "" in self.units:
+        if isinstance(self.units, str):
+            if self.units != "auto":
+                raise ValueError(
+                    f"units={self.units!r}: a tuple of submodule names, or 'auto' "
+                    "(zero.units.auto(model))"
+                )
+        elif len(set(self.units)) != len(self.units) or "" in self.units:
             raise ValueError(f"units={self.units!r}: names must be distinct and non-empty")
         self.step_config(1)  # the reference validates the numerical fields
 

@@ -87,6 +87,7 @@ class ZeroEngine(nn.Module):
         alone, with zero.models' counter-based values for `init_seed` (None: zeros, for a
         simulated rank whose values do not matter), so the whole model never exists at once."""
         super().__init__()
+        config = build.resolve_units(module, config)  # units="auto" spelled out
         self.module, self.config = module, config
         self.group = group if group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -152,6 +153,8 @@ class ZeroEngine(nn.Module):
         for arena in (self.grad_arena, self.host_grad_arena):  # each handed out exactly
             assert arena is None or arena.cursor == arena.nbytes, (arena.cursor, arena.nbytes)
         self.runs = [self.stage_of(u).runs(u) for u in self.units]
+        # [Note: buffers] materialised, in the compute dtype, broadcast before each forward
+        self.buffers = build.prepare_buffers(module, device, config.compute_dtype)
         self.counter.step = 0
         self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
         self.t, self.data_step = 0, 0
@@ -160,6 +163,12 @@ class ZeroEngine(nn.Module):
             for _, p in u.params:
                 p.register_post_accumulate_grad_hook(self._hook(u))
         mods = dict(self.module.named_modules())
+        self._called: set[str] = set()  # units whose forward ran, until the first backward
+        self._call_hooks = [
+            mods[u.name].register_forward_pre_hook(lambda _m, _a, n=u.name: self._called.add(n))
+            for u in self.units
+            if u.name
+        ]
         for stage in self.stages.values():
             stage.register_hooks({u.name: mods[u.name] for u in self.units} | {"": self.module})
         self.activation_arena: CheckpointArena | None = None
@@ -192,6 +201,10 @@ class ZeroEngine(nn.Module):
         """The wrapped module's forward; floating inputs are cast to the compute dtype."""
         if self.activation_arena is not None and torch.is_grad_enabled():
             self.activation_arena.begin()  # [Note: checkpoint generations]
+        if self.config.broadcast_buffers and self.buffers:  # DDP's broadcast_buffers
+            C.broadcast_control(
+                [b for _, b in self.buffers], group=self.group, counter=self.counter
+            )
         return self.module(*cast_inputs(args, self.config.compute_dtype), **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -199,6 +212,23 @@ class ZeroEngine(nn.Module):
         self._losses.append(float(loss.detach().float()))
         backward_scaled(loss, None if self.scaler is None else self.scaler.scale)
         self.finalize_backward()
+        if self._call_hooks:
+            self._check_units_called()
+
+    def _check_units_called(self) -> None:
+        """At the end of the first backward: every unit's own forward must have run, or its
+        hooks (stage 3's gather, the activation checkpoint) never did (docs/models.md)."""
+        for h in self._call_hooks:
+            h.remove()
+        self._call_hooks = []
+        missing = [u.name for u in self.units if u.name and u.name not in self._called]
+        if missing:
+            raise ValueError(
+                f"units: the forward of unit {missing[0]!r} was never called in the first "
+                "micro-batch (its parameters were used through its submodules or directly); "
+                "a unit must be a module that is called: name the modules that are called, "
+                "or pass units='auto'"
+            )
 
     def inject_gradients(self, grads: dict[str, torch.Tensor], loss: float = 0.0) -> None:
         """One micro-batch's backward without autograd, for verification: `grads` maps every

@@ -65,6 +65,12 @@ _METADATA = frozenset(
         "__len__",
         "__hash__",
         "requires_grad_",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "get_device",
+        "ndimension",
     }
 )
 
@@ -94,7 +100,10 @@ class Stage3Parameter(nn.Parameter):
                             f"parameter {t._zero_name!r} of unit {t._zero_unit.name or '<root>'} "
                             "is sharded (ZeRO stage 3): its values exist only while its unit runs. "
                             "Read it inside the model's forward, or within "
-                            "`with engine.gathered_params():`"
+                            "`with engine.gathered_params():`. If the forward of unit "
+                            f"{t._zero_unit.name!r} is never called itself (its submodules or "
+                            "parameters are used directly), it is never gathered: name the "
+                            "modules that are called as units (docs/models.md)"
                         )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
