@@ -228,3 +228,9 @@ def check_ranks_agree(config: ZeroConfig, named, groups: dict[str, int], *, engi
         for i, (what, _) in enumerate(rows):
             if every[r, 1 + i] != every[0, 1 + i]:
                 raise ValueError(f"rank {r} disagrees with rank 0 on {what}")
+
+
+def broadcast_buffers(buffers, *, group, counter) -> None:
+    """Rank 0's buffers to every rank, in place (DDP's broadcast_buffers), counted as control
+    traffic; `buffers` is prepare_buffers' list of (name, tensor)."""
+    C.broadcast_control([b for _, b in buffers], group=group, counter=counter)

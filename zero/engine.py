@@ -41,6 +41,7 @@ from .stages import STAGE_CLASSES, StageContext, stage_class
 from .stages.base import Clock
 from .stages.stage0 import Stage0
 from .unit import FlatUnit
+from .units import CalledCheck
 from .zero_r.activations import checkpoint_units
 from .zero_r.buckets import bucketing
 from .zero_r.contiguous import CheckpointArena
@@ -163,12 +164,7 @@ class ZeroEngine(nn.Module):
             for _, p in u.params:
                 p.register_post_accumulate_grad_hook(self._hook(u))
         mods = dict(self.module.named_modules())
-        self._called: set[str] = set()  # units whose forward ran, until the first backward
-        self._call_hooks = [
-            mods[u.name].register_forward_pre_hook(lambda _m, _a, n=u.name: self._called.add(n))
-            for u in self.units
-            if u.name
-        ]
+        self.called = CalledCheck([u.name for u in self.units], mods)
         for stage in self.stages.values():
             stage.register_hooks({u.name: mods[u.name] for u in self.units} | {"": self.module})
         self.activation_arena: CheckpointArena | None = None
@@ -202,9 +198,7 @@ class ZeroEngine(nn.Module):
         if self.activation_arena is not None and torch.is_grad_enabled():
             self.activation_arena.begin()  # [Note: checkpoint generations]
         if self.config.broadcast_buffers and self.buffers:  # DDP's broadcast_buffers
-            C.broadcast_control(
-                [b for _, b in self.buffers], group=self.group, counter=self.counter
-            )
+            build.broadcast_buffers(self.buffers, group=self.group, counter=self.counter)
         return self.module(*cast_inputs(args, self.config.compute_dtype), **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -212,23 +206,7 @@ class ZeroEngine(nn.Module):
         self._losses.append(float(loss.detach().float()))
         backward_scaled(loss, None if self.scaler is None else self.scaler.scale)
         self.finalize_backward()
-        if self._call_hooks:
-            self._check_units_called()
-
-    def _check_units_called(self) -> None:
-        """At the end of the first backward: every unit's own forward must have run, or its
-        hooks (stage 3's gather, the activation checkpoint) never did (docs/models.md)."""
-        for h in self._call_hooks:
-            h.remove()
-        self._call_hooks = []
-        missing = [u.name for u in self.units if u.name and u.name not in self._called]
-        if missing:
-            raise ValueError(
-                f"units: the forward of unit {missing[0]!r} was never called in the first "
-                "micro-batch (its parameters were used through its submodules or directly); "
-                "a unit must be a module that is called: name the modules that are called, "
-                "or pass units='auto'"
-            )
+        self.called.check()
 
     def inject_gradients(self, grads: dict[str, torch.Tensor], loss: float = 0.0) -> None:
         """One micro-batch's backward without autograd, for verification: `grads` maps every

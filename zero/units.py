@@ -29,3 +29,32 @@ def auto(model: nn.Module) -> list[str]:
         if key[0] and key > best_key:
             best, best_key = [f"{name}.{k}" if name else k for k, _ in kids], key
     return best or []
+
+
+class CalledCheck:
+    """Watches which units' forward runs until the first backward ends, then refuses a unit
+    whose forward never ran: its hooks (stage 3's gather, the activation checkpoint) never
+    fired, so its parameters were used through its submodules or directly (docs/models.md)."""
+
+    def __init__(self, names: list[str], modules: dict[str, nn.Module]):
+        self.names, self.called = [n for n in names if n], set()
+        self.hooks = [
+            modules[n].register_forward_pre_hook(lambda _m, _a, n=n: self.called.add(n))
+            for n in self.names
+        ]
+
+    def check(self) -> None:
+        """At the end of a backward: the first one checks and stops watching; later ones pass."""
+        if not self.hooks:
+            return
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        missing = [n for n in self.names if n not in self.called]
+        if missing:
+            raise ValueError(
+                f"units: the forward of unit {missing[0]!r} was never called in the first "
+                "micro-batch (its parameters were used through its submodules or directly); "
+                "a unit must be a module that is called: name the modules that are called, "
+                "or pass units='auto'"
+            )
