@@ -62,8 +62,12 @@ KIND = "train.run"
 
 
 def default_loss(output):
-    """Models here return (output, loss); anything else is taken to be the loss itself."""
-    return output[1] if isinstance(output, tuple) else output
+    """Models here return (output, loss); an object with a `.loss` (a Hugging Face ModelOutput)
+    gives that; anything else is taken to be the loss itself."""
+    if isinstance(output, tuple):
+        return output[1]
+    loss = getattr(output, "loss", None)
+    return output if loss is None else loss
 
 
 def train_steps(
@@ -77,14 +81,17 @@ def train_steps(
 ) -> list[StepResult]:
     """Run `steps` optimizer steps; returns each step's StepResult (global loss, norm, skip).
 
-    microbatch(step, j) -> the positional inputs of micro-batch j (0 <= j < M) of a step.
+    microbatch(step, j) -> the inputs of micro-batch j (0 <= j < M) of a step: a tuple of
+    positional inputs, or a dict of keyword inputs (`{"input_ids": x, "labels": x}`).
     """
     n, rank = engine.world_size, engine.rank
     per_rank = engine.config.micro_batches // n
     results = []
     for step in range(start_step, start_step + steps):
         for k in range(per_rank):
-            engine.backward(loss_of(engine(*microbatch(step, k * n + rank))))
+            batch = microbatch(step, k * n + rank)
+            out = engine(**batch) if isinstance(batch, dict) else engine(*batch)
+            engine.backward(loss_of(out))
         result = engine.step()
         results.append(result)
         if on_step is not None:
