@@ -29,7 +29,7 @@ PACKAGE_INITS := $(wildcard reference/__init__.py zero/__init__.py measure/__ini
 $(STAMP): pyproject.toml $(PACKAGE_INITS)
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q -e '.[dev,models]'
 	touch $@
 
 lint: $(STAMP)
