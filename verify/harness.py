@@ -190,7 +190,8 @@ class Cell:
     def scaler_config(self) -> ScalerConfig:
         if self.loss_scale is None:
             return ScalerConfig()
-        return ScalerConfig(init_scale=self.loss_scale, min_scale=min(1.0, self.loss_scale))
+        floor = min(1.0, self.loss_scale / 16)  # room to back off from a small scale
+        return ScalerConfig(init_scale=self.loss_scale, min_scale=floor)
 
     def step_config(self) -> StepConfig:
         """The reference's configuration, from the cell (not from the engine's config)."""
@@ -661,3 +662,38 @@ def run_cells(rank: int, world_size: int, cells: list[Cell]) -> list[dict]:
             out.append({**_verdict(rank), "bitwise": False, "first": f"raised {last}"})
             out[-1]["passed"] = False
     return out
+
+
+def reference_trajectory(cell: Cell) -> list:
+    """The reference's StepInfo of every step of a cell, in this process and without an engine
+    (backward cells on a CPU copy of the model): which steps clip, skip or overflow, so that
+    the matrix can choose clip_norm and tests can check what the --quick cells exercise."""
+    build = MODELS[cell.model][0]
+    model = build()
+    init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
+    cfg = cell.zero_config(model.unit_names())
+    spec = reference_spec(model, cfg)
+    rcfg = cell.step_config()
+    ref = init_state(init, spec, rcfg)
+    infos = []
+    if cell.injected:
+        shapes = {s.name: tuple(s.shape) for lay in spec.layouts for s in lay.slots}
+        names, draw = sorted(shapes), cell.gradient_draw()
+    for step in range(cell.steps):
+        if cell.injected:
+            grads = draw.materialise(step, names, shapes, cell.micro_batches, cell.precision)
+        else:
+            batches = MODELS[cell.model][1](
+                model.cfg,
+                seed=cell.seed,
+                data_step=step,
+                count=cell.micro_batches,
+                batch_size=cell.batch_size,
+            )
+            scale = None if ref.scaler is None else ref.scaler.scale
+            work = working_copy(ref, rcfg)
+            dtype = TORCH_DTYPES[cell.precision]
+            grads = [microbatch_grads(model, work, b, dtype, scale) for b in batches]
+        ref, info = train_step(ref, grads, spec, rcfg)
+        infos.append(info)
+    return infos

@@ -19,6 +19,17 @@ The bugs:
   stale_prefetch              stage 3: a prefetched unit is not re-gathered, so forward uses
                               the values of its previous gather (the previous step's parameters)
   overflow_one_rank           ranks 1..N-1 ignore the agreed overflow flag: rank 0 alone skips
+  loss_m_over_n               the reported loss is M/N times the mean (a per-rank sum of the
+                              micro-batch losses divided by N, not by M): the state is right
+  extra_all_gather_stage3     stage 3 gathers one more unit per step (and frees it again): the
+                              same bits, one all-gather too many
+  decay_on_biases             the engine's grouping puts every parameter, biases included, in
+                              group 0 (weight decay); the reference takes its groups from the
+                              config's group_of, not from the engine
+  uncapped_clip               the clip coefficient is not capped at 1: a step whose norm is below
+                              clip_norm scales its gradients up
+  unchecked_reduced_overflow  with a loss scale below 1/M the engine no longer checks R itself
+                              for overflow (docs/design.md §2): an inf in R only is not skipped
 """
 
 import numpy as np
@@ -26,10 +37,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from reference.step import CLIP_EPS
 from verify import matrix
 from verify.harness import run_cells
 from verify.report import merge
-from zero import collectives
+from zero import build, collectives
 from zero import engine as engine_module
 from zero import optim as zoptim
 from zero.engine import ZeroEngine
@@ -148,6 +160,58 @@ def plant_overflow_one_rank(mp):
         mp.setattr(collectives, "any_flag", any_flag)
 
 
+def plant_loss_m_over_n(mp):
+    original = ZeroEngine._exchange
+
+    def exchange(self, *a, **kw):
+        overflow, bad, loss, partials = original(self, *a, **kw)
+        k = self.config.micro_batches // self.world_size
+        return overflow, bad, loss * k, partials
+
+    mp.setattr(ZeroEngine, "_exchange", exchange)
+
+
+def plant_extra_all_gather_stage3(mp):
+    original = Stage3.end_backward
+
+    def end_backward(self):
+        if self.ctx.clock.microstep == 0 and self.units:  # once per step: a wasted gather
+            u = self.units[-1]
+            if u.state is PartitionState.SHARDED:
+                self.gather(u, "param_fwd")
+                self.transition(u, PartitionState.SHARDED)
+        original(self)
+
+    mp.setattr(Stage3, "end_backward", end_backward)
+
+
+def plant_decay_on_biases(mp):
+    def group_index(config, named):
+        return {pn: 0 for _, ps in named for pn, _ in ps}
+
+    mp.setattr(build, "group_index", group_index)
+
+
+def plant_uncapped_clip(mp):
+    def clip_coefficient(norm, clip_norm):
+        if clip_norm is None:
+            return None
+        return np.float32(clip_norm / (float(norm) + CLIP_EPS))
+
+    mp.setattr(engine_module, "clip_coefficient", clip_coefficient)
+
+
+def plant_unchecked_reduced_overflow(mp):
+    original = ZeroEngine._exchange
+
+    def exchange(self, held, g, inv):
+        if inv > 1:  # the check of R itself sees only finite zeros
+            held = [torch.zeros_like(h) for h in held]
+        return original(self, held, g, inv)
+
+    mp.setattr(ZeroEngine, "_exchange", exchange)
+
+
 BUGS = {
     "one_ulp": plant_one_ulp,
     "shard_offset": plant_shard_offset,
@@ -156,7 +220,14 @@ BUGS = {
     "reduce_order": plant_reduce_order,
     "stale_prefetch": plant_stale_prefetch,
     "overflow_one_rank": plant_overflow_one_rank,
+    "loss_m_over_n": plant_loss_m_over_n,
+    "extra_all_gather_stage3": plant_extra_all_gather_stage3,
+    "decay_on_biases": plant_decay_on_biases,
+    "uncapped_clip": plant_uncapped_clip,
+    "unchecked_reduced_overflow": plant_unchecked_reduced_overflow,
 }
+NEW = ("loss_m_over_n", "extra_all_gather_stage3", "decay_on_biases", "uncapped_clip")
+NEW += ("unchecked_reduced_overflow",)
 
 
 def run_planted(rank, n, bug, cells):
