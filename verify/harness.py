@@ -9,13 +9,23 @@ builds the model and the engine and runs the single-process reference on the sam
              each rank's backward produces; the engine trains on the data itself;
   injected   g_j come from a GradientDraw (verify/inject.py) and go into the engine through
              ZeroEngine.inject_gradients on the rank that owns micro-batch j.
-After every step each rank compares what it holds with the reference: its master extent, its
-optimizer-state extent, its working copy, the global norm, the loss scale and the skip
-decision. Which extent a rank must hold is derived here from the stage (`expected_extents`),
-not asked of the engine, so an engine that shifts its own shard cannot shift the check with it.
+The reference side comes from the model and the cell alone (verify/expect.py): its units
+(config.units on the model's parameters), groups (config.group_of), configuration and
+micro-batches; the engine's units and groups are compared with them, never used.
+After every step each rank compares, naming the step, the quantity and both values:
+  reported  the step's loss (the mean of the reference side's own micro-batch losses, or of the
+            injected ones, within loss_bound), the global norm, the skip decision, the loss
+            scale used and after the step, the optimizer step count and the data step;
+  traffic   the step's counted collectives (calls, elements, padding per op and phase) against
+            verify.expect.expected_traffic (docs/design.md §2's volumes, unit by unit);
+  state     its master extent, its optimizer-state extent and its working copy. Which extent a
+            rank must hold is derived from the stage (`expected_extents`), not asked of the
+            engine, so an engine that shifts its own shard cannot shift the check with it;
+and after the last step engine.memory_report() against verify.expect.expected_memory.
   deterministic  bit for bit (NaN compared as NaN-ness: torch and NumPy differ in payloads);
   fast           within the bound stated in verify/lockstep.py (lock-step: every step starts
-                 from the reference's state).
+                 from the reference's state); the norm bit for bit against the pinned order
+                 applied to the engine's own R (`engine_norm`), and within Δν of the reference's.
 """
 
 from __future__ import annotations
