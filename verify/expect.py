@@ -24,6 +24,7 @@ import math
 
 from reference import ModelSpec
 from reference.optim import state_names
+from reference.step import StepConfig
 from zero.memory import model_state_breakdown
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -53,6 +54,21 @@ def reference_spec(model, config) -> ModelSpec:
     """The reference's ModelSpec from the model and the config alone."""
     units = [ps for _, ps in reference_units(model, config)]
     return ModelSpec.build(units, reference_groups(model, config), chunk=config.chunk)
+
+
+def reference_step_config(config, n: int) -> StepConfig:
+    """The reference's configuration of one step, read field by field from the config."""
+    return StepConfig(
+        optimizer=config.optimizer,
+        groups=tuple(config.groups),
+        precision=config.precision,
+        reduce_dtype=config.reduce_dtype,
+        world_size=n,
+        micro_batches=config.micro_batches,
+        clip_norm=config.clip_norm,
+        scaler=config.scaler,
+        nonfinite=config.nonfinite,
+    )
 
 
 def persistent(config, lay) -> bool:

@@ -44,7 +44,6 @@ import torch
 from reference import init_state, train_step, working_copy
 from reference.optim import Hyper
 from reference.precision import DTYPES, ScalerConfig, f32
-from reference.step import StepConfig
 from reference.tree import chunk_sumsq, global_norm
 from zero import collectives
 from zero.config import TORCH_DTYPES, ZeroConfig, decay_matrices_only
@@ -59,6 +58,7 @@ from .expect import (
     expected_traffic,
     first_difference,
     reference_spec,
+    reference_step_config,
     traffic_of_step,
 )
 from .inject import GradientDraw, ParamModel, draw_for, to_torch
@@ -202,20 +202,6 @@ class Cell:
             return ScalerConfig()
         floor = min(1.0, self.loss_scale / 16)  # room to back off from a small scale
         return ScalerConfig(init_scale=self.loss_scale, min_scale=floor)
-
-    def step_config(self) -> StepConfig:
-        """The reference's configuration, from the cell (not from the engine's config)."""
-        return StepConfig(
-            optimizer=self.optimizer,
-            groups=GROUPS[self.optimizer],
-            precision=self.precision,
-            reduce_dtype=self.reduce_dtype,
-            world_size=self.world_size,
-            micro_batches=self.micro_batches,
-            clip_norm=self.clip_norm,
-            scaler=self.scaler_config(),
-            nonfinite=self.nonfinite,
-        )
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -544,7 +530,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     cfg = cell.zero_config(model.unit_names())
     spec = reference_spec(model, cfg)  # before the engine wraps the model
-    rcfg = cell.step_config()
+    rcfg = reference_step_config(cfg, cell.world_size)
     ref = init_state(init, spec, rcfg)
     eng = ZeroEngine(model.to(device), cfg)
     ref_model = None if cell.injected else build().to(device)
@@ -683,7 +669,7 @@ def reference_trajectory(cell: Cell) -> list:
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     cfg = cell.zero_config(model.unit_names())
     spec = reference_spec(model, cfg)
-    rcfg = cell.step_config()
+    rcfg = reference_step_config(cfg, cell.world_size)
     ref = init_state(init, spec, rcfg)
     infos = []
     if cell.injected:
