@@ -272,6 +272,11 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     "unchecked_reduced_overflow": lambda c: (
         c.loss_scale is not None and c.loss_scale < 1 / c.micro_batches and c.gradients == "drawn"
     ),
+    # resident bytes are compared in every cell; the streaming tree (deterministic mode, every
+    # stage) reports its partial sums each step
+    "extra_partial_sum": _det,
+    # the counted reduce-scatter calls of C_B cells
+    "half_width_pieces": lambda c: c.bucket_elements is not None,
 }
 
 

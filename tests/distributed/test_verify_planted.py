@@ -30,6 +30,10 @@ The bugs:
                               clip_norm scales its gradients up
   unchecked_reduced_overflow  with a loss scale below 1/M the engine no longer checks R itself
                               for overflow (docs/design.md §2): an inf in R only is not skipped
+  extra_partial_sum           the streaming tree keeps one partial-sum shard more than it needs
+                              (docs/design.md §3: floor(log2(M/N))): the same bits, more memory
+  half_width_pieces           C_B pieces half as wide as C_B allows: the same bits and volume,
+                              twice the reduce-scatter calls
 """
 
 import numpy as np
@@ -47,7 +51,9 @@ from zero import optim as zoptim
 from zero.engine import ZeroEngine
 from zero.launch import get_pool
 from zero.partition import UnitPartition
+from zero.stages.base import Accounting
 from zero.stages.stage3 import PartitionState, Stage3
+from zero.zero_r.buckets import ConstantBuffers
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -212,6 +218,25 @@ def plant_unchecked_reduced_overflow(mp):
     mp.setattr(ZeroEngine, "_exchange", exchange)
 
 
+def plant_extra_partial_sum(mp):
+    original = Accounting.partials
+
+    def partials(self, u, peak):
+        original(self, u, peak + 1)
+
+    mp.setattr(Accounting, "partials", partials)
+
+
+def plant_half_width_pieces(mp):
+    original = ConstantBuffers.__init__
+
+    def init(self, elements, world_size):
+        original(self, elements, world_size)
+        self.width = max(1, self.width // 2)
+
+    mp.setattr(ConstantBuffers, "__init__", init)
+
+
 BUGS = {
     "one_ulp": plant_one_ulp,
     "shard_offset": plant_shard_offset,
@@ -225,9 +250,9 @@ BUGS = {
     "decay_on_biases": plant_decay_on_biases,
     "uncapped_clip": plant_uncapped_clip,
     "unchecked_reduced_overflow": plant_unchecked_reduced_overflow,
+    "extra_partial_sum": plant_extra_partial_sum,
+    "half_width_pieces": plant_half_width_pieces,
 }
-NEW = ("loss_m_over_n", "extra_all_gather_stage3", "decay_on_biases", "uncapped_clip")
-NEW += ("unchecked_reduced_overflow",)
 
 
 def run_planted(rank, n, bug, cells):
