@@ -573,14 +573,6 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
         res = source.feed(step, grads, losses)
         verdict["skipped_steps"] += int(info.skipped)
         verdict["clipped_steps"] += int(info.clip_coef is not None)
-        traffic = traffic_of_step(eng.counter, eng.counter.step - 1)
-        traffic_want = expected_traffic(
-            cfg, spec, n, rank, forward=not cell.injected, skipped=info.skipped
-        )
-        why = first_difference(f"step {step}: traffic", traffic, traffic_want)
-        if why and not verdict["traffic"]:
-            verdict["traffic"] = why
-            fail(why)
         if cell.mode == "fast":
             scale = info.scale
             pinned = None
@@ -602,6 +594,14 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
         why = check_reported(step, eng, res, ref, info, losses, norm_ok)
         if why:
             verdict["reported"] = verdict["reported"] or why
+            fail(why)
+        traffic = traffic_of_step(eng.counter, eng.counter.step - 1)
+        traffic_want = expected_traffic(
+            cfg, spec, n, rank, forward=not cell.injected, skipped=info.skipped
+        )
+        why = first_difference(f"step {step}: traffic", traffic, traffic_want)
+        if why and not verdict["traffic"]:
+            verdict["traffic"] = why
             fail(why)
         if res.skipped != info.skipped:
             continue
