@@ -14,7 +14,7 @@ The product is 4·5·3·3·2·2·2·2·3·2·4 = 69,120 cells. The presets cover
             (AdamW), and zero_r_cells() (activation checkpointing, optimizer offload, both,
             and contiguous memory, at every stage, N = 2), and BRANCHES (clipping on some steps
             only at every stage, C_B pieces, fast mode with offload and with persistent units,
-            a loss scale below 1/M, the GPT). The CI preset: about 90 s on 2 cores.
+            a loss scale below 1/M, the GPT). The CI preset: about a minute on 2 cores.
   complete  every *4-tuple* of values (about 350 cells; so every triple and pair too), the
             slices stage × N × precision for each kind of injected gradients, for backward and
             in fast mode, the GPT at every stage × precision, TEETH and extras() (persistent
