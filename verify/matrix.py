@@ -277,6 +277,10 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     "extra_partial_sum": _det,
     # the counted reduce-scatter calls of C_B cells
     "half_width_pieces": lambda c: c.bucket_elements is not None,
+    # the reported norm is compared in fast mode too (bitwise against the pinned order)
+    "fast_norm_misreported": lambda c: c.mode == "fast" and _optimizer_steps(c) >= 1,
+    # the step count is compared after every step; needs a skipped step
+    "t_advances_on_skip": lambda c: c.gradients == "nonfinite" or c.loss_scale is not None,
 }
 
 

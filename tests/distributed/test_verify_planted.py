@@ -34,7 +34,13 @@ The bugs:
                               (docs/design.md §3: floor(log2(M/N))): the same bits, more memory
   half_width_pieces           C_B pieces half as wide as C_B allows: the same bits and volume,
                               twice the reduce-scatter calls
+  fast_norm_misreported       in fast mode the step reports its norm one part in 10^6 too large
+                              (the norm used for clipping is right)
+  t_advances_on_skip          a skipped step still counts as an optimizer step (harmless to SGD's
+                              state, so only the reported step count shows it)
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -237,6 +243,30 @@ def plant_half_width_pieces(mp):
     mp.setattr(ConstantBuffers, "__init__", init)
 
 
+def plant_fast_norm_misreported(mp):
+    original = ZeroEngine.step
+
+    def step(self):
+        res = original(self)
+        if self.config.deterministic or res.norm is None:
+            return res
+        return dataclasses.replace(res, norm=res.norm * (1 + 1e-6))
+
+    mp.setattr(ZeroEngine, "step", step)
+
+
+def plant_t_advances_on_skip(mp):
+    original = ZeroEngine.step
+
+    def step(self):
+        res = original(self)
+        if res.skipped:
+            self.t += 1
+        return res
+
+    mp.setattr(ZeroEngine, "step", step)
+
+
 BUGS = {
     "one_ulp": plant_one_ulp,
     "shard_offset": plant_shard_offset,
@@ -252,6 +282,8 @@ BUGS = {
     "unchecked_reduced_overflow": plant_unchecked_reduced_overflow,
     "extra_partial_sum": plant_extra_partial_sum,
     "half_width_pieces": plant_half_width_pieces,
+    "fast_norm_misreported": plant_fast_norm_misreported,
+    "t_advances_on_skip": plant_t_advances_on_skip,
 }
 
 
