@@ -187,6 +187,8 @@ def main(argv=None) -> int:
         for n in sizes:
             say(f"N={n}: {sum(c.world_size == n for c in cells)} cells")
         say(f"{len(cells)} cells, {len(runs)} invariance runs")
+        for line in matrix.coverage(cells):
+            say(line)
         return 0
     report = run_matrix(
         cells, runs, timeout_s=args.timeout, say=say, invariance_sizes=args.world_sizes

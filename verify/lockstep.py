@@ -39,6 +39,7 @@ from reference.step import CLIP_EPS
 
 from .bounds import ETA, gamma, optimizer_step_error
 from .compare import to_numpy
+from .expect import expected_extents
 
 U32 = UNIT_ROUNDOFF["fp32"]
 ETA32 = ETA["fp32"]  # absolute rounding error of a float32 result among the subnormals
@@ -71,6 +72,26 @@ def _perturbed(ours: np.ndarray, bound: np.ndarray, factor: float) -> np.ndarray
     return out
 
 
+def gradient_errors(spec, rcfg, before, info, grads):
+    """(c, e_R, |g0|, e_g0, Δnorm) of one lock-step (items 1-2 of the module docstring): the
+    unscaling constant, the reduced gradient's bound, the unscaled gradient's magnitude and
+    bound per parameter, and the bound on the global norm's difference."""
+    m = rcfg.micro_batches
+    scale = 1.0 if before.scaler is None else before.scaler.scale
+    c = float(f32(1.0 / (scale * m)))
+    e_r, g0, e_g0 = {}, {}, {}
+    u_r = UNIT_ROUNDOFF[rcfg.reduction]
+    for name in spec.names:
+        abs_sum = sum(np.abs(np.asarray(g[name], np.float64)) for g in grads)
+        e_r[name] = 2 * gamma(m - 1, u_r) * abs_sum
+        abs_r = np.abs(np.asarray(info.reduced[name], np.float64))
+        g0[name] = abs_r * c
+        e_g0[name] = c * e_r[name] + 2 * U32 * c * abs_r + 2 * ETA32
+    norm = float(info.norm)
+    d_norm = math.sqrt(sum(float((e * e).sum()) for e in e_g0.values())) + 1e-12 * norm
+    return c, e_r, g0, e_g0, d_norm
+
+
 def check_fast_step(
     eng, spec, rcfg, before, after, info, grads, *, detail=False, perturb=None
 ) -> dict:
@@ -83,19 +104,9 @@ def check_fast_step(
     bound proves nothing; tests inject exactly that and require the cell to fail.
     """
     perturb = perturb or {}
-    n, m = eng.world_size, rcfg.micro_batches
-    scale = 1.0 if before.scaler is None else before.scaler.scale
-    c = float(f32(1.0 / (scale * m)))
-    e_r, abs_r, g0, e_g0 = {}, {}, {}, {}
-    u_r = UNIT_ROUNDOFF[rcfg.reduction]
-    for name in spec.names:
-        abs_sum = sum(np.abs(np.asarray(g[name], np.float64)) for g in grads)
-        e_r[name] = 2 * gamma(m - 1, u_r) * abs_sum
-        abs_r[name] = np.abs(np.asarray(info.reduced[name], np.float64))
-        g0[name] = abs_r[name] * c
-        e_g0[name] = c * e_r[name] + 2 * U32 * c * abs_r[name] + 2 * ETA32
+    n = eng.world_size
+    c, e_r, g0, e_g0, d_norm = gradient_errors(spec, rcfg, before, info, grads)
     norm = float(info.norm)
-    d_norm = math.sqrt(sum(float((e * e).sum()) for e in e_g0.values())) + 1e-12 * norm
     if rcfg.clip_norm is None:
         coef, d_coef = 1.0, 0.0
     else:
@@ -130,8 +141,10 @@ def check_fast_step(
 
     u_c = UNIT_ROUNDOFF[rcfg.precision]
     work_ref = {k: cast(v, rcfg.precision) for k, v in after.master.items()}
-    for u, held in zip(eng.units, eng.last_reduced, strict=True):
-        lay, ext = u.part.layout, eng.master_extent(u)
+    stage, persist = eng.config.stage, eng.config.persist_below
+    for u, held, lay in zip(eng.units, eng.last_reduced, spec.layouts, strict=True):
+        # the reference's layout and the stage's extents, not the engine's (verify/expect.py)
+        ext, held_ext = expected_extents(stage, persist, lay, eng.rank, n)
         theirs = _flat(lay, info.reduced, n)[ext]
         note("reduced", to_numpy(held).astype(np.float64), theirs, _flat(lay, e_r, n)[ext])
         ours = to_numpy(u.master).astype(np.float64)
@@ -141,7 +154,7 @@ def check_fast_step(
             want = _flat(lay, {k: after.opt[k].get(x, zeros[k]) for k in zeros}, n)[ext]
             bound = _flat(lay, {k: err_state[k].get(x, zeros[k]) for k in zeros}, n)[ext]
             note("optimizer", to_numpy(t).astype(np.float64), want, bound)
-        resident, held = eng.working_extent(u)
+        resident, held = eng.working_extent(u)[0], held_ext
         full_p = _flat(lay, err_p, n)[held]
         master_abs = np.abs(_flat(lay, after.master, n))[held]
         bound = (1 + u_c) * full_p + 2 * u_c * master_abs + SMALLEST_SUBNORMAL[rcfg.precision]

@@ -12,8 +12,9 @@ The product is 4·5·3·3·2·2·2·2·3·2·4 = 69,120 cells. The presets cover
             injected gradients (60 cells), the cells of TEETH, three of extras(), and the
             world-size-invariance table at every stage × precision for N ∈ {1, 2, 4, 8}
             (AdamW), and zero_r_cells() (activation checkpointing, optimizer offload, both,
-            and contiguous memory, at every stage, N = 2). The CI preset: under a minute on 2
-            cores.
+            and contiguous memory, at every stage, N = 2), and BRANCHES (clipping on some steps
+            only at every stage, C_B pieces, fast mode with offload and with persistent units,
+            a loss scale below 1/M, the GPT). The CI preset: about a minute on 2 cores.
   complete  every *4-tuple* of values (about 350 cells; so every triple and pair too), the
             slices stage × N × precision for each kind of injected gradients, for backward and
             in fast mode, the GPT at every stage × precision, TEETH and extras() (persistent
@@ -44,6 +45,7 @@ from collections.abc import Callable
 
 from .covering import covering_array
 from .harness import Cell
+from .inject import GradientDraw
 
 DIMENSIONS: dict[str, tuple] = {
     "stage": (0, 1, 2, 3),
@@ -182,6 +184,48 @@ TEETH = (
 )
 
 
+def _branch(**fields) -> Cell:
+    base = {"world_size": 2, "accumulation": 2, "steps": 3, "mode": "deterministic"}
+    return Cell(**{**base, **fields})
+
+
+# Branches the covering array cannot reach, each in --quick (verify --list shows who covers
+# what). clip_norm is chosen per cell between the reference's norms of its steps
+# (verify.harness.reference_trajectory), so that some steps clip and others do not
+# (tests/unit/test_verify_branches.py checks it): with CLIP_NORM every step clips, and the
+# branch where the norm is below the limit (coefficient capped at 1) would never run.
+BRANCHES = (
+    # stage 0: C_B pieces; clips steps 1-2, not step 0
+    _branch(stage=0, precision="fp32", optimizer="adamw", clip_norm=1.6, bucket_elements=256,
+            seed=6000),
+    # fast mode with optimizer offload; clips step 1 only
+    _branch(stage=1, precision="bf16", optimizer="adam", mode="fast", offload=True,
+            clip_norm=1.8, seed=6001),
+    # C_B pieces at stage 2 (injected, uneven sizes); clips steps 0 and 2
+    _branch(stage=2, precision="fp32", optimizer="adamw", model="params-uneven",
+            gradients="random", bucket_elements=512, clip_norm=58.0, seed=6002),
+    # fast mode with persistent stage-3 units; clips steps 0-1
+    _branch(stage=3, precision="bf16", optimizer="adamw", mode="fast", persist_below=1000,
+            clip_norm=1.5, seed=6003),
+    # the GPT (tied embedding and head in the root unit); clips steps 0 and 2
+    _branch(stage=3, precision="bf16", optimizer="adamw", model="gpt", clip_norm=0.65,
+            seed=6004),
+    # a loss scale below 1/M (S = 2^-4, M = 8): R is checked itself; in step 0 every
+    # micro-batch holds a finite 30000 at one element, and their fp16 sum overflows in R only
+    _branch(stage=1, precision="fp16", optimizer="sgd", accumulation=4, reduce_dtype="fp16",
+            loss_scale=2.0**-4, model="params-even", gradients="drawn", nonfinite="skip",
+            clip_norm=None, seed=6005,
+            draw=GradientDraw(seed=6005, exponents=(-6, 2),
+                              specials=tuple((0, j, 0, 5, (30000.0).hex()) for j in range(8)))),
+)  # fmt: skip
+VARIED_CLIP = frozenset(c.clip_norm for c in BRANCHES if c.clip_norm is not None)
+
+
+def clips_on_some_steps(c: Cell) -> bool:
+    """A cell whose clip_norm was chosen to clip some steps and not others (BRANCHES)."""
+    return c.clip_norm is not None and c.clip_norm in VARIED_CLIP
+
+
 def _det(c: Cell) -> bool:
     return c.mode == "deterministic"
 
@@ -216,7 +260,88 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     "overflow_one_rank": lambda c: (
         c.stage == 0 and c.world_size >= 2 and c.gradients == "nonfinite"
     ),
+    # the reported loss is the mean over M micro-batches: M/N times it needs M > N
+    "loss_m_over_n": lambda c: c.accumulation > 1,
+    # counted collectives are compared every step: any stage-3 cell with a sharded unit
+    "extra_all_gather_stage3": lambda c: c.stage == 3 and c.model != "params-even",
+    # groups differ in their hyper-parameters (GROUPS), and every model has biases
+    "decay_on_biases": lambda c: _optimizer_steps(c) >= 1,
+    # min(1, coef) matters only on a step that does not clip
+    "uncapped_clip": lambda c: clips_on_some_steps(c),
+    # below 1/M the engine must check R itself; needs an overflow in R only
+    "unchecked_reduced_overflow": lambda c: (
+        c.loss_scale is not None and c.loss_scale < 1 / c.micro_batches and c.gradients == "drawn"
+    ),
+    # resident bytes are compared in every cell; the streaming tree (deterministic mode, every
+    # stage) reports its partial sums each step
+    "extra_partial_sum": _det,
+    # the counted reduce-scatter calls of C_B cells
+    "half_width_pieces": lambda c: c.bucket_elements is not None,
+    # the reported norm is compared in fast mode too (bitwise against the pinned order)
+    "fast_norm_misreported": lambda c: c.mode == "fast" and _optimizer_steps(c) >= 1,
+    # the step count is compared after every step; needs a skipped step
+    "t_advances_on_skip": lambda c: c.gradients == "nonfinite" or c.loss_scale is not None,
 }
+
+
+BRANCH_PREDICATES: dict[str, Callable[[Cell], bool]] = {
+    "clips on some steps, not on others": clips_on_some_steps,
+    "clips on every step (CLIP_NORM)": lambda c: c.clip_norm == CLIP_NORM,
+    "no clipping": lambda c: c.clip_norm is None,
+    "bucket_elements (C_B pieces)": lambda c: c.bucket_elements is not None,
+    "fast mode + optimizer offload": lambda c: c.mode == "fast" and c.offload,
+    "fast mode + persistent stage-3 units": lambda c: (
+        c.mode == "fast" and c.stage == 3 and c.persist_below > 0
+    ),
+    "deterministic + persistent stage-3 units": lambda c: (
+        c.mode == "deterministic" and c.stage == 3 and c.persist_below > 0
+    ),
+    "loss scale below 1/M (R checked itself)": lambda c: (
+        c.loss_scale is not None and c.loss_scale < 1 / c.micro_batches
+    ),
+    "GPT (tied parameters)": lambda c: c.model == "gpt",
+    "reduction in the compute dtype": lambda c: c.reduce_dtype not in (None, "fp32"),
+    "activation checkpointing": lambda c: c.checkpointing,
+    "contiguous memory": lambda c: c.contiguous,
+    "non-finite gradients skipped": lambda c: c.gradients == "nonfinite",
+    "injected delays": lambda c: c.delays,
+    "stage 3 with a forward and overlap (prefetch)": lambda c: (
+        c.stage == 3 and c.overlap and not c.injected
+    ),
+}
+"""Branches of the engine a plan should reach, as predicates on cells (verify --list)."""
+
+LISTED_FIELDS = (
+    "stage", "world_size", "precision", "optimizer", "mode", "model", "accumulation",
+    "clip_norm", "units", "gradients", "overlap", "delays", "reduce_dtype", "persist_below",
+    "bucket_elements", "loss_scale", "offload", "checkpointing", "contiguous", "nonfinite",
+)  # fmt: skip
+
+
+def _ids(idx: list[int], most: int = 12) -> str:
+    shown = " ".join(f"#{i}" for i in idx[:most])
+    return f"{len(idx):>4}  {shown}{' …' if len(idx) > most else ''}"
+
+
+def coverage(cells: list[Cell]) -> list[str]:
+    """Lines of `verify --list`: per field value and per branch, which cells (#index in the
+    plan) cover it; a branch no cell covers says so."""
+    out = ["per field value (cells, first indices):"]
+    for f in LISTED_FIELDS:
+        values: dict = {}
+        for i, c in enumerate(cells):
+            values.setdefault(repr(getattr(c, f)), []).append(i)
+        for v, idx in sorted(values.items()):
+            out.append(f"  {f + '=' + v:<46} {_ids(idx)}")
+    out.append("per branch:")
+    for name, pred in BRANCH_PREDICATES.items():
+        idx = [i for i, c in enumerate(cells) if pred(c)]
+        out.append(f"  {name:<46} {_ids(idx) if idx else '   0  NOT COVERED'}")
+    out.append("per planted bug (OBSERVABLE):")
+    for name, pred in OBSERVABLE.items():
+        idx = [i for i, c in enumerate(cells) if pred(c)]
+        out.append(f"  {name:<46} {_ids(idx) if idx else '   0  NOT COVERED'}")
+    return out
 
 
 def invariance_runs(*, full: bool) -> list[dict]:
@@ -265,7 +390,7 @@ def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
 def quick() -> tuple[list[Cell], list[dict]]:
     """The CI preset: (cells, invariance runs)."""
     cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3] + zero_r_cells()
-    return cells, invariance_runs(full=False)
+    return cells + list(BRANCHES), invariance_runs(full=False)
 
 
 def small() -> tuple[list[Cell], list[dict]]:
@@ -320,5 +445,5 @@ def complete() -> tuple[list[Cell], list[dict]]:
     for kind in ("random", "extreme", "nonfinite", "backward"):
         out += slice_cells(gradients=kind, accumulation=4 if kind == "random" else 1)
     out += slice_cells(mode="fast", sizes="even") + gpt_cells
-    out += extras() + list(TEETH) + zero_r_cells((2, 3, 4))
+    out += extras() + list(TEETH) + zero_r_cells((2, 3, 4)) + list(BRANCHES)
     return out, invariance_runs(full=True)

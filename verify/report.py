@@ -6,8 +6,11 @@ The JSON report (python -m verify --json) is
 Every row has `passed`; cell rows (backward gradients in "cells", injected ones in "injected")
 keep the format of the first CLI (stage, world_size, precision, optimizer, mode, steps, bitwise,
 max_abs_diff, max_ulp, tolerance, bound_ratio, passed, first_mismatch, skipped_steps) plus the
-full configuration in `config` and, for fast cells, each check's measured error beside its bound
-in `errors`. Non-finite floats are written as strings (standard JSON has no inf or NaN).
+full configuration in `config`, for fast cells each check's measured error beside its bound in
+`errors`, and `reported`, `traffic` and `memory` ({"passed", "first"}; memory also the engine's
+and the expected bytes by category): the step's reported quantities, its counted collectives and
+the resident bytes against verify/expect.py. Non-finite floats are written as strings
+(standard JSON has no inf or NaN).
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ def merge(cell, per_rank: list[dict]) -> dict:
         "first_mismatch": next(
             (f"rank {r['rank']}: {r['first']}" for r in per_rank if r["first"]), ""
         ),
+        # what the engine reported (loss, norm, skip, loss scale, step counts), sent (counted
+        # collectives per op and phase) and holds (memory_report), against verify/expect.py
+        "reported": _checked(per_rank, "reported"),
+        "traffic": _checked(per_rank, "traffic"),
+        "memory": {
+            **_checked(per_rank, "memory"),
+            **per_rank[0].get("memory_bytes", {}),
+        },
         "skipped_steps": per_rank[0]["skipped_steps"],
         "clipped_steps": per_rank[0].get("clipped_steps", 0),
         # collective launches that Cell.delays slowed down, over all ranks
@@ -57,6 +68,13 @@ def merge(cell, per_rank: list[dict]) -> dict:
         "digest": ",".join(sorted({str(r.get("digest")) for r in per_rank})),
         "config": cell.as_dict(),
     }
+
+
+def _checked(per_rank: list[dict], key: str) -> dict:
+    """{"passed", "first"} of one comparison over every rank (first: rank and both values)."""
+    first = next((f"rank {r['rank']}: {r[key]}" for r in per_rank if r.get(key)), "")
+    ran = all(key in r for r in per_rank)
+    return {"passed": ran and not first, "first": first if ran else "not run"}
 
 
 def failed_rows(cells, reason: str) -> list[dict]:

@@ -19,23 +19,47 @@ The bugs:
   stale_prefetch              stage 3: a prefetched unit is not re-gathered, so forward uses
                               the values of its previous gather (the previous step's parameters)
   overflow_one_rank           ranks 1..N-1 ignore the agreed overflow flag: rank 0 alone skips
+  loss_m_over_n               the reported loss is M/N times the mean (a per-rank sum of the
+                              micro-batch losses divided by N, not by M): the state is right
+  extra_all_gather_stage3     stage 3 gathers one more unit per step (and frees it again): the
+                              same bits, one all-gather too many
+  decay_on_biases             the engine's grouping puts every parameter, biases included, in
+                              group 0 (weight decay); the reference takes its groups from the
+                              config's group_of, not from the engine
+  uncapped_clip               the clip coefficient is not capped at 1: a step whose norm is below
+                              clip_norm scales its gradients up
+  unchecked_reduced_overflow  with a loss scale below 1/M the engine no longer checks R itself
+                              for overflow (docs/design.md §2): an inf in R only is not skipped
+  extra_partial_sum           the streaming tree keeps one partial-sum shard more than it needs
+                              (docs/design.md §3: floor(log2(M/N))): the same bits, more memory
+  half_width_pieces           C_B pieces half as wide as C_B allows: the same bits and volume,
+                              twice the reduce-scatter calls
+  fast_norm_misreported       in fast mode the step reports its norm one part in 10^6 too large
+                              (the norm used for clipping is right)
+  t_advances_on_skip          a skipped step still counts as an optimizer step (harmless to SGD's
+                              state, so only the reported step count shows it)
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from reference.step import CLIP_EPS
 from verify import matrix
 from verify.harness import run_cells
 from verify.report import merge
-from zero import collectives
+from zero import build, collectives
 from zero import engine as engine_module
 from zero import optim as zoptim
 from zero.engine import ZeroEngine
 from zero.launch import get_pool
 from zero.partition import UnitPartition
+from zero.stages.base import Accounting
 from zero.stages.stage3 import PartitionState, Stage3
+from zero.zero_r.buckets import ConstantBuffers
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -148,6 +172,101 @@ def plant_overflow_one_rank(mp):
         mp.setattr(collectives, "any_flag", any_flag)
 
 
+def plant_loss_m_over_n(mp):
+    original = ZeroEngine._exchange
+
+    def exchange(self, *a, **kw):
+        overflow, bad, loss, partials = original(self, *a, **kw)
+        k = self.config.micro_batches // self.world_size
+        return overflow, bad, loss * k, partials
+
+    mp.setattr(ZeroEngine, "_exchange", exchange)
+
+
+def plant_extra_all_gather_stage3(mp):
+    original = Stage3.end_backward
+
+    def end_backward(self):
+        if self.ctx.clock.microstep == 0 and self.units:  # once per step: a wasted gather
+            u = self.units[-1]
+            if u.state is PartitionState.SHARDED:
+                self.gather(u, "param_fwd")
+                self.transition(u, PartitionState.SHARDED)
+        original(self)
+
+    mp.setattr(Stage3, "end_backward", end_backward)
+
+
+def plant_decay_on_biases(mp):
+    def group_index(config, named):
+        return {pn: 0 for _, ps in named for pn, _ in ps}
+
+    mp.setattr(build, "group_index", group_index)
+
+
+def plant_uncapped_clip(mp):
+    def clip_coefficient(norm, clip_norm):
+        if clip_norm is None:
+            return None
+        return np.float32(clip_norm / (float(norm) + CLIP_EPS))
+
+    mp.setattr(engine_module, "clip_coefficient", clip_coefficient)
+
+
+def plant_unchecked_reduced_overflow(mp):
+    original = ZeroEngine._exchange
+
+    def exchange(self, held, g, inv):
+        if inv > 1:  # the check of R itself sees only finite zeros
+            held = [torch.zeros_like(h) for h in held]
+        return original(self, held, g, inv)
+
+    mp.setattr(ZeroEngine, "_exchange", exchange)
+
+
+def plant_extra_partial_sum(mp):
+    original = Accounting.partials
+
+    def partials(self, u, peak):
+        original(self, u, peak + 1)
+
+    mp.setattr(Accounting, "partials", partials)
+
+
+def plant_half_width_pieces(mp):
+    original = ConstantBuffers.__init__
+
+    def init(self, elements, world_size):
+        original(self, elements, world_size)
+        self.width = max(1, self.width // 2)
+
+    mp.setattr(ConstantBuffers, "__init__", init)
+
+
+def plant_fast_norm_misreported(mp):
+    original = ZeroEngine.step
+
+    def step(self):
+        res = original(self)
+        if self.config.deterministic or res.norm is None:
+            return res
+        return dataclasses.replace(res, norm=res.norm * (1 + 1e-6))
+
+    mp.setattr(ZeroEngine, "step", step)
+
+
+def plant_t_advances_on_skip(mp):
+    original = ZeroEngine.step
+
+    def step(self):
+        res = original(self)
+        if res.skipped:
+            self.t += 1
+        return res
+
+    mp.setattr(ZeroEngine, "step", step)
+
+
 BUGS = {
     "one_ulp": plant_one_ulp,
     "shard_offset": plant_shard_offset,
@@ -156,6 +275,15 @@ BUGS = {
     "reduce_order": plant_reduce_order,
     "stale_prefetch": plant_stale_prefetch,
     "overflow_one_rank": plant_overflow_one_rank,
+    "loss_m_over_n": plant_loss_m_over_n,
+    "extra_all_gather_stage3": plant_extra_all_gather_stage3,
+    "decay_on_biases": plant_decay_on_biases,
+    "uncapped_clip": plant_uncapped_clip,
+    "unchecked_reduced_overflow": plant_unchecked_reduced_overflow,
+    "extra_partial_sum": plant_extra_partial_sum,
+    "half_width_pieces": plant_half_width_pieces,
+    "fast_norm_misreported": plant_fast_norm_misreported,
+    "t_advances_on_skip": plant_t_advances_on_skip,
 }
 
 

@@ -1,0 +1,215 @@
+"""What a cell must see, computed in verify from the model and the config alone, never from the
+engine under test: the reference's units and parameter groups, each step's collectives, and the
+resident bytes.
+
+Legend: N ranks, M micro-batches per step, k = M/N micro-steps, L_u unit u's shard length and
+N·L_u its padded length (reference/layout.py), real_r the real (non-padding) elements of shard r,
+cb/gb the bytes of the compute and reduction dtypes.
+
+  reference_units   config.units applied to model.named_parameters(): a parameter belongs to the
+                    one named unit whose submodule holds it, to the root if none or several do
+                    (tied parameters, once each), root first (docs/design.md §3)
+  reference_groups  config.group_of(name, parameter) for every parameter (0 without group_of)
+  expected_traffic  per step and rank, {"op:phase": (calls, elements, padding)} by the design's
+                    volume table (docs/design.md §2) unit by unit, see the function
+  expected_memory   engine.memory_report()'s categories by zero.memory.model_state_breakdown
+                    per unit, plus the offload buffers (zero/zero_r/offload.py's documented ones)
+A test plants an engine whose grouping or prefetch is wrong; only expectations built here can
+tell (tests/distributed/test_verify_planted.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+from reference import ModelSpec
+from reference.optim import state_names
+from reference.step import StepConfig
+from zero.memory import model_state_breakdown
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def reference_units(model, config) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """[(unit name, [(parameter name, shape)])], root ('') first, empty units left out."""
+    mods = dict(model.named_modules())
+    holders: dict[int, set[str]] = {}
+    for uname in config.units:
+        for p in mods[uname].parameters():
+            holders.setdefault(id(p), set()).add(uname)
+    out: dict[str, list] = {u: [] for u in ("", *config.units)}
+    for name, p in model.named_parameters():  # a tied parameter is yielded once
+        owner = holders.get(id(p), set())
+        out[next(iter(owner)) if len(owner) == 1 else ""].append((name, tuple(p.shape)))
+    return [(u, ps) for u, ps in out.items() if ps]
+
+
+def reference_groups(model, config) -> dict[str, int]:
+    """Parameter name -> optimizer group, by config.group_of on the model's own parameters."""
+    fn = config.group_of
+    return {n: (fn(n, p) if fn else 0) for n, p in model.named_parameters()}
+
+
+def reference_spec(model, config) -> ModelSpec:
+    """The reference's ModelSpec from the model and the config alone."""
+    units = [ps for _, ps in reference_units(model, config)]
+    return ModelSpec.build(units, reference_groups(model, config), chunk=config.chunk)
+
+
+def reference_step_config(config, n: int) -> StepConfig:
+    """The reference's configuration of one step, read field by field from the config."""
+    return StepConfig(
+        optimizer=config.optimizer,
+        groups=tuple(config.groups),
+        precision=config.precision,
+        reduce_dtype=config.reduce_dtype,
+        world_size=n,
+        micro_batches=config.micro_batches,
+        clip_norm=config.clip_norm,
+        scaler=config.scaler,
+        nonfinite=config.nonfinite,
+    )
+
+
+def persistent(config, lay) -> bool:
+    """Stage 3 keeps units of at most persist_below parameters whole (docs/design.md §3)."""
+    return config.stage == 3 and lay.numel <= config.persist_below
+
+
+def expected_extents(stage: int, persist_below: int, lay, rank: int, n: int):
+    """(master/optimizer extent, working extent) that rank must hold, from the stage alone:
+    stage 0 (and stage 3's persistent units) everything; stages 1-2 the master shard r and
+    the whole working copy; stage 3 shard r of both. Shard r is [r·L, (r+1)·L)."""
+    whole = slice(0, lay.padded_numel(n))
+    shard = lay.shard_numel(n)
+    own = slice(rank * shard, (rank + 1) * shard)
+    if stage == 0 or (stage == 3 and lay.numel <= persist_below):
+        return whole, whole
+    return (own, whole) if stage in (1, 2) else (own, own)
+
+
+def real_per_shard(lay, n: int) -> list[int]:
+    mask = lay.real_mask(n).reshape(n, lay.shard_numel(n))
+    return [int(x) for x in mask.sum(axis=1)]
+
+
+def expected_traffic(
+    config, spec, n: int, rank: int, *, forward: bool, skipped: bool = False
+) -> dict[str, tuple]:
+    """Model-state collectives of one step on `rank`: {"op:phase": (calls, elements, padding)}.
+
+    Per unit, k = M/N, L its shard, rs_pad = Σ_{r≠rank}(L - real_r) (what a reduce-scatter
+    sends of padding), ag_pad = (N-1)(L - real_rank) (an all-gather of this rank's shard):
+      stage 0 (and stage 3's persistent units)  deterministic: k reduce-scatters and one
+          all-gather of the reduced gradient (grad_gather); fast: one all-reduce (2(N-1)L)
+      stage 1   deterministic: k reduce-scatters; fast: one; then one all-gather of the
+          updated parameters (param_update)
+      stage 2   k reduce-scatters in both modes, one param_update all-gather
+      stage 3   k reduce-scatters; with a forward, k all-gathers for forward (param_fwd) and,
+          but for the root (gathered from its forward to the end of backward), k for backward
+          (param_bwd); injected gradients gather nothing
+    Each reduce-scatter is cut into ceil(L / (C_B // N)) pieces with bucket_elements C_B; the
+    pieces send what the whole would. Every call sends (N-1)·(its shard part) elements. A
+    skipped step (overflow) updates nothing, so it gathers no updated parameters.
+    """
+    k, det = config.micro_batches // n, config.deterministic
+    out: dict[str, list[int]] = {}
+
+    def add(key, calls, elements, padding):
+        row = out.setdefault(key, [0, 0, 0])
+        row[0], row[1], row[2] = row[0] + calls, row[1] + elements, row[2] + padding
+
+    for i, lay in enumerate(spec.layouts):
+        L, real = lay.shard_numel(n), real_per_shard(lay, n)
+        rs_pad = sum(L - real[r] for r in range(n) if r != rank)
+        ag = ((n - 1) * L, (n - 1) * (L - real[rank]))
+        pieces = 1
+        if config.bucket_elements is not None:
+            pieces = math.ceil(L / (config.bucket_elements // n))
+        stage = 0 if persistent(config, lay) else config.stage
+
+        rs = ("reduce_scatter:grad", pieces, (n - 1) * L, rs_pad)  # one micro-step's
+        if stage == 0 and not det:
+            add("all_reduce:grad", 1, 2 * (n - 1) * L, rs_pad + ag[1])
+        elif stage == 0:
+            add(rs[0], *(k * x for x in rs[1:]))
+            add("all_gather:grad_gather", 1, *ag)
+        elif stage in (1, 2):
+            times = 1 if stage == 1 and not det else k
+            add(rs[0], *(times * x for x in rs[1:]))
+            if not skipped:
+                add("all_gather:param_update", 1, *ag)
+        else:
+            add(rs[0], *(k * x for x in rs[1:]))
+            if forward:
+                add("all_gather:param_fwd", k, k * ag[0], k * ag[1])
+                if i:  # the root (unit 0) stays gathered through backward
+                    add("all_gather:param_bwd", k, k * ag[0], k * ag[1])
+    return {key: tuple(v) for key, v in out.items()}
+
+
+def optimizer_states(config) -> int:
+    """State arrays per parameter: the most any group needs (a unit's states cover it whole)."""
+    return max(len(state_names(config.optimizer, hp)) for hp in config.groups)
+
+
+def expected_memory(config, spec, n: int) -> dict[str, int]:
+    """engine.memory_report()'s model-state categories (comm_buffers, which depend on what is
+    in flight, are not modelled): per unit, zero.memory.model_state_breakdown at the unit's
+    stage (stage 0 for stage 3's persistent units) over its padded numel; pure fp32 has no
+    separate master (it is a view of the working copy). offload_optimizer adds a host buffer
+    for the gradient extent the update reads (stages 0-1: the master's extent, beside the
+    device buffer; stages 2-3: the reduced shard itself moves to the host, and fast mode keeps
+    its running sum on the device too) and, in mixed precision, an upload staging buffer of the
+    master's extent in the compute dtype."""
+    cb = DTYPE_BYTES[config.precision]
+    gb = DTYPE_BYTES[config.reduce_dtype or "fp32"]
+    fp32 = config.precision == "fp32"
+    k, det, offload = config.micro_batches // n, config.deterministic, config.offload_optimizer
+    total = {"params": 0, "grads": 0, "master": 0, "optimizer": 0}
+    staging = 0
+    for lay in spec.layouts:
+        stage = 0 if persistent(config, lay) else config.stage
+        padded = lay.padded_numel(n)
+        b = model_state_breakdown(
+            num_params=lay.numel,
+            padding=padded - lay.numel,
+            world_size=n,
+            stage=stage,
+            param_bytes=cb,
+            grad_bytes=gb,
+            master_bytes=4 if offload or not fp32 else 0,
+            optimizer_states=optimizer_states(config),
+            state_bytes=4,
+            accumulation=k,
+            deterministic=det,
+        )
+        for key in total:
+            total[key] += int(getattr(b, key))
+        extent = padded if stage == 0 else lay.shard_numel(n)
+        if offload:
+            if stage <= 1:
+                total["grads"] += extent * gb
+            elif det is False:
+                total["grads"] += extent * gb
+            staging += 0 if fp32 else extent * cb
+    if offload and not fp32:
+        total["staging"] = staging
+    return total
+
+
+def traffic_of_step(counter, step: int) -> dict[str, tuple]:
+    """What the engine's counter holds of one step: {"op:phase": (calls, elements, padding)}."""
+    out: dict[str, list[int]] = {}
+    for rec in counter.of_step(step):
+        row = out.setdefault(f"{rec.op}:{rec.phase}", [0, 0, 0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + rec.elements, row[2] + rec.padding
+    return {key: tuple(v) for key, v in out.items()}
+
+
+def first_difference(what: str, ours: dict, want: dict) -> str:
+    """'' when equal, else the first key that differs with both values."""
+    for key in sorted(set(ours) | set(want)):
+        if ours.get(key) != want.get(key):
+            return f"{what} {key}: engine {ours.get(key)}, expected {want.get(key)}"
+    return ""
