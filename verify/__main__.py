@@ -23,6 +23,7 @@ with --resume, "resume" (checkpoint resume and resharding, from verify/resume.py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -157,12 +158,25 @@ def resume_section(args, say) -> list[dict] | None:
 
 def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
     """Rows whose final state digest differs from the same cell's in the report at `path`.
-    Cells are matched by their full configuration; cells in only one report are counted."""
-    key = lambda r: json.dumps(r["config"], sort_keys=True)
+    Cells are matched by their full configuration. A Cell field added since that report counts
+    as the same cell while it holds its default (the older code had no other value for it);
+    cells in only one report are counted, never compared."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Cell)}
     old = json.loads(Path(path).read_text())
-    before = {key(r): r.get("digest") for s in ("cells", "injected") for r in old.get(s) or []}
-    common = [r for r in rows if key(r) in before]
-    changed = [r for r in common if r.get("digest") != before[key(r)]]
+    before_rows = [r for s in ("cells", "injected") for r in old.get(s) or []]
+    known = set(before_rows[0]["config"]) if before_rows else set()
+    key = lambda config: json.dumps({k: config[k] for k in sorted(known)}, sort_keys=True)
+    before = {key(r["config"]): r.get("digest") for r in before_rows}
+
+    def match(r):
+        config = r["config"]
+        newer = set(config) - known
+        if any(config[k] != defaults.get(k) for k in newer) or not known <= set(config):
+            return None
+        return before.get(key(config))
+
+    common = [(r, d) for r in rows if (d := match(r)) is not None]
+    changed = [r for r, d in common if r.get("digest") != d]
     say(
         f"baseline {path}: {len(common) - len(changed)}/{len(common)} common cells end in the "
         f"same digest ({len(rows) - len(common)} cells only here)"

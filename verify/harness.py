@@ -36,6 +36,7 @@ import math
 import random
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -237,18 +238,7 @@ def cell_device() -> torch.device:
 def microbatch_grads(model, working, batch, dtype, scale) -> dict[str, np.ndarray]:
     """g_j of one micro-batch in a single process, on the reference's working copy (on the
     model's device; the batch must be there too)."""
-    for name, p in model.named_parameters():
-        p.data = (
-            torch.from_numpy(np.ascontiguousarray(working[name]).view(np.uint16)).view(
-                torch.bfloat16
-            )
-            if dtype == torch.bfloat16
-            else torch.from_numpy(np.array(working[name]))
-        ).to(p.device)
-        p.grad = None
-    _, loss = model(*cast_inputs(batch, dtype))
-    backward_scaled(loss, scale)
-    return {name: to_numpy(p.grad).copy() for name, p in model.named_parameters()}
+    return microbatch_loss_and_grads(model, working, batch, dtype, scale)[1]
 
 
 def microbatch_loss_and_grads(model, working, batch, dtype, scale):
@@ -532,7 +522,9 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     spec = reference_spec(model, cfg)  # before the engine wraps the model
     rcfg = reference_step_config(cfg, cell.world_size)
     ref = init_state(init, spec, rcfg)
-    eng = ZeroEngine(model.to(device), cfg)
+    with warnings.catch_warnings():  # 'huge' cells are one root unit on purpose
+        warnings.filterwarnings("ignore", message="stage 3 with units=", category=UserWarning)
+        eng = ZeroEngine(model.to(device), cfg)
     ref_model = None if cell.injected else build().to(device)
     verdict = _verdict(rank)
 

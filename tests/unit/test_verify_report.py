@@ -110,3 +110,23 @@ def test_heatmap_has_a_labelled_panel_per_precision(precisions):
             assert "0/1" in [t.get_text() for t in ax.texts]
     finally:
         plt.close(fig)
+
+
+def test_baseline_matches_cells_across_a_newer_cell_field_only_at_its_default(tmp_path):
+    """A report written before a Cell field existed still matches the cells that hold the
+    field's default; a cell that sets it is new, never compared; a changed digest is flagged."""
+    from verify.__main__ import compare_baseline
+
+    cell = Cell(stage=1, world_size=2, precision="fp32", optimizer="sgd", mode="deterministic")
+    old_config = {k: v for k, v in cell.as_dict().items() if k != "loss_scale"}
+    (tmp_path / "old.json").write_text(
+        json.dumps({"cells": [{"config": old_config, "digest": "a" * 32}]})
+    )
+    row = failed_rows([cell], "a row as the report writes it")[0]
+    same = {**row, "digest": "a" * 32}
+    newer = {**row, "config": {**cell.as_dict(), "loss_scale": 0.5}, "digest": "b" * 32}
+    said = []
+    assert compare_baseline(str(tmp_path / "old.json"), [same, newer], said.append) == []
+    assert "1/1 common cells end in the same digest (1 cells only here)" in said[0]
+    moved = {**same, "digest": "c" * 32}
+    assert compare_baseline(str(tmp_path / "old.json"), [moved], said.append) == [moved]
