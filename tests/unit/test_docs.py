@@ -5,7 +5,7 @@
   heading in it (`## 2. …`, `### 1.3 …`);
 - every `docs/<name>.md` mention, and every relative Markdown link `[…](path#anchor)` in a .md file,
   names a file that exists (and a heading whose anchor is `anchor`);
-- an upper-case `NAME.md` is the name of some Markdown file in the repository;
+- an upper-case Markdown name (such as `STATUS.md`) names a file in the repository;
 - no text names a path outside the repository (a `../shared` folder, an absolute `/work/` path).
 The tests run it on the repository and, to show it can fail, on planted files.
 """
@@ -174,7 +174,7 @@ def test_a_clean_tree_passes(repo):
         ('"""docs/desgin.md §2"""', "missing file"),
         ('"""see docs/nowhere.md"""', "missing file"),
         ('"""see ' + "DESIGN" + '.md §2"""', "not a file of this repository"),
-        ('"""see ../' + 'shared/PAPER.md"""', "outside the repository"),
+        ('"""see ../' + "shared/PAPER" + '.md"""', "outside the repository"),
         ('"""see /' + 'work/shared/x"""', "outside the repository"),
         ('"""see zero/stage9.py"""', "not a file of this repository"),
     ],
