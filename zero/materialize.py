@@ -15,8 +15,9 @@ when it is built (zero/unit.py's FlatUnit), alone, so the whole model never exis
 - "auto" (the default): "counter" for a model that states its rule with a `param_init(name)`
   method (zero.models' GPT and MLP), "own" otherwise.
 Parameters of other units are hidden behind meta stand-ins while a unit runs, so a module's
-reset cannot touch them; a tied parameter keeps what the last module in the order wrote. engine.init_report says, per unit and parameter, which rule gave the
-value: "reset_parameters", "hook", "counter", "zeros" (seed None) or "given" (not on meta).
+reset cannot touch them; a tied parameter keeps what the last module in the order wrote.
+engine.init_report says, per unit and parameter, which rule gave the value: "reset_parameters",
+"hook" (it changed the value), "counter", "zeros" (seed None) or "given" (not on meta).
 """
 
 from __future__ import annotations
