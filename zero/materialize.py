@@ -105,7 +105,7 @@ class StartValues:
             unit or "<root>",
             ", ".join(f"{r} ({c} parameters)" for r, c in sorted(counts.items())),
         )
-        return lambda name, shape: values[name]
+        return lambda name, shape: values.pop(name)  # held by FlatUnit alone from then on
 
     def _counter(self, name: str, p) -> torch.Tensor:
         rule = param_init(self.module, name)
