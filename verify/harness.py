@@ -49,6 +49,7 @@ from reference.tree import chunk_sumsq, global_norm
 from zero import collectives
 from zero.config import TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
+from zero.forward import forward_rng
 from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches, mlp_microbatches
 from zero.train import train_steps
 
@@ -241,9 +242,11 @@ def microbatch_grads(model, working, batch, dtype, scale) -> dict[str, np.ndarra
     return microbatch_loss_and_grads(model, working, batch, dtype, scale)[1]
 
 
-def microbatch_loss_and_grads(model, working, batch, dtype, scale):
+def microbatch_loss_and_grads(model, working, batch, dtype, scale, rng=None):
     """(loss, g_j) of one micro-batch: microbatch_grads, and the loss its forward computed
-    (as a float, which is what the engine reports per micro-batch)."""
+    (as a float, which is what the engine reports per micro-batch). batch: positional inputs,
+    or a dict of keyword inputs; rng: the context the forward runs in (zero.forward.forward_rng
+    of the micro-batch, as the engine's forward seeds it; None: torch's RNG as it is)."""
     for name, p in model.named_parameters():
         p.data = (
             torch.from_numpy(np.ascontiguousarray(working[name]).view(np.uint16)).view(
@@ -253,7 +256,9 @@ def microbatch_loss_and_grads(model, working, batch, dtype, scale):
             else torch.from_numpy(np.array(working[name]))
         ).to(p.device)
         p.grad = None
-    _, loss = model(*cast_inputs(batch, dtype))
+    args, kwargs = cast_inputs(*(((), batch) if isinstance(batch, dict) else (batch, {})), dtype)
+    with rng if rng is not None else contextlib.nullcontext():
+        _, loss = model(*args, **kwargs)
     value = float(loss.detach().float())
     backward_scaled(loss, scale)
     return value, {name: to_numpy(p.grad).copy() for name, p in model.named_parameters()}
@@ -443,8 +448,12 @@ class _Backward:
         scale = None if ref.scaler is None else ref.scaler.scale
         work = working_copy(ref, self.rcfg)
         dtype = TORCH_DTYPES[self.cell.precision]
+        seed = self.cell.zero_config(()).dropout_seed  # the engine's config, from the cell
         pairs = [
-            microbatch_loss_and_grads(self.ref_model, work, b, dtype, scale) for b in self.batches
+            microbatch_loss_and_grads(
+                self.ref_model, work, b, dtype, scale, forward_rng(seed, step, j, self.device)
+            )
+            for j, b in enumerate(self.batches)
         ]
         return [g for _, g in pairs], [x for x, _ in pairs]
 

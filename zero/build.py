@@ -2,7 +2,7 @@
 
 Legend: a unit is a submodule named in config.units (the root "" holds every other parameter
 and all tied ones); a "meta" model has its parameters on the meta device and is materialised
-unit by unit (zero/init.py's counter-based start values). Nothing here communicates except
+unit by unit (zero/materialize.py's start values). Nothing here communicates except
 check_ranks_agree, which exchanges digests as control traffic before any step.
 """
 
@@ -160,19 +160,6 @@ def partitions(config: ZeroConfig, named, groups, *, world_size: int, rank: int)
         )
         for _, params in named
     ]
-
-
-def start_values(module: nn.Module, seed):
-    """Start values of a meta model's parameters, by name (zero.models' counter-based rule)."""
-    from .init import init_value, param_init
-
-    def value(name: str, shape) -> torch.Tensor:
-        if seed is None:
-            return torch.zeros(shape)
-        rule = param_init(module, name)
-        return init_value(seed, name, shape, rule.kind, std=rule.std)
-
-    return value
 
 
 def rebind(module: nn.Module, replaced: dict[int, nn.Parameter]) -> None:

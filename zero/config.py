@@ -107,6 +107,11 @@ class ZeroConfig:
     broadcast to every rank, as DDP(broadcast_buffers=True) does, so that ranks keep one model
     and checkpoints hold what every rank uses. Counted as control traffic (phase "buffers").
     False: each rank keeps its own buffers (they drift apart; checkpoints keep rank 0's)."""
+    dropout_seed: int | None = 0
+    """Each micro-batch's forward runs with torch's RNG seeded from (dropout_seed, data step,
+    micro-batch index j) and restored afterwards (zero/forward.py), so dropout (any draw inside
+    forward) is the same at every world size, rank and stage, as docs/design.md §2 asks. None:
+    forward draws from the process's own RNG stream, which differs per rank."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -126,6 +131,12 @@ class ZeroConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.dropout_seed is not None and (
+            isinstance(self.dropout_seed, bool)
+            or not isinstance(self.dropout_seed, int)
+            or self.dropout_seed < 0
+        ):
+            raise ValueError(f"dropout_seed={self.dropout_seed!r}: must be None or an integer >= 0")
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError(
                 "offload_activations=True: only checkpointed unit inputs are offloaded; "

@@ -36,6 +36,8 @@ from reference.tree import global_norm
 from . import build, fullstate, introspect
 from . import collectives as C
 from .config import ZeroConfig
+from .forward import backward_scaled, cast_inputs, forward_rng
+from .materialize import StartValues
 from .optim import step_runs
 from .stages import STAGE_CLASSES, StageContext, stage_class
 from .stages.base import Clock
@@ -56,18 +58,6 @@ class StepResult:
     scale: float  # the loss scale S this step used
 
 
-def backward_scaled(loss: torch.Tensor, scale: float | None) -> None:
-    """Backward of S·loss (fp16) or of loss. Verification computes single-process micro-batch
-    gradients through this same function, so that they are the engine's bits."""
-    (loss if scale is None else loss.float() * scale).backward()
-
-
-def cast_inputs(args, dtype: torch.dtype) -> list:
-    """Floating tensors among the positional inputs, in the compute dtype (as FSDP's default
-    mixed precision does); verification applies the same cast to its single-process run."""
-    return [a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
-
-
 def chunk_sumsq(x: torch.Tensor, chunk: int) -> torch.Tensor:
     """reference.tree.chunk_sumsq in torch: float64 squares, pairwise halving per chunk. In
     place on one float64 copy: the same elementwise additions as the reference, no temporaries."""
@@ -82,11 +72,12 @@ def chunk_sumsq(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 class ZeroEngine(nn.Module):
     def __init__(
-        self, module: nn.Module, config: ZeroConfig, *, group=None, device=None, init_seed=0
+        self, module, config: ZeroConfig, *, group=None, device=None, init_seed=0, init="auto"
     ):
         """module may live on the meta device: each unit is then materialised on `device`
-        alone, with zero.models' counter-based values for `init_seed` (None: zeros, for a
-        simulated rank whose values do not matter), so the whole model never exists at once."""
+        alone, by the rule `init` names ("auto", "own", "counter" or fn(module): [Note: meta
+        start values] in zero/materialize.py) for `init_seed` (None: zeros, for a simulated
+        rank whose values do not matter); self.init_report says which rule gave each value."""
         super().__init__()
         config = build.resolve_units(module, config)  # units="auto" spelled out
         self.module, self.config = module, config
@@ -102,7 +93,7 @@ class ZeroEngine(nn.Module):
         self.device = device = torch.device(device) if device is not None else first
         if meta and device.type == "meta":
             raise ValueError("device='meta': a meta-device model needs a real device to build on")
-        values = build.start_values(module, init_seed) if meta else None
+        starts = StartValues(module, config.units, seed=init_seed, init=init, device=device)
         named = build.collect_units(module, config)
         self.group_index = build.group_index(config, named)
         self.fake = dist.get_backend(self.group) == "fake"  # a simulated rank: no real peers
@@ -134,6 +125,7 @@ class ZeroEngine(nn.Module):
         self.units: list[FlatUnit] = []
         self._stage_of: list[Stage0] = []
         for i, ((uname, params), part) in enumerate(zip(named, parts, strict=True)):
+            values = starts.unit(uname, params)
             u = FlatUnit(i, uname, params, part, config.compute_dtype, device, values)
             if u.replaced:
                 build.rebind(module, u.replaced)
@@ -154,6 +146,7 @@ class ZeroEngine(nn.Module):
         for arena in (self.grad_arena, self.host_grad_arena):  # each handed out exactly
             assert arena is None or arena.cursor == arena.nbytes, (arena.cursor, arena.nbytes)
         self.runs = [self.stage_of(u).runs(u) for u in self.units]
+        self.init_report = starts.report  # {unit: {parameter: the rule that gave its value}}
         # [Note: buffers] materialised, in the compute dtype, broadcast before each forward
         self.buffers = build.prepare_buffers(module, device, config.compute_dtype)
         self.counter.step = 0
@@ -194,12 +187,16 @@ class ZeroEngine(nn.Module):
         return post_accumulate
 
     def forward(self, *args, **kwargs):
-        """The wrapped module's forward; floating inputs are cast to the compute dtype."""
+        """The wrapped module's forward on micro-batch j = microstep·N + rank: floating inputs
+        cast to the compute dtype, torch's RNG seeded per micro-batch (zero/forward.py)."""
         if self.activation_arena is not None and torch.is_grad_enabled():
             self.activation_arena.begin()  # [Note: checkpoint generations]
         if self.config.broadcast_buffers and self.buffers:  # DDP's broadcast_buffers
             build.broadcast_buffers(self.buffers, group=self.group, counter=self.counter)
-        return self.module(*cast_inputs(args, self.config.compute_dtype), **kwargs)
+        args, kwargs = cast_inputs(args, kwargs, self.config.compute_dtype)
+        j = self.microstep * self.world_size + self.rank  # [Note: seeded forward]
+        with forward_rng(self.config.dropout_seed, self.data_step, j, self.device):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (mean over its samples), then finalize_backward."""

@@ -67,8 +67,8 @@ class GPTConfig:
     """d: the residual width."""
     dropout: float = 0.0
     """Dropout probability in [0, 1), applied in training mode only (embeddings, attention,
-    residual branches). It draws from torch's global RNG: a caller that uses it seeds that RNG
-    from (seed, data step, micro-batch index), never from the rank (docs/design.md §2)."""
+    residual branches). It draws from torch's global RNG, which ZeroEngine's forward seeds from
+    (dropout_seed, data step, micro-batch index), never from the rank (docs/design.md §2)."""
     bias: bool = True
     """Whether Linear and LayerNorm layers have biases (GPT-2: True)."""
 

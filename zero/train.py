@@ -82,7 +82,9 @@ def train_steps(
     """Run `steps` optimizer steps; returns each step's StepResult (global loss, norm, skip).
 
     microbatch(step, j) -> the inputs of micro-batch j (0 <= j < M) of a step: a tuple of
-    positional inputs, or a dict of keyword inputs (`{"input_ids": x, "labels": x}`).
+    positional inputs, or a dict of keyword inputs (`{"input_ids": x, "labels": x}`). Each
+    forward draws its randomness (dropout) from torch's RNG seeded by (config.dropout_seed,
+    data step, j) ([Note: seeded forward] in zero/forward.py): the same at every N and stage.
     """
     n, rank = engine.world_size, engine.rank
     per_rank = engine.config.micro_batches // n
@@ -123,9 +125,16 @@ MODELS = {
 
 ZERO_DEFAULT = ZeroConfig(stage=2, optimizer="adamw", clip_norm=1.0)
 """The engine options of a run unless the command line says otherwise."""
-ZERO_DERIVED = ("zero.groups", "zero.group_of", "zero.units", "zero.micro_batches", "zero.scaler")
-"""ZeroConfig fields a run derives (from --lr, --weight-decay, --model, --micro-batches); the
-others are options of the command line under their own names."""
+ZERO_DERIVED = (
+    "zero.groups",
+    "zero.group_of",
+    "zero.units",
+    "zero.micro_batches",
+    "zero.scaler",
+    "zero.dropout_seed",
+)
+"""ZeroConfig fields a run derives (from --lr, --weight-decay, --model, --micro-batches,
+--seed); the others are options of the command line under their own names."""
 ZERO_CHOICES = {
     "zero.stage": STAGES,
     "zero.precision": TORCH_DTYPES,
@@ -153,7 +162,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     """Weight decay (decoupled for AdamW) on matrices; none on biases and norms."""
     seed: int = 0
-    """Seed of the initial parameters and of the data sampling."""
+    """Seed of the initial parameters, the data sampling and the randomness in forward."""
     data: str | None = None
     """A text file or folder; None: the Python standard library's source."""
     val_fraction: float = 0.05
@@ -210,6 +219,7 @@ class TrainConfig:
             groups=(Hyper(lr=self.lr, weight_decay=self.weight_decay), Hyper(lr=self.lr)),
             group_of=decay_matrices_only,
             micro_batches=self.micro_batches or world_size,
+            dropout_seed=self.seed,
             units=tuple(f"transformer.h.{i}" for i in range(gpt.n_layer)),
         )
 

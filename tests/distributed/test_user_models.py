@@ -309,13 +309,55 @@ def stage3_metadata(rank, n):
     model = Net()
     ZeroEngine(model, ZeroConfig(stage=3, micro_batches=n, chunk=128, units=("blocks.0",)))
     p = model.blocks[0].fc1.weight
-    return (p.is_contiguous(), p.is_floating_point(), p.dtype, tuple(p.shape), p.device.type)
+    meta = (p.is_contiguous(), p.is_floating_point(), p.dim(), p.numel(), tuple(p.shape))
+    meta += (p.dtype, p.device.type, p.requires_grad)
+    return meta, outcome(lambda: float(p.sum()))
 
 
 @pytest.mark.dist
 def test_stage3_metadata_reads_outside_a_gather():
-    got = get_pool(2).run(stage3_metadata)[0]
-    assert got == (True, True, torch.float32, (8, 8), "cpu")
+    """Each metadata call docs/models.md lists works on a sharded parameter; a value does not."""
+    got, value = get_pool(2).run(stage3_metadata)[0]
+    assert got == (True, True, 2, 64, (8, 8), torch.float32, "cpu", True)
+    assert value[0] == "error" and "'blocks.0.fc1.weight' of unit blocks.0 is sharded" in value[2]
+
+
+def numpy_inside_a_gather(rank, n, touch):
+    """One step after (touch=True) taking .numpy() of a parameter inside gathered_params()."""
+    torch.set_num_threads(1)
+    model = Net()
+    eng = ZeroEngine(model, ZeroConfig(stage=3, micro_batches=n, chunk=128, units=("blocks.0",)))
+    kept = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with eng.gathered_params():
+            if touch:
+                arr = model.blocks[0].fc1.weight.detach().numpy()
+                kept = arr.copy()
+    x, y = torch.ones(4, 8) * (1 + rank), torch.zeros(4, 2)
+    eng.backward(eng(x, y))
+    eng.step()
+    with eng.gathered_params():  # gathers and frees again
+        after = {k: p.detach().clone() for k, p in model.named_parameters()}
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    unchanged = None if kept is None else bool((arr == kept).all())
+    return [u.master.clone().view(torch.int32) for u in eng.units], after, messages, unchanged
+
+
+@pytest.mark.dist
+def test_numpy_inside_gathered_params_leaves_the_engine_usable():
+    """.numpy() inside the block made the unit's storage unresizable, so leaving the block
+    failed and the engine stayed broken. Now: leaving it warns, naming the unit, the next step
+    is bitwise the step of a run without it, gathering works again, and the array keeps its
+    values (it no longer follows the parameter, which the warning says)."""
+    plain = get_pool(2).run(numpy_inside_a_gather, False)
+    touched = get_pool(2).run(numpy_inside_a_gather, True)
+    for (m0, a0, w0, _), (m1, a1, w1, unchanged) in zip(plain, touched, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(m0, m1, strict=True))
+        assert all(torch.equal(a0[k].view(torch.int32), a1[k].view(torch.int32)) for k in a0)
+        assert w0 == [] and len(w1) == 1 and "unit blocks.0" in w1[0] and ".numpy()" in w1[0]
+        assert unchanged
+    assert not torch.equal(plain[0][1]["blocks.0.fc1.weight"], Net().blocks[0].fc1.weight)
 
 
 # -- 6. automatic units -------------------------------------------------------------------------

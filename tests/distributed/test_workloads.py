@@ -140,7 +140,7 @@ def hf_model(kind):
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        if kind == "gpt2":  # dropout off: its RNG stream is per process, not per micro-batch
+        if kind == "gpt2":  # dropout off: plain_first_step draws from no seeded RNG
             cfg = GPT2Config(
                 n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=32,
                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,

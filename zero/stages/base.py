@@ -13,9 +13,12 @@ reduction is the bucketing policy's (zero/zero_r/buckets.py), so neither is a br
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from .. import collectives as C
 
@@ -104,3 +107,28 @@ class StageContext:
     def note_transient(self, nbytes: int) -> None:
         """Account nbytes of reduction buffer for each reduction in flight (at least one)."""
         self.accounting.transient(nbytes, len(self.reductions), self.reductions.max_inflight)
+
+
+def replace_working(u: FlatUnit) -> torch.Tensor:
+    """[Note: a NumPy view] `.numpy()` on a stage-3 parameter (or a view of it) inside
+    gathered_params() marks the storage it shares with the array as never resizable again, even
+    after the array is gone, so the unit could not be freed by resizing ([Note: freeing by
+    storage resize] in zero/stages/stage3.py). Instead the unit gets a new working buffer (its
+    values are not needed: it is freed at once and written by the next gather) and its
+    parameters become views of it. The array keeps the old memory with the values it had, and
+    no longer follows the parameter as it would in plain PyTorch: hence the warning. Between
+    steps no autograd graph holds views of the old buffer. Returns the new buffer."""
+    warnings.warn(
+        f"unit {u.name or '<root>'}: its gathered parameters were shared with NumPy "
+        "(.numpy()); the array keeps the values of this moment and no longer follows the "
+        "parameters (copy inside gathered_params(): p.detach().cpu().numpy().copy())",
+        UserWarning,
+        stacklevel=6,  # the `with engine.gathered_params():` line
+    )
+    new = torch.empty_like(u.working)
+    views = u.part.views(new)
+    with torch.no_grad():
+        for name, p in u.params:
+            p.data = views[name]
+    u.working = new
+    return new

@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..unit import FlatUnit
-from .base import StageContext
+from .base import StageContext, replace_working
 from .stage0 import Stage0
 from .stage2 import Stage2
 
@@ -206,6 +206,8 @@ class Stage3(Stage2):
     def _transition(self, u: FlatUnit, to: PartitionState, phase: str) -> None:
         storage = u.working.untyped_storage()
         if to is PartitionState.SHARDED:  # [Note: freeing by storage resize]
+            if not storage.resizable():
+                storage = replace_working(u).untyped_storage()  # [Note: a NumPy view]
             storage.resize_(0)
         elif to is PartitionState.GATHERING:
             storage.resize_(u.part.padded_numel * u.working.element_size())

@@ -1,0 +1,175 @@
+"""Start values of a model built on the meta device, one unit at a time (ZeroEngine's `init=`).
+
+[Note: meta start values] A meta parameter has a shape and no value. Each unit gets its values
+when it is built (zero/unit.py's FlatUnit), alone, so the whole model never exists at once. Rules:
+- "own": the model's own initialisation. The unit's parameters are put on the device filled
+  with NaN, and every module of the unit that has `reset_parameters()` runs it, children before
+  parents (the order of `module.apply`), under torch's RNG seeded with
+  unit_seed(seed, unit) (zero/forward.py's seeded_rng): the bits of that unit built alone on
+  the device after `torch.manual_seed(unit_seed(seed, unit))`, whatever N or the rank. A
+  parameter still all NaN afterwards (no module of it has reset_parameters) gets the
+  counter-based value instead; one left partly NaN is refused by name.
+- a callable fn: "own", then fn(module) on the same modules in the same order, under the same
+  RNG (as `model.apply(fn)` after construction; e.g. Hugging Face's `model._init_weights`).
+- "counter": zero/init.py's pure function of (seed, parameter name) ([Note: counter-based init]).
+- "auto" (the default): "counter" for a model that states its rule with a `param_init(name)`
+  method (zero.models' GPT and MLP), "own" otherwise.
+Parameters of other units are hidden behind meta stand-ins while a unit runs, so a module's
+reset cannot touch them; a tied parameter keeps what the last module in the order wrote.
+engine.init_report says, per unit and parameter, which rule gave the value: "reset_parameters",
+"hook" (it changed the value), "counter", "zeros" (seed None) or "given" (not on meta).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from .forward import seeded_rng
+from .init import init_value, param_init, stable_seed
+
+INIT_RULES = ("auto", "own", "counter")
+log = logging.getLogger("zero.init")
+
+
+def unit_seed(seed: int, unit: str) -> int:
+    """The RNG seed under which unit `unit` ("" the root) runs its modules' initialisation."""
+    return stable_seed("unit-init", seed, unit)
+
+
+def check_init(init) -> None:
+    if not (callable(init) or (isinstance(init, str) and init in INIT_RULES)):
+        raise ValueError(
+            f"init={init!r}: allowed are {INIT_RULES} or a callable fn(module) "
+            "(docs/models.md, meta-device models)"
+        )
+
+
+def post_order(module: nn.Module):
+    """(qualified name, module) in `module.apply`'s order: children first, each module once."""
+    seen: set[int] = set()
+
+    def walk(prefix: str, m: nn.Module):
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for name, child in m.named_children():
+            yield from walk(f"{prefix}.{name}" if prefix else name, child)
+        yield prefix, m
+
+    return list(walk("", module))
+
+
+class StartValues:
+    """For each unit, the values function FlatUnit takes (None: the parameters' own values)."""
+
+    def __init__(self, module: nn.Module, units, *, seed, init, device):
+        check_init(init)
+        meta = any(p.is_meta for p in module.parameters())
+        if init == "auto":
+            init = "counter" if callable(getattr(module, "param_init", None)) else "own"
+        self.module, self.seed, self.init, self.device, self.meta = module, seed, init, device, meta
+        self.units = tuple(units)
+        self.order = post_order(module) if meta else []
+        self.report: dict[str, dict[str, str]] = {}
+
+    def _region(self, unit: str, name: str) -> bool:
+        """Whether module `name` belongs to unit `unit` (the root: outside every named unit)."""
+        if unit:
+            return name == unit or name.startswith(unit + ".")
+        return not any(name == u or name.startswith(u + ".") for u in self.units)
+
+    def unit(self, unit: str, params: list[tuple[str, nn.Parameter]]):
+        """values(name, shape) -> fp32 tensor for FlatUnit, or None; fills self.report[unit]."""
+        if not self.meta:
+            self.report[unit] = dict.fromkeys((n for n, _ in params), "given")
+            return None
+        if self.seed is None:
+            rule, values = "zeros", {n: torch.zeros(p.shape) for n, p in params if p.is_meta}
+            how = {n: rule for n, p in params if p.is_meta}
+        elif self.init == "counter":
+            values = {n: self._counter(n, p) for n, p in params if p.is_meta}
+            how = dict.fromkeys(values, "counter")
+        else:
+            values, how = self._own(unit, params)
+        for n, p in params:
+            if not p.is_meta:
+                values[n], how[n] = p.detach().float(), "given"
+        self.report[unit] = {n: how[n] for n, _ in params}
+        counts = Counter(how.values())
+        log.info(
+            "unit %s: start values by %s",
+            unit or "<root>",
+            ", ".join(f"{r} ({c} parameters)" for r, c in sorted(counts.items())),
+        )
+        return lambda name, shape: values.pop(name)  # held by FlatUnit alone from then on
+
+    def _counter(self, name: str, p) -> torch.Tensor:
+        rule = param_init(self.module, name)
+        return init_value(self.seed, name, tuple(p.shape), rule.kind, std=rule.std)
+
+    @torch.no_grad()
+    def _own(self, unit: str, params):
+        mine = {id(p): n for n, p in params if p.is_meta}
+        temp = {
+            i: nn.Parameter(torch.full(p.shape, torch.nan, dtype=p.dtype, device=self.device))
+            for i, p in ((id(p), p) for _, p in params if p.is_meta)
+        }
+        hook = self.init if callable(self.init) else None
+        calls = [
+            m
+            for name, m in self.order
+            if self._region(unit, name) or any(id(p) in mine for p in m._parameters.values())
+        ]
+        calls = [m for m in calls if hook or callable(getattr(m, "reset_parameters", None))]
+        touched = {id(s): s for m in calls for s in m.modules()}.values()
+        restore = []
+        try:
+            for mod in touched:  # this unit's parameters real, every other one hidden
+                for key, p in list(mod._parameters.items()):
+                    if p is None:
+                        continue
+                    restore.append((mod, key, p))
+                    if id(p) in temp:
+                        mod._parameters[key] = temp[id(p)]
+                    elif not p.is_meta:
+                        mod._parameters[key] = nn.Parameter(p.detach().to("meta"))
+            with seeded_rng(unit_seed(self.seed, unit), self.device):
+                for m in calls:
+                    if callable(getattr(m, "reset_parameters", None)):
+                        m.reset_parameters()
+                before = {i: t.detach().clone() for i, t in temp.items()} if hook else {}
+                for m in calls if hook else ():
+                    hook(m)
+        finally:
+            for mod, key, p in reversed(restore):
+                mod._parameters[key] = p
+        values, how = {}, {}
+        for n, p in params:
+            if not p.is_meta:
+                continue
+            t = temp[id(p)].detach()
+            nan = torch.isnan(t)
+            if hook and not torch.equal(_bytes(before[id(p)]), _bytes(t)):
+                how[n] = "hook"
+            elif not bool(nan.any()):
+                how[n] = "reset_parameters"
+            elif bool(nan.all()):
+                values[n], how[n] = self._counter(n, p).to(self.device), "counter"
+                continue
+            if bool(nan.any()):
+                raise ValueError(
+                    f"parameter {n!r} of unit {unit or '<root>'}: its module's initialisation "
+                    f"(reset_parameters or init=) set only some of its elements; allowed is "
+                    "setting all of them or none (then the counter-based rule gives it values)"
+                )
+            values[n] = t.float()
+        return values, how
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as bytes (NaN compares unequal to itself; its bits do not)."""
+    return t.reshape(-1).view(torch.uint8)
