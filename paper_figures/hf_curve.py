@@ -158,7 +158,9 @@ def main(argv=None) -> dict:
     diffs = [abs(a - b) for a, b in zip(engine, plain, strict=True)]
     worst = max(range(len(diffs)), key=diffs.__getitem__)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config.update(groups=[vars(h) for h in GROUPS], corpus=corpus.fingerprint)
+    # the corpus by content and counts (its location is this machine's, not the record's)
+    fingerprint = {k: v for k, v in corpus.fingerprint.items() if k != "location"}
+    config.update(groups=[vars(h) for h in GROUPS], corpus=fingerprint)
     result = {
         "engine_losses": engine,
         "plain_losses": plain,

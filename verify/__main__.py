@@ -17,7 +17,9 @@ at ratio <= 1).
 
 Sections of the report (verify/report.py): "cells" (gradients from backward), "injected"
 (gradients fed in by verify/inject.py), "world_size_invariance" (verify/invariance.py) and,
-with --resume, "resume" (checkpoint resume and resharding, from verify/resume.py when present).
+with --resume, "resume" (checkpoint resume and resharding, from verify/resume.py when present);
+the presets and --parity add "parity" and "parity_invariance" (the engine against plain PyTorch
+on several model families, verify/parity.py).
 """
 
 from __future__ import annotations

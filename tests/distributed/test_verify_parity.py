@@ -102,3 +102,23 @@ def test_bad_cells_are_refused_naming_the_field():
         ParityCell(family="mlp", stage=0, world_size=1, precision="fp16")
     with pytest.raises(ValueError, match="plant='x'"):
         ParityCell(family="mlp", stage=0, world_size=1, plant="x")
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_hf_curve_writes_both_curves_and_their_difference(tmp_path):
+    """python -m paper_figures.hf_curve, a few steps: the record holds both curves, their
+    first losses are equal bit for bit (the same bits and data; the float64 mean of M float32
+    losses of similar size is exact in any order), and its max |Δloss| is the one recomputed."""
+    from paper_figures.hf_curve import main
+
+    out, fig = tmp_path / "curve.json", tmp_path / "curve.png"
+    argv = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--json", str(out)]
+    record = main([*argv, "--figure", str(fig)])
+    r = record["result"]
+    assert record["kind"] == "hf_curve.run" and "provenance" in record
+    assert len(r["engine_losses"]) == len(r["plain_losses"]) == 3
+    assert r["engine_losses"][0] == r["plain_losses"][0]
+    diffs = [abs(a - b) for a, b in zip(r["engine_losses"], r["plain_losses"])]
+    assert r["max_abs_diff"] == max(diffs)
+    assert "location" not in record["config"]["corpus"]  # no machine path in the record
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
