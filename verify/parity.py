@@ -27,7 +27,7 @@ import copy
 import importlib.util
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -60,8 +60,9 @@ class Family:
     some do not (tests/distributed/test_verify_parity.py checks both happen)."""
     requires: tuple[str, ...] = ()
     """Importable modules the family needs; without one its cells are skipped with the reason."""
-    units: str | tuple[str, ...] = "auto"
-    """ZeroConfig.units; "auto" picks the repeated blocks."""
+    units: str | tuple[str, ...] | None = None
+    """ZeroConfig.units; None: the model's unit_names() where it has one, else "auto" (the
+    repeated blocks: decoder layers, residual blocks)."""
 
     def missing(self) -> str | None:
         for name in self.requires:
@@ -154,7 +155,7 @@ class ParityCell:
     """M, the same at every N, so deterministic digests can be compared across N."""
     plant: str | None = None
     """None, or one of PLANTS in the plain side (non-vacuity tests only)."""
-    clip_norm: float | None = field(default=None, compare=False)
+    clip_norm: float | None = None
     """None: the family's clip_norm."""
     perturb: float = 0.0
     """Non-vacuity: add perturb × bound to every compared engine value (at the element whose
@@ -183,13 +184,13 @@ class ParityCell:
         return FAMILIES[self.family].clip_norm if self.clip_norm is None else self.clip_norm
 
     def config(self, model) -> ZeroConfig:
-        family = FAMILIES[self.family]
-        units = model.unit_names() if hasattr(model, "unit_names") else family.units
+        units = FAMILIES[self.family].units
+        if units is None:
+            units = tuple(model.unit_names()) if hasattr(model, "unit_names") else "auto"
         return ZeroConfig(
             stage=self.stage, precision=self.precision, deterministic=self.mode == "deterministic",
             optimizer="adamw", groups=GROUPS["adamw"], group_of=decay_matrices_only,
-            micro_batches=self.micro_batches, clip_norm=self.clip, units=tuple(units)
-            if not isinstance(units, str) else units, chunk=128,
+            micro_batches=self.micro_batches, clip_norm=self.clip, units=units, chunk=128,
         )  # fmt: skip
 
 
@@ -534,9 +535,11 @@ def run_section(cells: list[ParityCell], *, timeout_s: float = 900, say=print, p
             continue
         for k, i in enumerate(mine):
             rows[i] = row(cells[i], [r[k] for r in per_rank])
+            say(console_row(rows[i]))
     ordered = [rows[i] for i in sorted(rows)]
     for r in ordered:
-        say(console_row(r))
+        if r.get("skipped"):
+            say(console_row(r))
     inv = invariance(ordered)
     for r in inv:
         mark = "PASS" if r["passed"] else f"FAIL {len(r['digests'])} digests"
