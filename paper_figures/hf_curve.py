@@ -1,21 +1,15 @@
 """``python -m paper_figures.hf_curve``: a Hugging Face GPT-2 trained by the engine and by plain
 PyTorch, loss against step, on the project's corpus (docs/models.md, "Parity over a run").
 
-The model is a small ``GPT2LMHeadModel`` built from a ``GPT2Config`` with random weights (no
-download; byte-level, V = 256, dropout off, eager attention, its lm_head tied to wte). Both sides
-start from the same bits and see the same data: micro-batch j of step s is
-``Corpus.batch(split="train", seed, index=(s, j))`` (zero/data.py), M micro-batches a step.
-
-    engine   ZeroEngine at stage 3 (units="auto", the decoder layers) on N = 2 local ranks,
-             deterministic mode, micro-batch j on rank j mod N.
-    plain    one process: (loss_j / M).backward() for every j, clip_grad_norm_,
-             torch.optim.AdamW(foreach=False) with the same two groups (decay on matrices).
-
-Unlike the lock-step cells of `python -m verify --parity`, the two runs are *not* resynchronised:
-each follows its own trajectory, so rounding differences (the gradient's summation order, the
-optimizer's op order) compound over the steps. The curve shows how far that goes. Writes a
-zero.results record (``--json``) and the figure (``--figure``), and prints the max |Δloss| and
-the final losses.
+The model: a small ``GPT2LMHeadModel`` from a ``GPT2Config`` with random weights (no download;
+byte vocabulary, dropout off, eager attention, lm_head tied to wte). Both sides start from the
+same bits and see the same data (micro-batch j of step s is ``Corpus.batch(split="train", seed,
+index=(s, j))``, zero/data.py): the engine at stage 3 on N = 2 local ranks (deterministic mode,
+micro-batch j on rank j mod N), and one process running (loss_j / M).backward() for every j,
+clip_grad_norm_ and torch.optim.AdamW(foreach=False) with the same two groups. Unlike the
+lock-step cells of `python -m verify --parity`, nothing is resynchronised: rounding differences
+compound over the steps, and the curve shows how far. Writes a zero.results record (``--json``)
+and the figure (``--figure``); prints the max |Δloss| and the final losses.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
-"""Parity with plain PyTorch: the engine against a single-process torch loop, model by model.
+"""Parity with plain PyTorch: the engine against the single-process torch loop, per model family.
 
-The rest of verify compares the engine with the NumPy reference (bitwise, or within bounds), and
-verify/anchors.py the reference with torch on the project's GPT. This section compares the
-*engine* with the textbook loop directly, on several model families (FAMILIES: the MLP, the GPT,
-a ResNet with BatchNorm, Hugging Face GPT-2 and Llama), at stages 0-3, N ∈ {1, 2, 4}, both
-modes, fp32 and bf16. A cell (ParityCell) trains S steps of M micro-batches; before every step
-the plain side takes the engine's full state (ZeroEngine.gather_state: fp32 master, AdamW's
-moments, the step count; rank 0's buffers) and runs
-
-    for j in 0..M-1:  (loss_j / M).backward()          # the same micro-batches, j on rank j mod N
-    torch.nn.utils.clip_grad_norm_(params, clip_norm)
-    torch.optim.AdamW(..., foreach=False).step()       # the same two groups
-
-(bf16: a bf16 copy of the model runs forward and backward, its gradients are added into the fp32
-master's .grad after each micro-batch, and AdamW steps the fp32 master: the engine's working copy
-and master). Lock-step, as verify/anchors.py argues: errors would feed back through the model and
-Adam's 1/sqrt(v), so only one step from a common state has a derivable bound. The checks and
-their bounds are in the docstring of `step_bounds`; docs/verification.md, "Parity with plain
-PyTorch", explains the section. Deterministic cells also hash the gathered state
-(verify.harness.state_digest): every N and stage of a family and precision must give one digest.
+verify/anchors.py compares the reference with torch on the project's GPT; this section compares
+the *engine* with the textbook loop directly, on several families (FAMILIES: the MLP, the GPT, a
+ResNet with BatchNorm, Hugging Face GPT-2 and Llama), at stages 0-3, N ∈ {1, 2, 4}, both modes,
+fp32 and bf16. A cell (ParityCell) trains S steps of M micro-batches; before every step the plain
+side (Plain) takes the engine's full state (gather_state: fp32 master, AdamW's moments, t; rank
+0's buffers) and runs (loss_j / M).backward() over the same micro-batches, clip_grad_norm_ and
+torch.optim.AdamW(foreach=False) (bf16: a bf16 copy for forward and backward, the fp32 master
+for the optimizer). Lock-step, as the anchors argue: only one step from a common state has a
+derivable bound (step_bounds' docstring derives each). Deterministic cells also hash the state
+(state_digest): one digest per family and precision over every N and stage. How to run it:
+docs/verification.md, "Parity with plain PyTorch".
 """
 
 from __future__ import annotations
