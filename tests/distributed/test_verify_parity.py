@@ -122,3 +122,22 @@ def test_hf_curve_writes_both_curves_and_their_difference(tmp_path):
     assert r["max_abs_diff"] == max(diffs)
     assert "location" not in record["config"]["corpus"]  # no machine path in the record
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_cli_runs_the_parity_section_alone(tmp_path, capsys):
+    """python -m verify --parity: only the parity section (here its N = 1 cells), in the JSON
+    and Markdown reports, exit status 0."""
+    import json
+
+    from verify.__main__ import main
+
+    out, md = tmp_path / "p.json", tmp_path / "p.md"
+    argv = ["--parity", "--world-sizes", "1", "--json", str(out), "--markdown", str(md)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["cells"] == [] and data["world_size_invariance"] == []
+    assert {r["config"]["world_size"] for r in data["parity"]} == {1}
+    assert {r["config"]["family"] for r in data["parity"]} == set(FAMILIES)
+    assert len(data["parity_invariance"]) == len(FAMILIES) - (0 if HAS_TRANSFORMERS else 2)
+    assert "## Parity with plain PyTorch" in md.read_text()
+    assert "cells passed in" not in capsys.readouterr().out
