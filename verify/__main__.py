@@ -17,7 +17,9 @@ at ratio <= 1).
 
 Sections of the report (verify/report.py): "cells" (gradients from backward), "injected"
 (gradients fed in by verify/inject.py), "world_size_invariance" (verify/invariance.py) and,
-with --resume, "resume" (checkpoint resume and resharding, from verify/resume.py when present).
+with --resume, "resume" (checkpoint resume and resharding, from verify/resume.py when present);
+the presets and --parity add "parity" and "parity_invariance" (the engine against plain PyTorch
+on several model families, verify/parity.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from zero.results import provenance, write_atomic, write_json
@@ -87,6 +90,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--resume", action="store_true", help="add the resume/reshard table (verify/resume.py)"
     )
+    p.add_argument(
+        "--parity",
+        action="store_true",
+        help="only the parity-with-plain-PyTorch section (verify/parity.py): its quick cells, "
+        "or every cell with --complete (the presets include it)",
+    )
     p.add_argument("--json", default=None, help="write the JSON report here")
     p.add_argument("--markdown", default=None, help="write the Markdown report here")
     p.add_argument(
@@ -121,6 +130,8 @@ def cells_for(args) -> list[Cell]:
 
 def plan(args) -> tuple[list[Cell], list[dict]]:
     """(cells, invariance runs) that this invocation runs."""
+    if args.parity:  # the parity section alone (parity_section)
+        return [], []
     if args.quick or args.complete:
         cells, runs = matrix.quick() if args.quick else matrix.complete()
         if args.world_sizes is not None:
@@ -154,6 +165,22 @@ def resume_section(args, say) -> list[dict] | None:
         verdict = "PASS" if r["passed"] else "FAIL " + r.get("first_mismatch", "")
         say(f"  {where} {r.get('precision', '')} {r.get('optimizer', '')}  {verdict}")
     return rows
+
+
+def parity_section(args, say) -> tuple[list[dict], list[dict]] | None:
+    """The parity section (verify/parity.py): (rows, invariance rows), or None when this
+    invocation has none. --quick and --parity run the quick cells, --complete every cell."""
+    if not (args.parity or args.quick or args.complete):
+        return None
+    from . import parity
+
+    cells = parity.complete_cells() if args.complete else parity.quick_cells()
+    if args.world_sizes is not None:
+        cells = [c for c in cells if c.world_size in args.world_sizes]
+    if args.list:
+        say(f"parity: {len(cells)} cells over {len(parity.FAMILIES)} families")
+        return None
+    return parity.run_section(cells, timeout_s=args.timeout, say=say)
 
 
 def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
@@ -203,6 +230,7 @@ def main(argv=None) -> int:
         say(f"{len(cells)} cells, {len(runs)} invariance runs")
         for line in matrix.coverage(cells):
             say(line)
+        parity_section(args, say)
         return 0
     report = run_matrix(
         cells, runs, timeout_s=args.timeout, say=say, invariance_sizes=args.world_sizes
@@ -210,13 +238,23 @@ def main(argv=None) -> int:
     resume = resume_section(args, say)
     if resume is not None:
         report["resume"] = resume
+    t0 = time.time()
+    par = parity_section(args, say)
+    if par is not None:  # the parity section (verify/parity.py)
+        report["parity"], report["parity_invariance"] = par
+        report["timing"]["parity_s"] = round(time.time() - t0, 1)
+        say(f"parity: {sum(r['passed'] for r in par[0])}/{len(par[0])} cells passed, "
+            f"{sum(r['passed'] for r in par[1])}/{len(par[1])} digest groups, "
+            f"{report['timing']['parity_s']} s")  # fmt: skip
     report["provenance"] = provenance()
     timing = report["timing"]
     every = [r for name in SECTIONS for r in report.get(name) or []]
+    every += [r for name in ("parity", "parity_invariance") for r in report.get(name) or []]
     failed = [r for r in every if not r["passed"]]
     cell_rows = report["cells"] + report["injected"]
     ok = sum(r["passed"] for r in cell_rows)
-    say(f"{ok}/{len(cell_rows)} cells passed in {timing['total_s']:.1f} s")
+    if not args.parity:  # --parity runs no matrix cells
+        say(f"{ok}/{len(cell_rows)} cells passed in {timing['total_s']:.1f} s")
     for name in SECTIONS[2:]:
         if report.get(name):
             ok = sum(r["passed"] for r in report[name])
@@ -225,7 +263,12 @@ def main(argv=None) -> int:
     if lead and args.json:
         write_json(args.json, sanitize(report))
     if lead and args.markdown:
-        write_atomic(args.markdown, markdown(report))
+        text = markdown(report)
+        if par is not None:
+            from .parity import markdown as parity_markdown
+
+            text += parity_markdown(*par)
+        write_atomic(args.markdown, text)
     return 1 if failed or changed or not every else 0
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from torchrun import torchrun
 
-from verify import matrix
+from verify import matrix, parity
 from verify.__main__ import main
 from verify.harness import Cell
 
@@ -170,6 +170,10 @@ def test_quick_preset_passes_and_has_teeth(tmp_path, capsys):
     }
     text = md.read_text()
     assert "## World-size invariance" in text and "## Injected gradients" in text
+    # the parity section (verify/parity.py): at least one cell per model family, all passing
+    assert {r["config"]["family"] for r in data["parity"]} == set(parity.FAMILIES)
+    assert all(r["passed"] for r in data["parity"] + data["parity_invariance"])
+    assert "## Parity with plain PyTorch" in text
     printed = capsys.readouterr().out
     assert re.search(r"\d+/\d+ cells passed", printed)
     print(f"--quick took {took:.0f} s")  # visible with -s; the CLI's JSON keeps timing too

@@ -1,0 +1,567 @@
+"""Parity with plain PyTorch: the engine against the single-process torch loop, per model family.
+
+verify/anchors.py compares the reference with torch on the project's GPT; this section compares
+the *engine* with the textbook loop directly, on several families (FAMILIES: the MLP, the GPT, a
+ResNet with BatchNorm, Hugging Face GPT-2 and Llama), at stages 0-3, N ∈ {1, 2, 4}, both modes,
+fp32 and bf16. A cell (ParityCell) trains S steps of M micro-batches; before every step the plain
+side (Plain) takes the engine's full state (gather_state: fp32 master, AdamW's moments, t; rank
+0's buffers) and runs (loss_j / M).backward() over the same micro-batches, clip_grad_norm_ and
+torch.optim.AdamW(foreach=False) (bf16: a bf16 copy for forward and backward, the fp32 master
+for the optimizer). Lock-step, as the anchors argue: only one step from a common state has a
+derivable bound (step_bounds' docstring derives each). Deterministic cells also hash the state
+(state_digest): one digest per family and precision over every N and stage. How to run it:
+docs/verification.md, "Parity with plain PyTorch".
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from zero import optim as zero_optim
+from zero.config import ZeroConfig, decay_matrices_only
+from zero.engine import ZeroEngine
+from zero.train import default_loss
+
+from .anchors import REF_NORM_DEPTH, STATES, U64, U, norm_rel_error, ratio
+from .bounds import gamma, optimizer_step_error
+from .harness import GROUPS, MODELS, loss_bound, state_digest
+
+CHECKS = ("loss", "norm", "master", *STATES, "buffers")
+PLANTS = ("coupled_decay", "no_mean")
+"""Semantics bugs planted into the plain side: torch.optim.Adam (L2 decay coupled into the
+gradient) in place of AdamW, and micro-batch losses not divided by M. Each must fail a cell."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """A model family of the parity section: adding a family is one entry of FAMILIES."""
+
+    build: Callable[[], torch.nn.Module]
+    """A fresh model, the same bits in every process (seeded)."""
+    batch: Callable[[int, int], tuple | dict]
+    """batch(step, j): micro-batch j of a step, positional (a tuple) or keyword (a dict)."""
+    clip_norm: float
+    """Chosen between the plain loop's norms of the first steps, so that some steps clip and
+    some do not (tests/distributed/test_verify_parity.py checks both happen)."""
+    requires: tuple[str, ...] = ()
+    """Importable modules the family needs; without one its cells are skipped with the reason."""
+    units: str | tuple[str, ...] | None = None
+    """ZeroConfig.units; None: the model's unit_names() where it has one, else "auto" (the
+    repeated blocks: decoder layers, residual blocks)."""
+
+    def missing(self) -> str | None:
+        for name in self.requires:
+            if importlib.util.find_spec(name) is None:
+                return f"{name} is not installed (pip install -e '.[models]')"
+        return None
+
+
+def _ours(name: str, clip_norm: float) -> Family:
+    """The project's own models (verify.harness.MODELS) and their data, seed 0."""
+    build, data = MODELS[name]
+    cfg = build().cfg
+
+    def batch(step: int, j: int):
+        return data(cfg, seed=0, data_step=step, count=j + 1, batch_size=4)[j]
+
+    return Family(build=build, batch=batch, clip_norm=clip_norm)
+
+
+def _resnet():
+    from zero.resnet import ResNet, ResNetConfig
+
+    return ResNet(ResNetConfig(widths=(8, 16, 16), depth=1), seed=0)
+
+
+def _images(step: int, j: int):
+    """8 random 8×8 images; micro-batch j has its own mean, so batch statistics differ."""
+    g = torch.Generator().manual_seed(1000 * step + j)
+    return torch.randn(8, 1, 8, 8, generator=g) + 0.5 * j, torch.randint(0, 10, (8,), generator=g)
+
+
+def _hf(kind: str):
+    """A random-weight Hugging Face model from a config (no download); dropout off (its random
+    stream is per process), eager attention."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if kind == "gpt2":
+            cfg = GPT2Config(
+                n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                attn_implementation="eager",
+            )  # fmt: skip
+            return GPT2LMHeadModel(cfg)
+        cfg = LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=64, max_position_embeddings=16,
+            attn_implementation="eager",
+        )  # fmt: skip
+        return LlamaForCausalLM(cfg)
+
+
+def _tokens(step: int, j: int) -> dict:
+    g = torch.Generator().manual_seed(7919 * step + j)
+    ids = torch.randint(0, 64, (2, 16), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+FAMILIES: dict[str, Family] = {
+    "mlp": _ours("mlp", clip_norm=1.5),
+    "gpt": _ours("gpt", clip_norm=0.7),
+    "resnet": Family(build=_resnet, batch=_images, clip_norm=1.25),
+    "gpt2": Family(
+        build=lambda: _hf("gpt2"), batch=_tokens, clip_norm=0.8, requires=("transformers",)
+    ),
+    "llama": Family(
+        build=lambda: _hf("llama"), batch=_tokens, clip_norm=0.8, requires=("transformers",)
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParityCell:
+    """One parity cell: a family trained by the engine and, in lock-step, by plain PyTorch."""
+
+    family: str
+    """A key of FAMILIES."""
+    stage: int
+    """ZeRO stage 0-3."""
+    world_size: int
+    """N, a power of two dividing micro_batches (1/M and 1/N are then exact: A2 of anchors)."""
+    mode: str = "deterministic"
+    """'deterministic' (the reference's tree and op order) or 'fast' (the backend's)."""
+    precision: str = "fp32"
+    """'fp32' or 'bf16' (working copy and backward in bf16, fp32 master)."""
+    steps: int = 4
+    """Lock-steps S."""
+    micro_batches: int = 4
+    """M, the same at every N, so deterministic digests can be compared across N."""
+    plant: str | None = None
+    """None, or one of PLANTS in the plain side (non-vacuity tests only)."""
+    clip_norm: float | None = None
+    """None: the family's clip_norm."""
+    perturb: float = 0.0
+    """Non-vacuity: add perturb × bound to every compared engine value (at the element whose
+    bound is largest; buffers: one ulp) before the checks; 10 must fail every check."""
+
+    def __post_init__(self):
+        def need(ok, name, allowed):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}: allowed are {allowed}")
+
+        need(self.family in FAMILIES, "family", sorted(FAMILIES))
+        need(self.stage in (0, 1, 2, 3), "stage", "0, 1, 2, 3")
+        m = self.micro_batches
+        need(m >= 1 and not m & (m - 1), "micro_batches", "a power of two")
+        n = self.world_size
+        need(
+            n >= 1 and not n & (n - 1) and m % n == 0, "world_size", f"a power of two dividing {m}"
+        )
+        need(self.mode in ("deterministic", "fast"), "mode", "'deterministic', 'fast'")
+        need(self.precision in ("fp32", "bf16"), "precision", "'fp32', 'bf16'")
+        need(self.steps >= 1, "steps", "an integer >= 1")
+        need(self.plant is None or self.plant in PLANTS, "plant", f"None or one of {PLANTS}")
+
+    @property
+    def clip(self) -> float:
+        return FAMILIES[self.family].clip_norm if self.clip_norm is None else self.clip_norm
+
+    def config(self, model) -> ZeroConfig:
+        units = FAMILIES[self.family].units
+        if units is None:
+            units = tuple(model.unit_names()) if hasattr(model, "unit_names") else "auto"
+        return ZeroConfig(
+            stage=self.stage, precision=self.precision, deterministic=self.mode == "deterministic",
+            optimizer="adamw", groups=GROUPS["adamw"], group_of=decay_matrices_only,
+            micro_batches=self.micro_batches, clip_norm=self.clip, units=units, chunk=128,
+        )  # fmt: skip
+
+
+# -- the plain side -----------------------------------------------------------------------------
+
+
+@dataclass
+class PlainStep:
+    """What one plain step computed, and the magnitudes its bounds need (plain-side values)."""
+
+    losses: list[float]
+    norm: float
+    grad: dict[str, np.ndarray]  # the averaged gradient before clipping, fp32
+    abs_sum: dict[str, np.ndarray]  # Σ_j |g_j / M|, float64
+    clipped: dict[str, np.ndarray]  # the gradient AdamW used
+    master: dict[str, np.ndarray]
+    opt: dict[str, dict[str, np.ndarray]]
+    buffers: dict[str, np.ndarray]
+
+
+class Plain:
+    """The textbook loop of the module docstring, restarted from a given state every step."""
+
+    def __init__(self, cell: ParityCell):
+        family = FAMILIES[cell.family]
+        self.cell, self.batch = cell, family.batch
+        self.model = family.build()  # fp32: the master the optimizer steps
+        self.named = list(self.model.named_parameters())  # a tied parameter once
+        bf16 = cell.precision == "bf16"
+        self.work = copy.deepcopy(self.model).to(torch.bfloat16) if bf16 else self.model
+        self.work_named = dict(self.work.named_parameters())
+        members = [[], []]
+        for name, p in self.named:
+            members[decay_matrices_only(name, p)].append(p)
+        kind = "adam" if cell.plant == "coupled_decay" else "adamw"
+        groups = [(ps, hp) for ps, hp in zip(members, GROUPS["adamw"]) if ps]
+        self.opt = zero_optim.torch_optimizer(kind, groups, foreach=False)  # A4: single-tensor
+        self.abs_sum: dict[str, torch.Tensor] = {}
+        if not bf16:  # fp32: g_j / M as backward hands it to .grad's accumulation
+            for name, p in self.named:
+                p.register_hook(lambda g, name=name: self._record(name, g))
+
+    def _record(self, name: str, g: torch.Tensor) -> None:
+        a = g.detach().double().abs()
+        self.abs_sum[name] = self.abs_sum[name] + a if name in self.abs_sum else a
+
+    def _inputs(self, batch):
+        if isinstance(batch, dict):
+            return (), batch
+        dtype = next(self.work.parameters()).dtype  # positional floats in the compute dtype
+        return [x.to(dtype) if x.is_floating_point() else x for x in batch], {}
+
+    def step(self, master, opt_state, t: int, buffers: dict, step: int) -> PlainStep:
+        cell, m, n = self.cell, self.cell.micro_batches, self.cell.world_size
+        with torch.no_grad():
+            for name, p in self.named:
+                p.copy_(master[name])
+                p.grad = None
+                self.opt.state[p] = {"step": torch.tensor(float(t))}
+                self.opt.state[p].update({k: opt_state[name][k].clone() for k in STATES})
+            if self.work is not self.model:
+                for name, p in self.named:
+                    self.work_named[name].copy_(p)  # the master rounded to bf16
+            for name, b in self.work.named_buffers():
+                b.copy_(buffers[name])
+        self.abs_sum, losses = {}, []
+        live = dict(self.work.named_buffers())
+        for j in range(m):
+            # DDP(broadcast_buffers=True): rank 0's buffers survive, so only the micro-batches
+            # rank 0 runs (j mod N = 0) may update them
+            kept = None if j % n == 0 else {k: b.clone() for k, b in live.items()}
+            args, kwargs = self._inputs(self.batch(step, j))
+            loss = default_loss(self.work(*args, **kwargs))
+            losses.append(float(loss.detach().float()))
+            (loss if cell.plant == "no_mean" else loss / m).backward()
+            if kept is not None:
+                with torch.no_grad():
+                    for k, b in live.items():
+                        b.copy_(kept[k])
+            if self.work is not self.model:  # fp32 accumulation of the bf16 g_j / M
+                for name, p in self.named:
+                    g = self.work_named[name].grad
+                    self._record(name, g)
+                    p.grad = g.float() if p.grad is None else p.grad + g.float()
+                    self.work_named[name].grad = None
+        grad = {k: p.grad.detach().numpy().copy() for k, p in self.named}
+        norm = float(torch.nn.utils.clip_grad_norm_([p for _, p in self.named], cell.clip))
+        clipped = {k: p.grad.detach().numpy().copy() for k, p in self.named}
+        self.opt.step()
+        return PlainStep(
+            losses=losses,
+            norm=norm,
+            grad=grad,
+            abs_sum={k: v.numpy() for k, v in self.abs_sum.items()},
+            clipped=clipped,
+            master={k: p.detach().numpy().copy() for k, p in self.named},
+            opt={
+                k: {s: self.opt.state[p][s].numpy().copy() for s in STATES} for k, p in self.named
+            },
+            buffers={k: b.detach().float().numpy().copy() for k, b in self.work.named_buffers()},
+        )
+
+
+# -- the bounds ---------------------------------------------------------------------------------
+
+
+def step_bounds(cell: ParityCell, before_master, before_opt, t: int, plain: PlainStep) -> dict:
+    """Elementwise bounds on |engine - plain| after one lock-step, from plain-side magnitudes.
+
+    Notation as verify/anchors.py (u = 2^-24, γ_k, A1-A4, ε = 1e-6); g_j is micro-batch j's
+    gradient in the compute dtype, the same bits on both sides by A1 (the same parameter bits:
+    the engine's working copy and the plain bf16 copy both round the same master), and
+    (loss_j / M).backward() gives exactly g_j / M (A2: M a power of two). Neither side
+    rounds a g_j differently; they differ in
+      1. the sum: the engine's tree (deterministic) or the backend's order (fast) of the M
+         terms in fp32, times s(1/M) exactly; plain's sequential fp32 accumulation. Each is within
+         γ_{M-1}·Σ|g_j|/M of the exact mean:  e_g0 := 2·γ_{M-1}·Σ_j|g_j / M|  (elementwise).
+      2. the norm: the engine's float64 chunk tree of fp32 squares (relative error ≤ ρ64 =
+         γ_42(2^-53)), clip_grad_norm_'s float32 norm (≤ ρ, anchors' check 2). With G the
+         plain's averaged gradient, ‖G_e - G_p‖ ≤ E := ‖e_g0‖₂, so
+             |ν_e - ν_p| ≤ Δν := E + ρ64·(‖G_p‖ + E) + ρ·‖G_p‖.
+      3. the coefficient: the engine's s(c / (ν_e + ε)) applied when < 1, plain's
+         min(1, fl(c / fl(ν_p + ε))) always applied; with ν_lo = max(ν_p - Δν, 0) + ε,
+             Δcoef := c·Δν / ν_lo² + γ_5,
+         and 0 where even ν_p + Δν leaves both coefficients exactly 1 (anchors' check 3).
+      4. the clipped gradient: e_g := (coef_p + Δcoef)·e_g0 + |G_p|·Δcoef + 2u·|g_p| (one
+         rounding of each product, none when neither side clips).
+      5. master, exp_avg, exp_avg_sq: verify.bounds.optimizer_step_error("adamw", ...) from the
+         common state with e_g, charging both implementations' roundings per line (A4): the
+         engine's op order (deterministic) or torch's kernels (fast) against torch's
+         single-tensor AdamW.
+    The loss: both take the float32 losses of the same forwards (A1); the engine's float64
+    mean is within loss_bound (verify/harness.py) of the exact mean, plain's fsum mean is
+    correctly rounded. Buffers (rank 0's, DDP semantics) are computed by the same forwards:
+    bitwise.
+    """
+    m, c = cell.micro_batches, cell.clip
+    e_g0 = {k: 2 * gamma(m - 1, U) * v for k, v in plain.abs_sum.items()}
+    big_e = math.sqrt(sum(float((e * e).sum()) for e in e_g0.values()))
+    g_norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in plain.grad.values()))
+    rho = norm_rel_error([g.size for g in plain.grad.values()])
+    rho64 = gamma(REF_NORM_DEPTH + 2, U64)
+    d_norm = big_e + rho64 * (g_norm + big_e) + rho * g_norm
+    coef = min(1.0, c / (plain.norm + 1e-6))
+    if c / (plain.norm + d_norm + 1e-6) * (1 - gamma(4, U)) >= 1:
+        d_coef, rounding = 0.0, 0.0  # both coefficients are exactly 1
+    else:
+        low = max(plain.norm - d_norm, 0.0) + 1e-6
+        d_coef, rounding = c * d_norm / (low * low) + gamma(5, U), 2 * U
+    out = {}
+    for k, hp_i in ((k, decay_matrices_only(k, before_master[k])) for k in plain.grad):
+        hp = GROUPS["adamw"][hp_i]
+        g = plain.clipped[k]
+        e_g = (coef + d_coef) * e_g0[k] + np.abs(plain.grad[k].astype(np.float64)) * d_coef
+        e_g = e_g + rounding * np.abs(g.astype(np.float64))
+        state = {s: before_opt[k][s].numpy() for s in STATES}
+        p0 = before_master[k].numpy()
+        err, _, _ = optimizer_step_error("adamw", hp, t + 1, p0, g, state, {"g": e_g})
+        out[k] = {"master": err["p"], **{s: err[s] for s in STATES}}
+    return {"state": out, "norm": d_norm, "loss": loss_bound(plain.losses)}
+
+
+def check_step(bounds, plain: PlainStep, res, master, opt, buffers, perturb=0.0) -> dict:
+    """Worst diff/bound of every check of one lock-step (buffers: 0 equal, inf not). perturb:
+    ParityCell.perturb, applied to the engine's values here."""
+    f = np.float64
+    out = dict.fromkeys(CHECKS, 0.0)
+    loss, norm = res.loss + perturb * bounds["loss"], res.norm + perturb * bounds["norm"]
+    out["loss"] = ratio(abs(loss - math.fsum(plain.losses) / len(plain.losses)), bounds["loss"])
+    out["norm"] = ratio(abs(norm - plain.norm), bounds["norm"])
+    for k, b in bounds["state"].items():
+        got = {"master": master[k], **opt[k]}
+        want = {"master": plain.master[k], **plain.opt[k]}
+        for s in ("master", *STATES):
+            ours = got[s].numpy().astype(f).ravel()
+            if perturb:
+                i = int(np.argmax(b[s]))
+                ours[i] += perturb * b[s].ravel()[i]
+            diff = np.abs(ours - want[s].astype(f).ravel())
+            out[s] = max(out[s], ratio(diff, b[s].ravel()))
+    if perturb and buffers:  # one ulp in the first element of the first buffer
+        k = next(iter(buffers))
+        buffers = {**buffers, k: buffers[k].copy()}
+        flat = buffers[k].reshape(-1)
+        flat[0] = np.nextafter(flat[0], np.float32(np.inf))
+    same = all(np.array_equal(buffers[k], v, equal_nan=True) for k, v in plain.buffers.items())
+    out["buffers"] = 0.0 if same else math.inf
+    return out
+
+
+# -- running cells ------------------------------------------------------------------------------
+
+
+def run_cell(rank: int, n: int, cell: ParityCell) -> dict:
+    """One cell on this rank of an N-rank world; rank 0 also runs the plain side and checks.
+    Returns {"ratios": [per step], "clipped": [per step], "digest"} (rank 0), or {"digest"}."""
+    torch.manual_seed(0)
+    family = FAMILIES[cell.family]
+    model = family.build()
+    eng = ZeroEngine(model, cell.config(model))
+    plain = Plain(cell) if rank == 0 else None
+    per_rank, ratios, clipped, norms, res = cell.micro_batches // n, [], [], [], None
+    for step in range(cell.steps):
+        master, opt = eng.gather_state()
+        t = eng.t
+        buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+        for k in range(per_rank):
+            batch = family.batch(step, k * n + rank)
+            out = eng(**batch) if isinstance(batch, dict) else eng(*batch)
+            eng.backward(default_loss(out))
+        res = eng.step()
+        after, after_opt = eng.gather_state()
+        if plain is None:
+            continue
+        p = plain.step(master, opt, t, buffers, step)
+        mine = {k: b.detach().float().numpy() for k, b in model.named_buffers()}
+        bounds = step_bounds(cell, master, opt, t, p)
+        ratios.append(check_step(bounds, p, res, after, after_opt, mine, cell.perturb))
+        clipped.append(bool(cell.clip / (p.norm + 1e-6) < 1))
+        norms.append(p.norm)
+    digest = state_digest(eng, res)
+    return {"ratios": ratios, "clipped": clipped, "norms": norms, "digest": digest}
+
+
+def run_cells(rank: int, n: int, cells: list[ParityCell]) -> list[dict]:
+    out = []
+    for cell in cells:
+        try:
+            out.append(run_cell(rank, n, cell))
+        except Exception as exc:  # noqa: BLE001 - reported as the cell's failure
+            out.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
+    return out
+
+
+def row(cell: ParityCell, per_rank: list[dict]) -> dict:
+    """The report row of one cell: its worst ratio per check, clipping per step, the digest."""
+    config = {**asdict(cell), "clip_norm": cell.clip}
+    errors = [r["error"] for r in per_rank if "error" in r]
+    digests = {r.get("digest") for r in per_rank}
+    lead = per_rank[0]
+    out = {"config": config, "digest": lead.get("digest"), "ranks_agree": len(digests) == 1}
+    if errors:
+        return {**out, "passed": False, "first_failure": errors[0], "worst": {}, "clipped": []}
+    worst = {k: max(r[k] for r in lead["ratios"]) for k in CHECKS}
+    first = next(
+        (f"step {i}: {k} ratio {r[k]:.3g}" for i, r in enumerate(lead["ratios"]) for k in CHECKS
+         if not r[k] <= 1),
+        "",
+    )  # fmt: skip
+    passed = not first and out["ranks_agree"]
+    return {**out, "passed": passed, "first_failure": first or ("" if passed else "ranks differ"),
+            "worst": worst, "clipped": lead["clipped"], "norms": lead["norms"],
+            "steps": lead["ratios"]}  # fmt: skip
+
+
+# -- presets, the section, its report -----------------------------------------------------------
+
+WORLD_SIZES = (1, 2, 4)
+
+
+def quick_cells() -> list[ParityCell]:
+    """Three cells per family, N <= 2: fast bf16 at stage 3, deterministic fp32 at stage 1
+    (N = 2) and stage 0 (N = 1), the last two giving the family's digest across N and stage."""
+    plan = (
+        (3, 2, "fast", "bf16"),
+        (1, 2, "deterministic", "fp32"),
+        (0, 1, "deterministic", "fp32"),
+    )
+    return [
+        ParityCell(family=f, stage=s, world_size=n, mode=m, precision=p)
+        for f in FAMILIES
+        for s, n, m, p in plan
+    ]
+
+
+def complete_cells() -> list[ParityCell]:
+    """Every family × stage 0-3 × N ∈ {1, 2, 4} × mode × precision."""
+    return [
+        ParityCell(family=f, stage=s, world_size=n, mode=m, precision=p)
+        for f in FAMILIES
+        for s in (0, 1, 2, 3)
+        for n in WORLD_SIZES
+        for m in ("deterministic", "fast")
+        for p in ("fp32", "bf16")
+    ]
+
+
+def invariance(rows: list[dict]) -> list[dict]:
+    """Deterministic cells of one family and precision (M is the same in all) must end in one
+    digest at every N and stage (docs/design.md §2's world-size invariance, per family)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        c = r["config"]
+        if c["mode"] == "deterministic" and not r.get("skipped") and c["plant"] is None:
+            groups.setdefault((c["family"], c["precision"]), []).append(r)
+    out = []
+    for (family, precision), rs in groups.items():
+        digests = {r["digest"] for r in rs}
+        where = sorted({(r["config"]["world_size"], r["config"]["stage"]) for r in rs})
+        passed = len(digests) == 1 and None not in digests and all(r["ranks_agree"] for r in rs)
+        out.append({"family": family, "precision": precision, "cells": len(rs),
+                    "world_sizes": sorted({n for n, _ in where}),
+                    "stages": sorted({s for _, s in where}), "digests": sorted(map(str, digests)),
+                    "passed": passed})  # fmt: skip
+    return out
+
+
+def console_row(r: dict) -> str:
+    c = r["config"]
+    head = f"  {c['family']:>6} stage {c['stage']} N={c['world_size']} {c['mode']:>13} "
+    head += f"{c['precision']:>4}"
+    if r.get("skipped"):
+        return f"{head}  SKIPPED ({r['skipped']})"
+    clip = "".join("c" if x else "." for x in r["clipped"])
+    worst = max(r["worst"].items(), key=lambda kv: kv[1]) if r["worst"] else ("-", math.nan)
+    verdict = "PASS" if r["passed"] else "FAIL " + r["first_failure"]
+    return f"{head}  clip {clip:<5} worst {worst[0]} {worst[1]:.3g}  {verdict}"
+
+
+def run_section(cells: list[ParityCell], *, timeout_s: float = 900, say=print, pool_run=None):
+    """(rows, invariance rows) of the parity section; cells batched per world size. A family
+    whose requirements are missing gives skipped rows naming the reason."""
+    if pool_run is None:
+        from .run import pool_run
+    rows: dict[int, dict] = {}
+    say("parity with plain PyTorch (lock-step; clip: c clipped, . not; worst diff/bound):")
+    for i, c in enumerate(cells):
+        why = FAMILIES[c.family].missing()
+        if why:
+            rows[i] = {"config": {**asdict(c), "clip_norm": c.clip}, "passed": True,
+                       "skipped": why, "digest": None, "ranks_agree": True}  # fmt: skip
+    for n in sorted({c.world_size for c in cells}):
+        mine = [i for i, c in enumerate(cells) if c.world_size == n and i not in rows]
+        if not mine:
+            continue
+        try:
+            per_rank = pool_run(n, run_cells, [cells[i] for i in mine], timeout_s)
+        except Exception as exc:  # a world that died fails its cells
+            per_rank = [[{"error": f"world N={n} failed: {str(exc).splitlines()[0]}"}] * len(mine)]
+        if per_rank is None:  # under torchrun with another world size
+            say(f"(parity at N={n} skipped: this torchrun world has another size)")
+            continue
+        for k, i in enumerate(mine):
+            rows[i] = row(cells[i], [r[k] for r in per_rank])
+            say(console_row(rows[i]))
+    ordered = [rows[i] for i in sorted(rows)]
+    for r in ordered:
+        if r.get("skipped"):
+            say(console_row(r))
+    inv = invariance(ordered)
+    for r in inv:
+        mark = "PASS" if r["passed"] else f"FAIL {len(r['digests'])} digests"
+        say(
+            f"  {r['family']:>6} {r['precision']} deterministic: one digest over N "
+            f"{r['world_sizes']} and stages {r['stages']} ({r['cells']} cells)  {mark}"
+        )
+    return ordered, inv
+
+
+def markdown(rows: list[dict], inv: list[dict]) -> str:
+    lines = ["", "## Parity with plain PyTorch", "",
+             "| family | stage | N | mode | precision | clipped | worst check (diff/bound) | "
+             "passed |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        c = r["config"]
+        if r.get("skipped"):
+            worst, clip = f"skipped: {r['skipped']}", ""
+        else:
+            clip = "".join("c" if x else "." for x in r["clipped"])
+            k = max(r["worst"], key=r["worst"].get) if r["worst"] else "-"
+            worst = f"{k} {r['worst'].get(k, math.nan):.3g}" if r["worst"] else r["first_failure"]
+        lines.append(f"| {c['family']} | {c['stage']} | {c['world_size']} | {c['mode']} | "
+                     f"{c['precision']} | {clip} | {worst} | {r['passed']} |")  # fmt: skip
+    lines += [
+        "",
+        "| family | precision | N | stages | cells | one digest |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in inv:
+        lines.append(f"| {r['family']} | {r['precision']} | {r['world_sizes']} | {r['stages']} | "
+                     f"{r['cells']} | {r['passed']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
