@@ -356,22 +356,23 @@ def plant_scaler_backoff_quarter(p: Patch) -> None:
 
 
 def plant_group_run_boundary(p: Patch) -> None:
-    from zero import engine as engine_module
-    from zero.partition import Run
+    from zero.partition import Run, UnitPartition
 
-    original = engine_module.step_runs
+    original = UnitPartition.runs
 
-    def step_runs(kind, groups, runs, t, master, grad, states, *, deterministic):
-        shifted = list(runs[:1])
-        for a, b in zip(runs, runs[1:]):  # each run's first element keeps the previous group
-            if a.group != b.group and b.stop - b.start > 1:
-                shifted += [Run(start=b.start, stop=b.start + 1, group=a.group),
-                            Run(start=b.start + 1, stop=b.stop, group=b.group)]  # fmt: skip
-            else:
-                shifted.append(b)
-        original(kind, groups, shifted, t, master, grad, states, deterministic=deterministic)
+    def runs(self, *, whole=False):
+        out = original(self, whole=whole)
+        lo = 0 if whole else self.own.start
+        starts = sorted(s.offset - lo for s in self.layout.slots)
+        for i in range(1, len(out)):  # the previous group's run takes the next group's first
+            a, b = out[i - 1], out[i]  # parameter element
+            s = next((x for x in starts if b.start <= x < b.stop - 1), None)
+            if s is not None:
+                out[i - 1] = Run(start=a.start, stop=s + 1, group=a.group)
+                out[i] = Run(start=s + 1, stop=b.stop, group=b.group)
+        return out
 
-    p.setattr(engine_module, "step_runs", step_runs)
+    p.setattr(UnitPartition, "runs", runs)
 
 
 def plant_arena_slots_overlap(p: Patch) -> None:
@@ -563,7 +564,7 @@ BUGS: dict[str, Bug] = {
                                 "unit only", plant=plant_clip_first_unit_only),
     "scaler_backoff_quarter": Bug(breaks="the loss scaler backs off by 1/4, not 1/2",
                                   plant=plant_scaler_backoff_quarter),
-    "group_run_boundary": Bug(breaks="each group run's first element takes the previous group",
+    "group_run_boundary": Bug(breaks="a group's first element gets the previous group's hypers",
                               plant=plant_group_run_boundary),
     "arena_slots_overlap": Bug(breaks="M_D checkpoint arena: consecutive slots overlap",
                                plant=plant_arena_slots_overlap),
