@@ -519,72 +519,84 @@ class Bug:
 
     breaks: str
     """What it breaks, in one line (the table's second column)."""
+    where: str
+    """Where it is observable, in words (the predicate's summary)."""
     plant: Callable[[Patch], None]
     """Patches the library; Patch undoes it."""
     kind: str = "cells"
     """'cells': run on --quick cells (matrix.OBSERVABLE); 'resume': on --resume rows."""
 
 
+_TABLE = (
+    # name, what it breaks, where it is observable, plant, kind
+    ("one_ulp", "one master element on rank N-1 one ULP off",
+     "deterministic, N ≥ 2", plant_one_ulp, "cells"),
+    ("shard_offset", "ranks >= 1 take their shard one element early",
+     "deterministic, N ≥ 2, stage ≥ 1", plant_shard_offset, "cells"),
+    ("one_over_n_for_m", "averages by 1/(S·N), not 1/(S·M)",
+     "deterministic, M > N, clipping off", plant_one_over_n_for_m, "cells"),
+    ("bias_correction_t_minus_1", "Adam's bias corrections use step t-1",
+     "deterministic, Adam(W), two optimizer steps", plant_bias_correction_t_minus_1, "cells"),
+    ("reduce_order", "reduce-scatter sums in ring order, not the tree T",
+     "deterministic, N ≥ 3, fp32 or widely spread gradients", plant_reduce_order, "cells"),
+    ("stale_prefetch", "stage 3: a prefetched unit keeps its previous gather",
+     "stage 3, overlap, real forward, tiny units", plant_stale_prefetch, "cells"),
+    ("overflow_one_rank", "ranks 1..N-1 ignore the agreed overflow flag",
+     "stage 0, non-finite gradients", plant_overflow_one_rank, "cells"),
+    ("loss_m_over_n", "the reported loss is M/N times the mean",
+     "M > N (any mode)", plant_loss_m_over_n, "cells"),
+    ("extra_all_gather_stage3", "stage 3 gathers one unit too many per step",
+     "stage 3 (counted collectives)", plant_extra_all_gather_stage3, "cells"),
+    ("decay_on_biases", "the engine's grouping decays every parameter",
+     "every cell (groups compared)", plant_decay_on_biases, "cells"),
+    ("uncapped_clip", "clip coefficient not capped at 1 (norm below the limit)",
+     "clipping on some steps only (BRANCHES)", plant_uncapped_clip, "cells"),
+    ("unchecked_reduced_overflow", "R unchecked for overflow when S < 1/M",
+     "loss scale < 1/M, overflow in R only", plant_unchecked_reduced_overflow, "cells"),
+    ("extra_partial_sum", "the streaming tree keeps one partial-sum shard too many",
+     "deterministic (resident bytes)", plant_extra_partial_sum, "cells"),
+    ("half_width_pieces", "C_B pieces half as wide as allowed",
+     "bucket_elements set (reduce-scatter calls)", plant_half_width_pieces, "cells"),
+    ("fast_norm_misreported", "fast mode reports its norm 1e-6 too large",
+     "fast mode (norm bitwise against the pinned order)", plant_fast_norm_misreported, "cells"),
+    ("t_advances_on_skip", "a skipped step counts as an optimizer step",
+     "a skipped step", plant_t_advances_on_skip, "cells"),
+    # the features: ZeRO-R, offload, prefetch, C_B, scaler, clipping, groups, data, model
+    ("microbatch_rank_major", "rank r runs micro-batch r·K + k, not k·N + r",
+     "deterministic, backward, N ≥ 2, M > N, fp32", plant_microbatch_rank_major, "cells"),
+    ("clip_first_unit_only", "clipping (norm above the limit) scales the first unit only",
+     "deterministic, tiny units, steps that clip", plant_clip_first_unit_only, "cells"),
+    ("scaler_backoff_quarter", "the loss scaler backs off by 1/4, not 1/2",
+     "fp16 with a skipped step", plant_scaler_backoff_quarter, "cells"),
+    ("group_run_boundary", "a group's first element gets the previous group's hypers",
+     "deterministic, a unit holding both groups", plant_group_run_boundary, "cells"),
+    ("arena_slots_overlap", "M_D checkpoint arena: consecutive slots overlap",
+     "deterministic, contiguous memory + checkpointing", plant_arena_slots_overlap, "cells"),
+    ("offload_grad_one_late", "offload: the host gradient is one copy behind",
+     "optimizer offload, two optimizer steps", plant_offload_grad_one_late, "cells"),
+    ("offloaded_checkpoints_rounded", "offloaded activation checkpoints kept in bf16",
+     "deterministic, checkpointing + offload, fp32/fp16",
+     plant_offloaded_checkpoints_rounded, "cells"),
+    ("prefetch_wrong_unit", "stage 3 backward prefetches the unit just done",
+     "stage 3, overlap, real forward, tiny units", plant_prefetch_wrong_unit, "cells"),
+    ("persist_threshold_off_by_one", "stage 3 persists numel < persist_below, not <=",
+     "stage 3, a unit of exactly persist_below (PLANTED_GAPS)",
+     plant_persist_threshold_off_by_one, "cells"),
+    ("piece_drops_boundary", "C_B: each piece's last column is not reduced",
+     "deterministic, bucket_elements set", plant_piece_drops_boundary, "cells"),
+    ("model_scales_input_in_place", "model code: the MLP halves its input in place",
+     "the MLP's own backward in fp32", plant_model_scales_input_in_place, "cells"),
+    ("load_scaler_fresh", "load restores everything but the loss scaler",
+     "fp16 resume rows", plant_load_scaler_fresh, "resume"),
+    ("consolidate_swaps_moments", "consolidation swaps exp_avg and exp_avg_sq",
+     "Adam(W) resume rows (consolidation)", plant_consolidate_swaps_moments, "resume"),
+)  # fmt: skip
 BUGS: dict[str, Bug] = {
-    "one_ulp": Bug(breaks="one master element on rank N-1 one ULP off", plant=plant_one_ulp),
-    "shard_offset": Bug(breaks="ranks >= 1 take their shard one element early",
-                        plant=plant_shard_offset),
-    "one_over_n_for_m": Bug(breaks="averages by 1/(S·N), not 1/(S·M)",
-                            plant=plant_one_over_n_for_m),
-    "bias_correction_t_minus_1": Bug(breaks="Adam's bias corrections use step t-1",
-                                     plant=plant_bias_correction_t_minus_1),
-    "reduce_order": Bug(breaks="reduce-scatter sums in ring order, not the tree T",
-                        plant=plant_reduce_order),
-    "stale_prefetch": Bug(breaks="stage 3: a prefetched unit keeps its previous gather",
-                          plant=plant_stale_prefetch),
-    "overflow_one_rank": Bug(breaks="ranks 1..N-1 ignore the agreed overflow flag",
-                             plant=plant_overflow_one_rank),
-    "loss_m_over_n": Bug(breaks="the reported loss is M/N times the mean",
-                         plant=plant_loss_m_over_n),
-    "extra_all_gather_stage3": Bug(breaks="stage 3 gathers one unit too many per step",
-                                   plant=plant_extra_all_gather_stage3),
-    "decay_on_biases": Bug(breaks="the engine's grouping decays every parameter",
-                           plant=plant_decay_on_biases),
-    "uncapped_clip": Bug(breaks="clip coefficient not capped at 1 (norm below the limit)",
-                         plant=plant_uncapped_clip),
-    "unchecked_reduced_overflow": Bug(breaks="R unchecked for overflow when S < 1/M",
-                                      plant=plant_unchecked_reduced_overflow),
-    "extra_partial_sum": Bug(breaks="the streaming tree keeps one partial-sum shard too many",
-                             plant=plant_extra_partial_sum),
-    "half_width_pieces": Bug(breaks="C_B pieces half as wide as allowed",
-                             plant=plant_half_width_pieces),
-    "fast_norm_misreported": Bug(breaks="fast mode reports its norm 1e-6 too large",
-                                 plant=plant_fast_norm_misreported),
-    "t_advances_on_skip": Bug(breaks="a skipped step counts as an optimizer step",
-                              plant=plant_t_advances_on_skip),
-    # features
-    "microbatch_rank_major": Bug(breaks="rank r runs micro-batch r·K + k, not k·N + r",
-                                 plant=plant_microbatch_rank_major),
-    "clip_first_unit_only": Bug(breaks="clipping (norm above the limit) scales the first "
-                                "unit only", plant=plant_clip_first_unit_only),
-    "scaler_backoff_quarter": Bug(breaks="the loss scaler backs off by 1/4, not 1/2",
-                                  plant=plant_scaler_backoff_quarter),
-    "group_run_boundary": Bug(breaks="a group's first element gets the previous group's hypers",
-                              plant=plant_group_run_boundary),
-    "arena_slots_overlap": Bug(breaks="M_D checkpoint arena: consecutive slots overlap",
-                               plant=plant_arena_slots_overlap),
-    "offload_grad_one_late": Bug(breaks="offload: the host gradient is one copy behind",
-                                 plant=plant_offload_grad_one_late),
-    "offloaded_checkpoints_rounded": Bug(breaks="offloaded activation checkpoints kept in bf16",
-                                         plant=plant_offloaded_checkpoints_rounded),
-    "prefetch_wrong_unit": Bug(breaks="stage 3 backward prefetches the unit just done",
-                               plant=plant_prefetch_wrong_unit),
-    "persist_threshold_off_by_one": Bug(breaks="stage 3 persists numel < persist_below, not <=",
-                                        plant=plant_persist_threshold_off_by_one),
-    "piece_drops_boundary": Bug(breaks="C_B: each piece's last column is not reduced",
-                                plant=plant_piece_drops_boundary),
-    "model_scales_input_in_place": Bug(breaks="model code: the MLP halves its input in place",
-                                       plant=plant_model_scales_input_in_place),
-    "load_scaler_fresh": Bug(breaks="load restores everything but the loss scaler",
-                             plant=plant_load_scaler_fresh, kind="resume"),
-    "consolidate_swaps_moments": Bug(breaks="consolidation swaps exp_avg and exp_avg_sq",
-                                     plant=plant_consolidate_swaps_moments, kind="resume"),
-}  # fmt: skip
+    name: Bug(breaks=breaks, where=where, plant=plant, kind=kind)
+    for name, breaks, where, plant, kind in _TABLE
+}
+"""The planted bugs by name, in the order of the table."""
+
 
 RESUME_OBSERVABLE: dict[str, Callable] = {
     # the scaler is compared after the resume; only fp16 has one
@@ -708,14 +720,20 @@ def run(bugs=None, *, cheap: bool = False, say=print) -> list[dict]:
 
 
 def markdown(summaries: list[dict]) -> str:
-    """The table of a run: bug | what it breaks | caught / observable | first check."""
-    lines = ["| planted bug | what it breaks | caught / observable | first check |",
-             "|---|---|---|---|"]  # fmt: skip
+    """The table of a run: bug | breaks | observable where | caught / observable | first check."""
+    lines = [
+        "| planted bug | what it breaks | observable where | caught / observable | first check |",
+        "|---|---|---|---|---|",
+    ]
     for s in summaries:
         where = "`--resume` rows" if s["kind"] == "resume" else "`--quick` cells"
-        ran = "" if s["ran"] == s["observable"] else f" (ran {s['ran']})"
-        lines.append(f"| `{s['bug']}` | {s['breaks']} | {s['caught']}/{s['observable']} "
-                     f"{where}{ran} | {s['first_check']} |")  # fmt: skip
+        count = f"{s['caught']}/{s['observable']} {where}"
+        if s["ran"] != s["observable"]:
+            count = f"{s['caught']}/{s['ran']} run ({s['observable']} observable {where})"
+        lines.append(
+            f"| `{s['bug']}` | {s['breaks']} | {BUGS[s['bug']].where} | {count} "
+            f"| {s['first_check']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
