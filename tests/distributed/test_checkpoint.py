@@ -58,9 +58,15 @@ def bits_equal(a, b) -> bool:
 @pytest.mark.parametrize("case", resume_cases(quick=True), ids=str)
 def test_resume_at_another_world_size_and_stage_is_bitwise(case, tmp_path):
     """k steps at (N1, s1), save, load at (N2, s2) into a model built from another seed, train
-    on: masters, optimizer states, counters, scaler and losses = the uninterrupted run's bits."""
+    on: masters, optimizer states, counters, scaler and losses = the uninterrupted run's bits.
+    The row also consolidates ([Note: a resume row that consolidates] in verify/resume.py): the
+    consolidated dict = the saving engine's state and the reference's next step from it = the
+    resumed engine's, bitwise; torch.optim's step from it lies within its one-step bound."""
     row = run_case(case, tmp_path)
     assert row["passed"], row["first_mismatch"]
+    plain = row["consolidated"]
+    assert plain["state_bitwise"] and plain["next_step_bitwise"], plain
+    assert plain["skipped"] or 0 <= plain["torch_ratio"] <= 1, plain
 
 
 @pytest.mark.dist
