@@ -290,16 +290,28 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
 
 
 def _units_of(c: Cell) -> tuple[tuple[int, ...], bool]:
-    """(numel of each unit, whether some unit holds two parameter groups) of a cell's model."""
-    from .expect import reference_spec
+    """(numel of each unit, whether a parameter of a new group starts strictly inside some
+    rank's master extent) of a cell's model, from the reference side's layout
+    (verify/expect.py): a group boundary exactly at a shard start has no run before it."""
+    from .expect import expected_extents, reference_spec
     from .harness import MODELS
 
-    key = (c.model, c.units)
+    key = (c.model, c.units, c.stage, c.world_size, c.persist_below)
     if key not in _UNITS:
         model = MODELS[c.model][0]()
         spec = reference_spec(model, c.zero_config(model.unit_names()))
-        groups = [{spec.group_of[s.name] for s in lay.slots} for lay in spec.layouts]
-        _UNITS[key] = tuple(lay.numel for lay in spec.layouts), any(len(g) > 1 for g in groups)
+        inside = False
+        for lay in spec.layouts:
+            slots = sorted(lay.slots, key=lambda s: s.offset)
+            starts = [
+                b.offset
+                for a, b in zip(slots, slots[1:])
+                if spec.group_of[a.name] != spec.group_of[b.name]
+            ]
+            for r in range(c.world_size):
+                ext, _ = expected_extents(c.stage, c.persist_below, lay, r, c.world_size)
+                inside |= any(ext.start < x < ext.stop - 1 for x in starts)
+        _UNITS[key] = tuple(lay.numel for lay in spec.layouts), inside
     return _UNITS[key]
 
 
@@ -327,7 +339,7 @@ OBSERVABLE.update({
     "scaler_backoff_quarter": lambda c: (
         c.precision == "fp16" and (c.gradients == "nonfinite" or c.loss_scale is not None)
     ),
-    # a unit holding matrices (group 0) and biases (group 1) side by side
+    # a parameter of another group starting inside some rank's extent (not at a shard start)
     "group_run_boundary": lambda c: _det(c) and _optimizer_steps(c) >= 1 and _units_of(c)[1],
     # a later checkpoint overwrites an earlier one, which the recomputation then reads
     "arena_slots_overlap": lambda c: _det(c) and c.contiguous and c.checkpointing,
