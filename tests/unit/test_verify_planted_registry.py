@@ -82,7 +82,7 @@ def test_patch_restores_and_removes():
 
 @pytest.mark.parametrize("ran", [2, 5])
 def test_markdown_says_when_fewer_cells_ran_than_are_observable(ran):
-    row = {"bug": "b", "breaks": "x", "kind": "cells", "observable": 5, "ran": ran,
+    row = {"bug": "one_ulp", "breaks": "x", "kind": "cells", "observable": 5, "ran": ran,
            "caught": ran, "first_check": "state"}  # fmt: skip
     line = markdown([row]).splitlines()[-1]
     assert ("run (5 observable" in line) == (ran != 5)
