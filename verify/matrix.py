@@ -32,9 +32,9 @@ place of 1/M needs M > N; a scale error hides under clipping (and mostly under A
 invariance, though not from bitwise checks); a bias correction off by a step needs Adam and two
 optimizer steps; a stale prefetched unit needs stage 3, overlap, a real forward and a second
 step. OBSERVABLE states these conditions
-as predicates on cells; tests/distributed/test_verify_planted.py checks that --quick holds a cell
-for each
-and that the harness reports those cells failing with the bug planted.
+as predicates on cells; verify/planted.py (python -m verify.planted) runs each bug on them and
+the harness must report every one failing. A bug that no --quick cell can show is a gap in the
+preset: PLANTED_GAPS holds the cells added for that reason, part of --quick and --complete.
 """
 
 from __future__ import annotations

@@ -4,13 +4,14 @@
     python -m verify.planted --cheap                 # the two cheapest cells per bug
     python -m verify.planted --bugs one_ulp shard_offset --json p.json --markdown p.md
 
-Each bug (BUGS) is a name, one line on what it breaks, and a plant function that patches the
-library through a Patch (undone afterwards), never touching the library's own code path when
-not planted. A bug of kind "cells" runs on the --quick cells where verify.matrix.OBSERVABLE
-says it is observable ([Note: observable] there), a bug of kind "resume" on the --resume rows
-where RESUME_OBSERVABLE says so. Every such cell or row must fail; the same cells pass
-unpatched in `python -m verify --quick --resume`. A bug that no --quick cell can catch is a bug
-in the preset (verify/matrix.py's PLANTED_GAPS holds the cells added for that reason).
+Each bug (BUGS) is a name, one line on what it breaks, where it shows, and a plant function
+(verify/plants.py: plant_<name>) that patches the library through a Patch (undone afterwards),
+never touching the library's own code path when not planted. A bug of kind "cells" runs on the
+--quick cells where verify.matrix.OBSERVABLE says it is observable ([Note: observable] there),
+a bug of kind "resume" on the --resume rows where RESUME_OBSERVABLE says so. Every such cell or
+row must fail; the same cells pass unpatched in `python -m verify --quick --resume`. A bug that
+no --quick cell can catch is a bug in the preset (verify/matrix.py's PLANTED_GAPS holds the
+cells added for that reason).
 The table (bug, what it breaks, cells observable, cells that caught it, first check that
 caught it) is printed and, with --markdown, written; docs/verification.md holds the last one.
 """
@@ -27,490 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
-from . import matrix
+from . import matrix, plants
 from . import resume as resume_mod
 from .harness import Cell, run_cells
+from .plants import Patch
 from .report import merge
-
-
-class Patch:
-    """A monkeypatch: setattr now, every attribute restored (or removed) by undo()."""
-
-    def __init__(self):
-        self._undo: list = []
-
-    def setattr(self, obj, name: str, value) -> None:
-        had = name in vars(obj)
-        self._undo.append((obj, name, had, vars(obj).get(name)))
-        setattr(obj, name, value)
-
-    def everywhere(self, original, value) -> None:
-        """Replace `original` under every name any loaded module binds it to (a function that
-        other modules imported by name, as `from zero.train import train_steps` does)."""
-        for mod in list(sys.modules.values()):
-            for name, x in list(vars(mod).items() if mod is not None else ()):
-                if x is original:
-                    self.setattr(mod, name, value)
-
-    def undo(self) -> None:
-        while self._undo:
-            obj, name, had, old = self._undo.pop()
-            if had:
-                setattr(obj, name, old)
-            else:
-                delattr(obj, name)
-
-    def __enter__(self) -> Patch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
-
-
-# -- the bugs, first the sixteen the harness was built against -----------------------------------
-
-
-def plant_one_ulp(p: Patch) -> None:
-    from zero.engine import ZeroEngine
-
-    original = ZeroEngine.step
-
-    def step(self):
-        result = original(self)
-        if self.rank == self.world_size - 1 and self.t == 1 and not getattr(self, "_ulp", False):
-            self._ulp = True
-            u = self.units[-1]
-            ext = self.master_extent(u)
-            # the first parameter element inside this rank's extent (else its first padding)
-            i = next(
-                (
-                    max(s.offset, ext.start) - ext.start
-                    for s in u.part.layout.slots
-                    if s.offset < ext.stop and s.offset + s.numel > ext.start
-                ),
-                0,
-            )
-            u.master.view(torch.int32)[i] += 1
-        return result
-
-    p.setattr(ZeroEngine, "step", step)
-
-
-def plant_shard_offset(p: Patch) -> None:
-    from zero.partition import UnitPartition
-
-    def own(self):
-        start = self.rank * self.shard_numel - (1 if self.rank else 0)
-        return slice(start, start + self.shard_numel)
-
-    p.setattr(UnitPartition, "own", property(own))
-
-
-def plant_one_over_n_for_m(p: Patch) -> None:
-    from zero import engine as engine_module
-    from zero.engine import ZeroEngine
-
-    original = ZeroEngine.step
-
-    def step(self):
-        k = self.config.micro_batches // self.world_size  # s(1/(S·M)) · M/N = s(1/(S·N))
-        with Patch() as inner:
-            inner.setattr(engine_module, "f32", lambda x: np.float32(x * k))
-            return original(self)
-
-    p.setattr(ZeroEngine, "step", step)
-
-
-def plant_bias_correction_t_minus_1(p: Patch) -> None:
-    from zero import optim as zoptim
-
-    original = zoptim._scalars
-
-    def stale(kind, hp, t, device):
-        s = original(kind, hp, t, device)
-        if kind != "sgd" and t > 1:
-            prev = original(kind, hp, t - 1, device)
-            s["step_size"], s["inv_sqrt_bc2"] = prev["step_size"], prev["inv_sqrt_bc2"]
-        return s
-
-    p.setattr(zoptim, "_scalars", stale)
-
-
-def plant_reduce_order(p: Patch) -> None:
-    from zero import collectives
-
-    def ring(xs):
-        n, r = len(xs), dist.get_rank()
-        acc = xs[(r + 1) % n]
-        for i in range(2, n + 1):
-            acc = acc + xs[(r + i) % n]
-        return acc
-
-    p.setattr(collectives, "tree_sum", ring)
-
-
-class _Nothing:
-    def wait(self):
-        return None
-
-
-def plant_stale_prefetch(p: Patch) -> None:
-    from zero.stages.stage3 import PartitionState, Stage3
-
-    original = Stage3._transition
-
-    def transition(self, u, to, phase):
-        if to is PartitionState.SHARDED:  # the buffer keeps the last gather's values
-            u.state = to
-            return
-        if to is PartitionState.GATHERING and u.working.untyped_storage().nbytes():
-            u.state = to  # the prefetch trusts the buffer instead of gathering
-            self.gathering[u.index] = _Nothing()
-            return
-        original(self, u, to, phase)
-
-    p.setattr(Stage3, "_transition", transition)
-
-
-def plant_overflow_one_rank(p: Patch) -> None:
-    from zero.engine import ZeroEngine
-
-    original = ZeroEngine._exchange  # the flag travels in the step's control exchange
-
-    def exchange(self, *a, **kw):
-        overflow, *rest = original(self, *a, **kw)
-        return (overflow if self.rank == 0 else False, *rest)
-
-    p.setattr(ZeroEngine, "_exchange", exchange)
-
-
-def plant_loss_m_over_n(p: Patch) -> None:
-    from zero.engine import ZeroEngine
-
-    original = ZeroEngine._exchange
-
-    def exchange(self, *a, **kw):
-        overflow, bad, loss, partials = original(self, *a, **kw)
-        k = self.config.micro_batches // self.world_size
-        return overflow, bad, loss * k, partials
-
-    p.setattr(ZeroEngine, "_exchange", exchange)
-
-
-def plant_extra_all_gather_stage3(p: Patch) -> None:
-    from zero.stages.stage3 import PartitionState, Stage3
-
-    original = Stage3.end_backward
-
-    def end_backward(self):
-        if self.ctx.clock.microstep == 0 and self.units:  # once per step: a wasted gather
-            u = self.units[-1]
-            if u.state is PartitionState.SHARDED:
-                self.gather(u, "param_fwd")
-                self.transition(u, PartitionState.SHARDED)
-        original(self)
-
-    p.setattr(Stage3, "end_backward", end_backward)
-
-
-def plant_decay_on_biases(p: Patch) -> None:
-    from zero import build
-
-    def group_index(config, named):
-        return {pn: 0 for _, ps in named for pn, _ in ps}
-
-    p.setattr(build, "group_index", group_index)
-
-
-def plant_uncapped_clip(p: Patch) -> None:
-    from reference.step import CLIP_EPS
-    from zero import engine as engine_module
-
-    def clip_coefficient(norm, clip_norm):
-        if clip_norm is None:
-            return None
-        return np.float32(clip_norm / (float(norm) + CLIP_EPS))
-
-    p.setattr(engine_module, "clip_coefficient", clip_coefficient)
-
-
-def plant_unchecked_reduced_overflow(p: Patch) -> None:
-    from zero.engine import ZeroEngine
-
-    original = ZeroEngine._exchange
-
-    def exchange(self, held, g, inv):
-        if inv > 1:  # the check of R itself sees only finite zeros
-            held = [torch.zeros_like(h) for h in held]
-        return original(self, held, g, inv)
-
-    p.setattr(ZeroEngine, "_exchange", exchange)
-
-
-def plant_extra_partial_sum(p: Patch) -> None:
-    from zero.stages.base import Accounting
-
-    original = Accounting.partials
-
-    def partials(self, u, peak):
-        original(self, u, peak + 1)
-
-    p.setattr(Accounting, "partials", partials)
-
-
-def plant_half_width_pieces(p: Patch) -> None:
-    from zero.zero_r.buckets import ConstantBuffers
-
-    original = ConstantBuffers.__init__
-
-    def init(self, elements, world_size):
-        original(self, elements, world_size)
-        self.width = max(1, self.width // 2)
-
-    p.setattr(ConstantBuffers, "__init__", init)
-
-
-def plant_fast_norm_misreported(p: Patch) -> None:
-    from zero.engine import ZeroEngine
-
-    original = ZeroEngine.step
-
-    def step(self):
-        res = original(self)
-        if self.config.deterministic or res.norm is None:
-            return res
-        return dataclasses.replace(res, norm=res.norm * (1 + 1e-6))
-
-    p.setattr(ZeroEngine, "step", step)
-
-
-def plant_t_advances_on_skip(p: Patch) -> None:
-    from zero.engine import ZeroEngine
-
-    original = ZeroEngine.step
-
-    def step(self):
-        res = original(self)
-        if res.skipped:
-            self.t += 1
-        return res
-
-    p.setattr(ZeroEngine, "step", step)
-
-
-# -- the features: ZeRO-R, offload, prefetch, C_B, scaler, clipping, groups, data, model, files --
-
-
-def plant_microbatch_rank_major(p: Patch) -> None:
-    import zero.train
-
-    original = zero.train.train_steps
-
-    def train_steps(engine, microbatch, steps, **kw):
-        n, k = engine.world_size, engine.config.micro_batches // engine.world_size
-
-        def mapped(step, j):  # j = k'·N + r on input; the bug hands out r·K + k'
-            return microbatch(step, (j % n) * k + j // n)
-
-        return original(engine, mapped, steps, **kw)
-
-    p.everywhere(original, train_steps)
-
-
-def plant_clip_first_unit_only(p: Patch) -> None:
-    from zero import engine as engine_module
-
-    original_coef, original_runs = engine_module.clip_coefficient, engine_module.step_runs
-    pending: dict = {}
-
-    def clip_coefficient(norm, clip_norm):
-        pending["coef"] = original_coef(norm, clip_norm)
-        return None  # the step's own loop scales nothing ...
-
-    def step_runs(kind, groups, runs, t, master, grad, states, *, deterministic):
-        coef = pending.pop("coef", None)  # ... and only the first unit's gradient is scaled
-        if coef is not None:
-            grad.mul_(torch.tensor(coef, device=grad.device))
-        original_runs(kind, groups, runs, t, master, grad, states, deterministic=deterministic)
-
-    p.setattr(engine_module, "clip_coefficient", clip_coefficient)
-    p.setattr(engine_module, "step_runs", step_runs)
-
-
-def plant_scaler_backoff_quarter(p: Patch) -> None:
-    from zero import engine as engine_module
-
-    original = engine_module.scaler_update
-
-    def scaler_update(state, overflow, cfg):
-        new = original(state, overflow, cfg)
-        if overflow:  # backs off by backoff² (1/4) instead of backoff (1/2)
-            new = dataclasses.replace(new, scale=max(new.scale * cfg.backoff, cfg.min_scale))
-        return new
-
-    p.setattr(engine_module, "scaler_update", scaler_update)
-
-
-def plant_group_run_boundary(p: Patch) -> None:
-    from zero.partition import Run, UnitPartition
-
-    original = UnitPartition.runs
-
-    def runs(self, *, whole=False):
-        out = original(self, whole=whole)
-        lo = 0 if whole else self.own.start
-        starts = sorted(s.offset - lo for s in self.layout.slots)
-        for i in range(1, len(out)):  # the previous group's run takes the next group's first
-            a, b = out[i - 1], out[i]  # parameter element
-            s = next((x for x in starts if b.start <= x < b.stop - 1), None)
-            if s is not None:
-                out[i - 1] = Run(start=a.start, stop=s + 1, group=a.group)
-                out[i] = Run(start=s + 1, stop=b.stop, group=b.group)
-        return out
-
-    p.setattr(UnitPartition, "runs", runs)
-
-
-def plant_arena_slots_overlap(p: Patch) -> None:
-    from zero.zero_r.contiguous import ALIGN, CheckpointArena
-
-    original = CheckpointArena.store
-
-    def store(self, t):
-        saved = original(self, t)
-        arena = self.gen.arena
-        if arena.cursor >= ALIGN:  # the cursor forgets one alignment step: slots overlap
-            arena.cursor -= ALIGN
-        return saved
-
-    p.setattr(CheckpointArena, "store", store)
-
-
-def plant_offload_grad_one_late(p: Patch) -> None:
-    from zero.zero_r.offload import HostOffload
-
-    original = HostOffload.down
-    last: dict = {}
-
-    def down(self, u, dst, src):
-        key = (id(self), dst.data_ptr())
-        prev = last.get(key)
-        last[key] = src.detach().clone()
-        return original(self, u, dst, src if prev is None else prev)
-
-    p.setattr(HostOffload, "down", down)
-
-
-def plant_offloaded_checkpoints_rounded(p: Patch) -> None:
-    from zero.zero_r import activations
-
-    original = activations.ActivationOffload.__init__
-
-    def init(self, counter, unit, arena=None):
-        original(self, counter, unit, arena)
-        pack = self.pack_hook
-
-        def rounded(t):  # "saves host memory": the checkpoint kept in bf16
-            if t.is_floating_point() and t.dtype != torch.bfloat16:
-                t = t.to(torch.bfloat16).to(t.dtype)
-            return pack(t)
-
-        self.pack_hook = rounded
-
-    p.setattr(activations.ActivationOffload, "__init__", init)
-
-
-def plant_prefetch_wrong_unit(p: Patch) -> None:
-    from zero.stages.stage3 import Stage3
-
-    def pre_backward(self, u):
-        self.gather(u, "param_bwd")
-        self.prefetch(self._neighbour(self.order, u, +1), "param_bwd")  # the one just done
-
-    p.setattr(Stage3, "pre_backward", pre_backward)
-
-
-def plant_persist_threshold_off_by_one(p: Patch) -> None:
-    from zero import engine as engine_module
-    from zero.stages import STAGE_CLASSES
-    from zero.stages.stage3 import Persistent
-
-    def stage_class(stage, numel, persist_below):
-        if stage == 3 and numel < persist_below:  # < where docs/design.md §3 says <=
-            return Persistent
-        return STAGE_CLASSES[stage]
-
-    p.setattr(engine_module, "stage_class", stage_class)
-
-
-def plant_piece_drops_boundary(p: Patch) -> None:
-    from zero.zero_r.buckets import ConstantBuffers
-
-    original = ConstantBuffers.reduce_scatter
-
-    def reduce_scatter(self, ctx, u, fn, flat, grads, tag):
-        n = ctx.world_size
-
-        def dropping(buf, **kw):
-            cols = buf.view(n, -1)
-            if cols.shape[1] > 1:  # each piece's last column is lost at the boundary
-                cols[:, -1] = 0
-            return fn(buf, **kw)
-
-        return original(self, ctx, u, dropping, flat, grads, tag)
-
-    p.setattr(ConstantBuffers, "reduce_scatter", reduce_scatter)
-
-
-def plant_model_scales_input_in_place(p: Patch) -> None:
-    from zero.models import MLP
-
-    original = MLP.forward
-
-    def forward(self, x, targets=None):
-        x.mul_(0.5)  # meant: x = x * 0.5; the caller's batch is halved each time it is used
-        return original(self, x, targets)
-
-    p.setattr(MLP, "forward", forward)
-
-
-def plant_load_scaler_fresh(p: Patch) -> None:
-    from reference.precision import scaler_init
-    from zero.engine import ZeroEngine
-
-    original = ZeroEngine.load
-
-    def load(self, directory, **kw):
-        out = original(self, directory, **kw)
-        if self.scaler is not None:  # the saved scaler is read, then forgotten
-            self.scaler = scaler_init(self.config.scaler)
-        return out
-
-    p.setattr(ZeroEngine, "load", load)
-
-
-def plant_consolidate_swaps_moments(p: Patch) -> None:
-    import importlib
-
-    from zero import checkpoint
-
-    consolidate_mod = importlib.import_module("zero.checkpoint.consolidate")
-
-    original = consolidate_mod.consolidate
-
-    def consolidate(directory):
-        ck = original(directory)
-        for entry in ck["optimizer"]["state"].values():
-            if "exp_avg" in entry:
-                entry["exp_avg"], entry["exp_avg_sq"] = entry["exp_avg_sq"], entry["exp_avg"]
-        return ck
-
-    p.setattr(consolidate_mod, "consolidate", consolidate)
-    p.setattr(checkpoint, "consolidate", consolidate)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -528,72 +50,70 @@ class Bug:
 
 
 _TABLE = (
-    # name, what it breaks, where it is observable, plant, kind
+    # name, what it breaks, where it is observable, kind (the plant: plants.plant_<name>)
     ("one_ulp", "one master element on rank N-1 one ULP off",
-     "deterministic, N ≥ 2", plant_one_ulp, "cells"),
+     "deterministic, N ≥ 2", "cells"),
     ("shard_offset", "ranks >= 1 take their shard one element early",
-     "deterministic, N ≥ 2, stage ≥ 1", plant_shard_offset, "cells"),
+     "deterministic, N ≥ 2, stage ≥ 1", "cells"),
     ("one_over_n_for_m", "averages by 1/(S·N), not 1/(S·M)",
-     "deterministic, M > N, clipping off", plant_one_over_n_for_m, "cells"),
+     "deterministic, M > N, clipping off", "cells"),
     ("bias_correction_t_minus_1", "Adam's bias corrections use step t-1",
-     "deterministic, Adam(W), two optimizer steps", plant_bias_correction_t_minus_1, "cells"),
+     "deterministic, Adam(W), two optimizer steps", "cells"),
     ("reduce_order", "reduce-scatter sums in ring order, not the tree T",
-     "deterministic, N ≥ 3, fp32 or widely spread gradients", plant_reduce_order, "cells"),
+     "deterministic, N ≥ 3, fp32 or widely spread gradients", "cells"),
     ("stale_prefetch", "stage 3: a prefetched unit keeps its previous gather",
-     "stage 3, overlap, real forward, tiny units", plant_stale_prefetch, "cells"),
+     "stage 3, overlap, real forward, tiny units", "cells"),
     ("overflow_one_rank", "ranks 1..N-1 ignore the agreed overflow flag",
-     "stage 0, non-finite gradients", plant_overflow_one_rank, "cells"),
+     "stage 0, non-finite gradients", "cells"),
     ("loss_m_over_n", "the reported loss is M/N times the mean",
-     "M > N (any mode)", plant_loss_m_over_n, "cells"),
+     "M > N (any mode)", "cells"),
     ("extra_all_gather_stage3", "stage 3 gathers one unit too many per step",
-     "stage 3 (counted collectives)", plant_extra_all_gather_stage3, "cells"),
+     "stage 3 (counted collectives)", "cells"),
     ("decay_on_biases", "the engine's grouping decays every parameter",
-     "every cell (groups compared)", plant_decay_on_biases, "cells"),
+     "every cell (groups compared)", "cells"),
     ("uncapped_clip", "clip coefficient not capped at 1 (norm below the limit)",
-     "clipping on some steps only (BRANCHES)", plant_uncapped_clip, "cells"),
+     "clipping on some steps only (BRANCHES)", "cells"),
     ("unchecked_reduced_overflow", "R unchecked for overflow when S < 1/M",
-     "loss scale < 1/M, overflow in R only", plant_unchecked_reduced_overflow, "cells"),
+     "loss scale < 1/M, overflow in R only", "cells"),
     ("extra_partial_sum", "the streaming tree keeps one partial-sum shard too many",
-     "deterministic (resident bytes)", plant_extra_partial_sum, "cells"),
+     "deterministic (resident bytes)", "cells"),
     ("half_width_pieces", "C_B pieces half as wide as allowed",
-     "bucket_elements set (reduce-scatter calls)", plant_half_width_pieces, "cells"),
+     "bucket_elements set (reduce-scatter calls)", "cells"),
     ("fast_norm_misreported", "fast mode reports its norm 1e-6 too large",
-     "fast mode (norm bitwise against the pinned order)", plant_fast_norm_misreported, "cells"),
+     "fast mode (norm bitwise against the pinned order)", "cells"),
     ("t_advances_on_skip", "a skipped step counts as an optimizer step",
-     "a skipped step", plant_t_advances_on_skip, "cells"),
+     "a skipped step", "cells"),
     # the features: ZeRO-R, offload, prefetch, C_B, scaler, clipping, groups, data, model
     ("microbatch_rank_major", "rank r runs micro-batch r·K + k, not k·N + r",
-     "deterministic, backward, N ≥ 2, M > N, fp32", plant_microbatch_rank_major, "cells"),
+     "deterministic, backward, N ≥ 2, M > N, fp32", "cells"),
     ("clip_first_unit_only", "clipping (norm above the limit) scales the first unit only",
-     "deterministic, tiny units, steps that clip", plant_clip_first_unit_only, "cells"),
+     "deterministic, tiny units, steps that clip", "cells"),
     ("scaler_backoff_quarter", "the loss scaler backs off by 1/4, not 1/2",
-     "fp16 with a skipped step", plant_scaler_backoff_quarter, "cells"),
+     "fp16 with a skipped step", "cells"),
     ("group_run_boundary", "a group's first element gets the previous group's hypers",
-     "deterministic, a unit holding both groups", plant_group_run_boundary, "cells"),
+     "deterministic, a unit holding both groups", "cells"),
     ("arena_slots_overlap", "M_D checkpoint arena: consecutive slots overlap",
-     "deterministic, contiguous memory + checkpointing", plant_arena_slots_overlap, "cells"),
+     "deterministic, contiguous memory + checkpointing", "cells"),
     ("offload_grad_one_late", "offload: the host gradient is one copy behind",
-     "optimizer offload, two optimizer steps", plant_offload_grad_one_late, "cells"),
+     "optimizer offload, two optimizer steps", "cells"),
     ("offloaded_checkpoints_rounded", "offloaded activation checkpoints kept in bf16",
-     "deterministic, checkpointing + offload, fp32/fp16",
-     plant_offloaded_checkpoints_rounded, "cells"),
+     "deterministic, checkpointing + offload, fp32/fp16", "cells"),
     ("prefetch_wrong_unit", "stage 3 backward prefetches the unit just done",
-     "stage 3, overlap, real forward, tiny units", plant_prefetch_wrong_unit, "cells"),
+     "stage 3, overlap, real forward, tiny units", "cells"),
     ("persist_threshold_off_by_one", "stage 3 persists numel < persist_below, not <=",
-     "stage 3, a unit of exactly persist_below (PLANTED_GAPS)",
-     plant_persist_threshold_off_by_one, "cells"),
+     "stage 3, a unit of exactly persist_below (PLANTED_GAPS)", "cells"),
     ("piece_drops_boundary", "C_B: each piece's last column is not reduced",
-     "deterministic, bucket_elements set", plant_piece_drops_boundary, "cells"),
+     "deterministic, bucket_elements set", "cells"),
     ("model_scales_input_in_place", "model code: the MLP halves its input in place",
-     "the MLP's own backward in fp32", plant_model_scales_input_in_place, "cells"),
+     "the MLP's own backward in fp32", "cells"),
     ("load_scaler_fresh", "load restores everything but the loss scaler",
-     "fp16 resume rows", plant_load_scaler_fresh, "resume"),
+     "fp16 resume rows", "resume"),
     ("consolidate_swaps_moments", "consolidation swaps exp_avg and exp_avg_sq",
-     "Adam(W) resume rows (consolidation)", plant_consolidate_swaps_moments, "resume"),
+     "Adam(W) resume rows (consolidation)", "resume"),
 )  # fmt: skip
 BUGS: dict[str, Bug] = {
-    name: Bug(breaks=breaks, where=where, plant=plant, kind=kind)
-    for name, breaks, where, plant, kind in _TABLE
+    name: Bug(breaks=breaks, where=where, plant=getattr(plants, f"plant_{name}"), kind=kind)
+    for name, breaks, where, kind in _TABLE
 }
 """The planted bugs by name, in the order of the table."""
 
