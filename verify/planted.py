@@ -12,8 +12,7 @@ a bug of kind "resume" on the --resume rows where RESUME_OBSERVABLE says so. Eve
 row must fail; the same cells pass unpatched in `python -m verify --quick --resume`. A bug that
 no --quick cell can catch is a bug in the preset (verify/matrix.py's PLANTED_GAPS holds the
 cells added for that reason).
-The table (bug, what it breaks, cells observable, cells that caught it, first check that
-caught it) is printed and, with --markdown, written; docs/verification.md holds the last one.
+It prints the table (--markdown writes it); docs/verification.md holds the last full run's.
 """
 
 from __future__ import annotations

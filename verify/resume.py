@@ -8,7 +8,9 @@ For each case (N1, s1) -> (N2, s2) in deterministic mode, with N1, N2 and M powe
 The row passes when (3) ends bit for bit where (1) did: every parameter's fp32 master and
 optimizer states (gathered by name), the step counters, the loss scaler, and the loss of every
 step after the resume. docs/design.md §2 says the bits of deterministic mode do not depend on N or
-the stage for power-of-two N and M, so a checkpoint must not depend on them either.
+the stage for power-of-two N and M, so a checkpoint must not depend on them either. Each row
+also consolidates the checkpoint and steps plain torch.optim from it ([Note: a resume row that
+consolidates] at consolidated_step).
 
 Launched plainly only: each world size runs on a local pool of gloo ranks (zero.launch).
 """
