@@ -70,6 +70,35 @@ def test_resume_at_another_world_size_and_stage_is_bitwise(case, tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_the_consolidating_row_sees_a_torch_step_outside_its_bound(kind, monkeypatch, tmp_path):
+    """Part 3 of the row can fail: torch.optim stepping with a learning rate one part in 10^3
+    too large lies outside the one-step bound of the engine's step (the row passes unpatched
+    above). The rate is changed at the step: load_state_dict restores the saved one."""
+    import zero.optim
+
+    original = zero.optim.torch_optimizer
+
+    def off(k, groups, **options):
+        opt = original(k, groups, **options)
+        step = opt.step
+
+        def late_step(*a, **kw):
+            for g in opt.param_groups:
+                g["lr"] *= 1.001
+            return step(*a, **kw)
+
+        opt.step = late_step
+        return opt
+
+    monkeypatch.setattr(zero.optim, "torch_optimizer", off)
+    row = run_case(ResumeCase(n1=1, s1=0, n2=2, s2=1, optimizer=kind), tmp_path)
+    plain = row["consolidated"]
+    assert plain["state_bitwise"] and plain["next_step_bitwise"]
+    assert plain["torch_ratio"] > 1 and not row["passed"], plain
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "case",
     [
