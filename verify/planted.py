@@ -90,7 +90,7 @@ _TABLE = (
     ("scaler_backoff_quarter", "the loss scaler backs off by 1/4, not 1/2",
      "fp16 with a skipped step", "cells"),
     ("group_run_boundary", "a group's first element gets the previous group's hypers",
-     "deterministic, a unit holding both groups", "cells"),
+     "deterministic, a group starting inside a shard", "cells"),
     ("arena_slots_overlap", "M_D checkpoint arena: consecutive slots overlap",
      "deterministic, contiguous memory + checkpointing", "cells"),
     ("offload_grad_one_late", "offload: the host gradient is one copy behind",
