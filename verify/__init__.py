@@ -8,5 +8,5 @@ cells: covering arrays over the matrix's dimensions, the --quick and --complete 
 each planted bug is observable), invariance.py (the same run at N = 1, 2, 4, 8), run.py and
 report.py (running a plan, JSON/Markdown/heatmap), __main__.py (python -m verify). anchors.py
 keeps the reference honest against torch.optim, plain PyTorch, DDP and DeepSpeed; resume.py
-checks checkpoints.
+checks checkpoints; planted.py plants deliberate bugs that the cells must catch.
 """

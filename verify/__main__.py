@@ -158,12 +158,15 @@ def resume_section(args, say) -> list[dict] | None:
     if args.world_sizes is not None:
         kwargs["world_sizes"] = tuple(args.world_sizes)
     rows = module.run_table(**kwargs)
-    say("resume (train k steps, save, load at another N and stage, train on; bitwise):")
+    say("resume (train k steps, save, load at another N and stage, train on; bitwise;")
+    say("        consolidated = engine bitwise, torch.optim's next step within its bound):")
     for r in rows:
         where = f"N={r['from_world_size']} stage {r['from_stage']} -> "
         where += f"N={r['to_world_size']} stage {r['to_stage']}"
         verdict = "PASS" if r["passed"] else "FAIL " + r.get("first_mismatch", "")
-        say(f"  {where} {r.get('precision', '')} {r.get('optimizer', '')}  {verdict}")
+        ratio = (r.get("consolidated") or {}).get("torch_ratio")
+        torch_step = "" if ratio is None else f"  torch.optim {ratio:.2f} of its bound"
+        say(f"  {where} {r.get('precision', '')} {r.get('optimizer', '')}  {verdict}{torch_step}")
     return rows
 
 

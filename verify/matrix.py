@@ -32,9 +32,9 @@ place of 1/M needs M > N; a scale error hides under clipping (and mostly under A
 invariance, though not from bitwise checks); a bias correction off by a step needs Adam and two
 optimizer steps; a stale prefetched unit needs stage 3, overlap, a real forward and a second
 step. OBSERVABLE states these conditions
-as predicates on cells; tests/distributed/test_verify_planted.py checks that --quick holds a cell
-for each
-and that the harness reports those cells failing with the bug planted.
+as predicates on cells; verify/planted.py (python -m verify.planted) runs each bug on them and
+the harness must report every one failing. A bug that no --quick cell can show is a gap in the
+preset: PLANTED_GAPS holds the cells added for that reason, part of --quick and --complete.
 """
 
 from __future__ import annotations
@@ -284,6 +284,88 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
 }
 
 
+# -- planted bugs of the features (verify/planted.py) ---------------------------------------------
+# Where each is observable, and PLANTED_GAPS: cells --quick lacked for one of them (a planted
+# bug that no --quick cell can catch is a bug in the preset).
+
+
+def _units_of(c: Cell) -> tuple[tuple[int, ...], bool]:
+    """(numel of each unit, whether a parameter of a new group starts strictly inside some
+    rank's master extent) of a cell's model, from the reference side's layout
+    (verify/expect.py): a group boundary exactly at a shard start has no run before it."""
+    from .expect import expected_extents, reference_spec
+    from .harness import MODELS
+
+    key = (c.model, c.units, c.stage, c.world_size, c.persist_below)
+    if key not in _UNITS:
+        model = MODELS[c.model][0]()
+        spec = reference_spec(model, c.zero_config(model.unit_names()))
+        inside = False
+        for lay in spec.layouts:
+            slots = sorted(lay.slots, key=lambda s: s.offset)
+            starts = [
+                b.offset
+                for a, b in zip(slots, slots[1:])
+                if spec.group_of[a.name] != spec.group_of[b.name]
+            ]
+            for r in range(c.world_size):
+                ext, _ = expected_extents(c.stage, c.persist_below, lay, r, c.world_size)
+                inside |= any(ext.start < x < ext.stop - 1 for x in starts)
+        _UNITS[key] = tuple(lay.numel for lay in spec.layouts), inside
+    return _UNITS[key]
+
+
+_UNITS: dict = {}
+
+# stage 3, an MLP unit ("layers.0": 16·48 + 48 = 816 parameters) exactly at persist_below: the
+# extras' persist_below = 1000 falls between unit sizes, so "<" and "<=" never differed there
+PLANTED_GAPS = (
+    _branch(stage=3, precision="fp32", optimizer="adam", model="mlp", persist_below=816,
+            seed=6100),
+)  # fmt: skip
+
+OBSERVABLE.update({
+    # fp32 sums of different micro-batches in another grouping round differently
+    "microbatch_rank_major": lambda c: (
+        _det(c) and not c.injected and c.world_size >= 2 and c.accumulation > 1
+        and c.precision == "fp32"
+    ),
+    # every unit but the first keeps its unclipped gradient: needs steps that clip, two units
+    "clip_first_unit_only": lambda c: (
+        _det(c) and c.units == "tiny" and _optimizer_steps(c) >= 1
+        and (c.clip_norm == CLIP_NORM or clips_on_some_steps(c))
+    ),
+    # the scale after a skipped step is compared (cells that are sure to skip one)
+    "scaler_backoff_quarter": lambda c: (
+        c.precision == "fp16" and (c.gradients == "nonfinite" or c.loss_scale is not None)
+    ),
+    # a parameter of another group starting inside some rank's extent (not at a shard start)
+    "group_run_boundary": lambda c: _det(c) and _optimizer_steps(c) >= 1 and _units_of(c)[1],
+    # a later checkpoint overwrites an earlier one, which the recomputation then reads
+    "arena_slots_overlap": lambda c: _det(c) and c.contiguous and c.checkpointing,
+    # the optimizer's host gradient lags one copy: from the second step on
+    "offload_grad_one_late": lambda c: c.offload and _optimizer_steps(c) >= 2,
+    # fp32 and fp16 checkpoints change when rounded to bf16
+    "offloaded_checkpoints_rounded": lambda c: (
+        _det(c) and c.checkpointing and c.offload and c.precision != "bf16"
+    ),
+    # the counted all-gathers: a unit gathered again after its backward
+    "prefetch_wrong_unit": lambda c: (
+        c.stage == 3 and c.overlap and not c.injected and c.units == "tiny"
+        and c.persist_below == 0
+    ),
+    # a unit exactly at the threshold (PLANTED_GAPS): extents, traffic, memory
+    "persist_threshold_off_by_one": lambda c: (
+        c.stage == 3 and c.persist_below in _units_of(c)[0]
+    ),
+    "piece_drops_boundary": lambda c: _det(c) and c.bucket_elements is not None,
+    # an fp32 input is not copied by the cast: the engine's forward sees the reference's halving
+    "model_scales_input_in_place": lambda c: (
+        not c.injected and c.model in ("mlp", "mlp-uneven") and c.precision == "fp32"
+    ),
+})  # fmt: skip
+
+
 BRANCH_PREDICATES: dict[str, Callable[[Cell], bool]] = {
     "clips on some steps, not on others": clips_on_some_steps,
     "clips on every step (CLIP_NORM)": lambda c: c.clip_norm == CLIP_NORM,
@@ -390,7 +472,7 @@ def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
 def quick() -> tuple[list[Cell], list[dict]]:
     """The CI preset: (cells, invariance runs)."""
     cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3] + zero_r_cells()
-    return cells + list(BRANCHES), invariance_runs(full=False)
+    return cells + list(BRANCHES) + list(PLANTED_GAPS), invariance_runs(full=False)
 
 
 def small() -> tuple[list[Cell], list[dict]]:
@@ -446,4 +528,5 @@ def complete() -> tuple[list[Cell], list[dict]]:
         out += slice_cells(gradients=kind, accumulation=4 if kind == "random" else 1)
     out += slice_cells(mode="fast", sizes="even") + gpt_cells
     out += extras() + list(TEETH) + zero_r_cells((2, 3, 4)) + list(BRANCHES)
+    out += list(PLANTED_GAPS)
     return out, invariance_runs(full=True)

@@ -8,7 +8,9 @@ For each case (N1, s1) -> (N2, s2) in deterministic mode, with N1, N2 and M powe
 The row passes when (3) ends bit for bit where (1) did: every parameter's fp32 master and
 optimizer states (gathered by name), the step counters, the loss scaler, and the loss of every
 step after the resume. docs/design.md §2 says the bits of deterministic mode do not depend on N or
-the stage for power-of-two N and M, so a checkpoint must not depend on them either.
+the stage for power-of-two N and M, so a checkpoint must not depend on them either. Each row
+also consolidates the checkpoint and steps plain torch.optim from it ([Note: a resume row that
+consolidates] at consolidated_step).
 
 Launched plainly only: each world size runs on a local pool of gloo ranks (zero.launch).
 """
@@ -98,18 +100,25 @@ def state_of(engine) -> dict:
     return out
 
 
-def run_rank(rank, n, case: ResumeCase, stage, steps, save_to=None, load_from=None) -> dict:
+def run_rank(
+    rank, n, case: ResumeCase, stage, steps, save_to=None, load_from=None, first=False
+) -> dict:
     """On every rank: build, optionally load, train `steps`, optionally save. Rank 0 returns
-    the final state and the losses; the others return None."""
+    the final state and the losses (with `first`, also the state after the first step, as
+    "first"); the others return None."""
     torch.set_num_threads(1)
     model, eng = build(case, stage, seed=1 if load_from else 0)
     if load_from is not None:
         eng.load(load_from)
-    results = train_steps(eng, microbatches(case, model), steps, start_step=eng.data_step)
+    data, out = microbatches(case, model), {}
+    results = train_steps(eng, data, 1 if first else steps, start_step=eng.data_step)
+    if first:
+        out["first"] = state_of(eng)
+        results += train_steps(eng, data, steps - 1, start_step=eng.data_step)
     if save_to is not None:
         eng.save(save_to)
-    state = state_of(eng)
-    return {"state": state, "losses": [r.loss for r in results]} if rank == 0 else None
+    out.update(state=state_of(eng), losses=[r.loss for r in results])
+    return out if rank == 0 else None
 
 
 def compare_states(a: dict, b: dict) -> str:
@@ -126,21 +135,146 @@ def compare_states(a: dict, b: dict) -> str:
     return ""
 
 
-def run_case(case: ResumeCase, directory, *, timeout_s: float = 600) -> dict:
-    """One row of the table (see the module docstring); `directory` receives the checkpoint."""
+def _same_bits(a, b) -> bool:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def consolidated_step(case: ResumeCase, directory, saved: dict, after: dict) -> dict:
+    """[Note: a resume row that consolidates] The checkpoint as plain PyTorch, one step on.
+
+    1. consolidate(directory) (zero/checkpoint/consolidate.py) must hold the saving engine's
+       gathered state bit for bit (masters, optimizer states, t, data step, scaler): the
+       design says consolidation only reads the saved bits.
+    2. The reference (reference/step.py), started from the consolidated state, takes the next
+       step on its global batch (every micro-batch's gradient from the model, 1/(S·M),
+       clipping); the engine that loaded the checkpoint must end that step on the same bits
+       (deterministic mode equals the reference, docs/design.md §2).
+    3. A plain model and torch.optim (foreach=False, as zero/optim.py builds it) load the
+       consolidated dict and step with that step's gradient g (the reference's bits: so that
+       only the optimizer's op order differs). torch.optim is not op-ordered, so it must lie
+       within verify/bounds.optimizer_step_error's one-step bound of the engine's step
+       (inputs equal: zero input error), element by element; `torch_ratio` is the worst
+       |torch - engine| / bound. A skipped step (fp16 overflow) takes no optimizer step.
+    Returns {state_bitwise, next_step_bitwise, torch_ratio, skipped, first_mismatch}."""
+    from reference import init_state, train_step, working_copy
+    from reference.precision import ScalerState, cast, f32
+    from reference.step import TrainState
+    from zero.checkpoint import consolidate
+    from zero.config import TORCH_DTYPES
+    from zero.optim import torch_optimizer
+
+    from .bounds import optimizer_step_error
+    from .expect import reference_spec, reference_step_config
+    from .harness import microbatch_grads
+
+    out = {"state_bitwise": False, "next_step_bitwise": False, "torch_ratio": None,
+           "skipped": False, "first_mismatch": ""}  # fmt: skip
+
+    def fail(why: str) -> dict:
+        out["first_mismatch"] = f"consolidated: {why}"
+        return out
+
+    ck = consolidate(directory)
+    meta, groups = ck["meta"], ck["param_names"]
+    names = [k for g in groups for k in g]
+    make, _ = MODELS[case.model]
+    model = make()
+    model.load_state_dict(ck["model"])  # strict: every key
+    cfg = case.engine_config(case.s2, model.unit_names())
+    spec, rcfg = reference_spec(model, cfg), reference_step_config(cfg, case.n2)
+    # 1. the consolidated dict = the saving engine's gathered state, bit for bit
+    for key in ("t", "data_step", "scaler"):
+        if meta[key] != saved[key]:
+            return fail(f"{key}: {meta[key]!r}, the engine saved {saved[key]!r}")
+    entries = [ck["optimizer"]["state"].get(i, {}) for i in range(len(names))]
+    for k, entry in zip(names, entries, strict=True):
+        if not _same_bits(ck["model"][k], saved[f"master/{k}"]):
+            return fail(f"master {k}: bits differ from the engine's")
+        for x in [key.split("/")[0] for key in saved if key.endswith(f"/{k}")]:
+            if x == "master":
+                continue
+            want = saved[f"{x}/{k}"]
+            have = entry[x].numpy() if x in entry else np.zeros_like(want)
+            if not _same_bits(have, want):
+                return fail(f"{x} of {k}: bits differ from the engine's")
+        if "step" in entry and entry["step"].item() != saved["t"]:
+            return fail(f"step of {k}: {entry['step'].item()}, t = {saved['t']}")
+    out["state_bitwise"] = True
+    # 2. the reference's next step from the consolidated state = the engine's next step
+    state = init_state({k: ck["model"][k].numpy() for k in names}, spec, rcfg)
+    for k, entry in zip(names, entries, strict=True):
+        state.opt[k].update({x: v.numpy().copy() for x, v in entry.items() if x != "step"})
+    scaler = None if meta["scaler"] is None else ScalerState(**meta["scaler"])
+    state = TrainState(master=state.master, opt=state.opt, t=meta["t"],
+                       data_step=meta["data_step"], scaler=scaler)  # fmt: skip
+    ref_model, scale = make(), None if scaler is None else scaler.scale
+    data, work = microbatches(case, ref_model), working_copy(state, rcfg)
+    dtype = TORCH_DTYPES[case.precision]
+    grads = [
+        microbatch_grads(ref_model, work, data(state.data_step, j), dtype, scale)
+        for j in range(case.micro_batches)
+    ]
+    new, info = train_step(state, grads, spec, rcfg)
+    if new.t != after["t"]:
+        return fail(f"next step: t {after['t']}, the reference {new.t}")
+    for k in names:
+        pairs = [("master", new.master[k])] + list(new.opt[k].items())
+        for x, v in pairs:
+            if not _same_bits(v, after[f"{x}/{k}"]):
+                return fail(f"next step: {x} of {k}: engine and reference differ")
+    out["next_step_bitwise"] = True
+    if info.skipped:
+        out["skipped"] = True
+        return out
+    # 3. torch.optim from the consolidated dict, the step's g: within the one-step bound
+    c = f32(1.0 / ((scale or 1.0) * case.micro_batches))
+    g = {k: cast(info.reduced[k], "fp32") * c for k in names}
+    if info.clip_coef is not None:
+        g = {k: x * info.clip_coef for k, x in g.items()}
+    named = dict(model.named_parameters())
+    kind = case.optimizer
+    opt = torch_optimizer(
+        kind, [([named[k] for k in grp], rcfg.groups[i]) for i, grp in enumerate(groups)],
+        foreach=False,
+    )  # fmt: skip
+    opt.load_state_dict(ck["optimizer"])
+    for k in names:
+        named[k].grad = torch.from_numpy(np.ascontiguousarray(g[k]))
+    opt.step()
+    worst = 0.0
+    for k in names:
+        hp = rcfg.groups[spec.group_of[k]]
+        err, _, _ = optimizer_step_error(kind, hp, state.t + 1, state.master[k], g[k],
+                                         state.opt[k], {})  # fmt: skip
+        diff = np.abs(named[k].detach().numpy().astype(np.float64) - after[f"master/{k}"])
+        worst = max(worst, float(np.max(diff / np.maximum(err["p"], 1e-300), initial=0.0)))
+    out["torch_ratio"] = worst
+    if not worst <= 1.0:
+        return fail(f"torch.optim's step is {worst:.3g} times the one-step bound from the engine's")
+    return out
+
+
+def run_case(case: ResumeCase, directory, *, timeout_s: float = 600, rank_fn=run_rank) -> dict:
+    """One row of the table (see the module docstring); `directory` receives the checkpoint.
+    rank_fn: run_rank, or a wrapper of it (verify/planted.py plants a bug in the ranks)."""
     from zero.launch import get_pool
 
     started = time.perf_counter()
     total = case.steps_before + case.steps_after
     p1, p2 = get_pool(case.n1), get_pool(case.n2)
-    whole = p1.run(run_rank, case, case.s1, total, timeout_s=timeout_s)[0]
-    p1.run(run_rank, case, case.s1, case.steps_before, str(directory), timeout_s=timeout_s)
+    whole = p1.run(rank_fn, case, case.s1, total, timeout_s=timeout_s)[0]
+    saved = p1.run(rank_fn, case, case.s1, case.steps_before, str(directory), timeout_s=timeout_s)[
+        0
+    ]
     resumed = p2.run(
-        run_rank, case, case.s2, case.steps_after, None, str(directory), timeout_s=timeout_s
+        rank_fn, case, case.s2, case.steps_after, None, str(directory), True, timeout_s=timeout_s
     )[0]
     first = compare_states(whole["state"], resumed["state"])
     if not first and whole["losses"][case.steps_before :] != resumed["losses"]:
         first = f"losses after the resume differ: {resumed['losses']} vs {whole['losses']}"
+    plain = consolidated_step(case, directory, saved["state"], resumed["first"])
+    first = first or plain["first_mismatch"]
     return {
         "from_world_size": case.n1,
         "from_stage": case.s1,
@@ -156,6 +290,7 @@ def run_case(case: ResumeCase, directory, *, timeout_s: float = 600) -> dict:
         "bitwise": not first,
         "passed": not first,
         "first_mismatch": first,
+        "consolidated": plain,
         "seconds": round(time.perf_counter() - started, 2),
         "config": asdict(case),
     }

@@ -58,9 +58,44 @@ def bits_equal(a, b) -> bool:
 @pytest.mark.parametrize("case", resume_cases(quick=True), ids=str)
 def test_resume_at_another_world_size_and_stage_is_bitwise(case, tmp_path):
     """k steps at (N1, s1), save, load at (N2, s2) into a model built from another seed, train
-    on: masters, optimizer states, counters, scaler and losses = the uninterrupted run's bits."""
+    on: masters, optimizer states, counters, scaler and losses = the uninterrupted run's bits.
+    The row also consolidates ([Note: a resume row that consolidates] in verify/resume.py): the
+    consolidated dict = the saving engine's state and the reference's next step from it = the
+    resumed engine's, bitwise; torch.optim's step from it lies within its one-step bound."""
     row = run_case(case, tmp_path)
     assert row["passed"], row["first_mismatch"]
+    plain = row["consolidated"]
+    assert plain["state_bitwise"] and plain["next_step_bitwise"], plain
+    assert plain["skipped"] or 0 <= plain["torch_ratio"] <= 1, plain
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_the_consolidating_row_sees_a_torch_step_outside_its_bound(kind, monkeypatch, tmp_path):
+    """Part 3 of the row can fail: torch.optim stepping with a learning rate one part in 10^3
+    too large lies outside the one-step bound of the engine's step (the row passes unpatched
+    above). The rate is changed at the step: load_state_dict restores the saved one."""
+    import zero.optim
+
+    original = zero.optim.torch_optimizer
+
+    def off(k, groups, **options):
+        opt = original(k, groups, **options)
+        step = opt.step
+
+        def late_step(*a, **kw):
+            for g in opt.param_groups:
+                g["lr"] *= 1.001
+            return step(*a, **kw)
+
+        opt.step = late_step
+        return opt
+
+    monkeypatch.setattr(zero.optim, "torch_optimizer", off)
+    row = run_case(ResumeCase(n1=1, s1=0, n2=2, s2=1, optimizer=kind), tmp_path)
+    plain = row["consolidated"]
+    assert plain["state_bitwise"] and plain["next_step_bitwise"]
+    assert plain["torch_ratio"] > 1 and not row["passed"], plain
 
 
 @pytest.mark.dist
