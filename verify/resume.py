@@ -30,6 +30,7 @@ from zero.train import train_steps
 from .harness import GROUPS, MODELS
 
 ACCUMULATE_M = 4  # M: micro-batches per step over all ranks; divisible by every N used here
+KEEP_LAST = 2  # the saving run checkpoints every step and keeps this many
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,9 +106,12 @@ def run_rank(rank, n, case: ResumeCase, stage, steps, save_to=None, load_from=No
     model, eng = build(case, stage, seed=1 if load_from else 0)
     if load_from is not None:
         eng.load(load_from)
-    results = train_steps(eng, microbatches(case, model), steps, start_step=eng.data_step)
-    if save_to is not None:
-        eng.save(save_to)
+    # saving: a checkpoint after every step, the oldest pruned (KEEP_LAST); the resume loads
+    # the newest, so pruning must have kept it
+    on_step = None if save_to is None else (lambda s, r: eng.save(save_to, keep_last=KEEP_LAST))
+    results = train_steps(
+        eng, microbatches(case, model), steps, start_step=eng.data_step, on_step=on_step
+    )
     state = state_of(eng)
     return {"state": state, "losses": [r.loss for r in results]} if rank == 0 else None
 
@@ -126,19 +130,60 @@ def compare_states(a: dict, b: dict) -> str:
     return ""
 
 
+def check_consolidated(case: ResumeCase, directory: Path, state: dict) -> str:
+    """The saved checkpoint in this process, without an engine or a process group: pruned to
+    KEEP_LAST step directories, every checksum verified (zero.checkpoint.verify), and its
+    consolidation (written with consolidate_to, read back) loaded strictly into a fresh model
+    and a torch.optim optimizer, holding the saving run's gathered state bit for bit. '' or
+    the first difference."""
+    from zero.checkpoint import consolidate_to, resolve
+    from zero.checkpoint import verify as verify_checkpoint
+    from zero.optim import TORCH_OPTIMIZERS
+
+    steps = sorted(d.name for d in directory.iterdir() if d.name.startswith("step-"))
+    if len(steps) != min(KEEP_LAST, case.steps_before) or resolve(directory).name != steps[-1]:
+        return f"checkpoints kept: {steps}, latest {resolve(directory).name}"
+    verify_checkpoint(directory)
+    c = torch.load(consolidate_to(directory, directory / "consolidated.pt"), weights_only=True)
+    model, _ = MODELS[case.model]
+    model = model()
+    model.load_state_dict(c["model"], strict=True)
+    params = dict(model.named_parameters())
+    kind = getattr(torch.optim, TORCH_OPTIMIZERS[case.optimizer])
+    opt = kind([{"params": [params[n] for n in names]} for names in c["param_names"]])
+    opt.load_state_dict(c["optimizer"])  # strict: the groups' sizes and keys must match
+    got = {}
+    for n in (n for names in c["param_names"] for n in names):
+        got[f"master/{n}"] = params[n].detach().numpy()
+        got.update({f"{k}/{n}": v.numpy() for k, v in opt.state[params[n]].items() if k != "step"})
+    want = {k: v for k, v in state.items() if "/" in k}
+    if sorted(want) != sorted(got):
+        return f"consolidated entries differ: {sorted(set(want) ^ set(got))[:3]}"
+    meta = (c["meta"]["t"], c["meta"]["data_step"])
+    if meta != (state["t"], state["data_step"]):
+        return f"consolidated (t, data_step) {meta}, saved {(state['t'], state['data_step'])}"
+    return compare_states(want, got)
+
+
 def run_case(case: ResumeCase, directory, *, timeout_s: float = 600) -> dict:
     """One row of the table (see the module docstring); `directory` receives the checkpoint."""
-    from zero.launch import get_pool
+    from zero.launch import get_pool, spawn
 
     started = time.perf_counter()
     total = case.steps_before + case.steps_after
-    p1, p2 = get_pool(case.n1), get_pool(case.n2)
+    p1 = get_pool(case.n1)
     whole = p1.run(run_rank, case, case.s1, total, timeout_s=timeout_s)[0]
-    p1.run(run_rank, case, case.s1, case.steps_before, str(directory), timeout_s=timeout_s)
-    resumed = p2.run(
-        run_rank, case, case.s2, case.steps_after, None, str(directory), timeout_s=timeout_s
-    )[0]
-    first = compare_states(whole["state"], resumed["state"])
+    saved = p1.run(run_rank, case, case.s1, case.steps_before, str(directory), timeout_s=timeout_s)[
+        0
+    ]
+    first = check_consolidated(case, Path(directory), saved["state"])
+    # fresh processes (zero.launch.spawn, not a pool's workers), so that no module-level
+    # state of the saving or the uninterrupted run can reach the resumed one
+    resumed = spawn(
+        run_rank, case.n2, case, case.s2, case.steps_after, None, str(directory),
+        timeout_s=timeout_s,
+    )[0]  # fmt: skip
+    first = first or compare_states(whole["state"], resumed["state"])
     if not first and whole["losses"][case.steps_before :] != resumed["losses"]:
         first = f"losses after the resume differ: {resumed['losses']} vs {whole['losses']}"
     return {
