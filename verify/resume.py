@@ -30,7 +30,7 @@ from zero.train import train_steps
 from .harness import GROUPS, MODELS
 
 ACCUMULATE_M = 4  # M: micro-batches per step over all ranks; divisible by every N used here
-KEEP_LAST = 2  # the saving run checkpoints every step and keeps this many
+KEEP_LAST = 1  # the saving run checkpoints every step and keeps this many
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +130,7 @@ def compare_states(a: dict, b: dict) -> str:
     return ""
 
 
-def check_consolidated(case: ResumeCase, directory: Path, state: dict) -> str:
+def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
     """The saved checkpoint in this process, without an engine or a process group: pruned to
     KEEP_LAST step directories, every checksum verified (zero.checkpoint.verify), and its
     consolidation (written with consolidate_to, read back) loaded strictly into a fresh model
@@ -176,7 +176,7 @@ def run_case(case: ResumeCase, directory, *, timeout_s: float = 600) -> dict:
     saved = p1.run(run_rank, case, case.s1, case.steps_before, str(directory), timeout_s=timeout_s)[
         0
     ]
-    first = check_consolidated(case, Path(directory), saved["state"])
+    first = check_saved(case, Path(directory), saved["state"])
     # fresh processes (zero.launch.spawn, not a pool's workers), so that no module-level
     # state of the saving or the uninterrupted run can reach the resumed one
     resumed = spawn(
@@ -212,8 +212,9 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
 
     quick: one case per ordered pair (N1, N2), stages and (precision, optimizer) rotating so
     that with three sizes every stage is left and entered and all nine (precision, optimizer)
-    pairs appear once. Otherwise every (N1, s1) -> (N2, s2) with (N1, s1) != (N2, s2), AdamW
-    and bf16 on the MLP, plus the quick cases on the GPT (tied embedding and head)."""
+    pairs appear once, and one case on a model with buffers. Otherwise every (N1, s1) ->
+    (N2, s2) with (N1, s1) != (N2, s2), AdamW and bf16 on the MLP, plus the quick cases on the
+    GPT (tied embedding and head), and the buffers case."""
     sizes = sorted({n for n in world_sizes if n >= 1 and n & (n - 1) == 0})
     m = max([ACCUMULATE_M, *sizes])
     kinds = [(p, o) for p in ("fp32", "bf16", "fp16") for o in ("sgd", "adam", "adamw")]
@@ -226,8 +227,14 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
         quick_cases.append(
             ResumeCase(n1=n1, s1=s1, n2=n2, s2=s2, precision=p, optimizer=o, micro_batches=m)
         )
+    # a model with buffers (BatchNorm statistics, verify.harness.NormMLP): saved from rank 0's,
+    # loaded on every rank, consolidated beside the parameters
+    buffers = [
+        ResumeCase(n1=2, s1=1, n2=1, s2=2, precision="fp32", optimizer="sgd", model="mlp-bn",
+                   micro_batches=m)
+    ] if {1, 2} <= set(sizes) else []  # fmt: skip
     if quick:
-        return quick_cases
+        return quick_cases + buffers
     grid = [
         ResumeCase(n1=n1, s1=s1, n2=n2, s2=s2, micro_batches=m)
         for n1 in sizes
@@ -237,7 +244,7 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
         if (n1, s1) != (n2, s2)
     ]
     gpt = [ResumeCase(**{**asdict(c), "model": "gpt"}) for c in quick_cases]
-    return quick_cases + grid + gpt
+    return quick_cases + grid + gpt + buffers
 
 
 def resume_rows(

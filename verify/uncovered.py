@@ -8,17 +8,17 @@ that edits elsewhere in a file do not move it:
     file = "zero/launch.py"
     scope = "init_from_env"      # qualname of a def or class, a module-level name, "__main__"
                                  # (the `if __name__ == "__main__":` block) or "<module>"
-    match = "torch.cuda.is_available()"    # text of the line, or "*": the whole scope
+    match = ["torch.cuda.is_available()"]  # texts of lines (each must match), or "*": the scope
     reason = "gpu-only"          # a key of REASONS
     why = "tests/gpu/test_cuda.py runs it on a CUDA machine"
 
 An entry explains every statement in its scope (nested defs included) whose source line
-contains `match`; where that line opens a compound statement (if, for, while, with, try, an
-except clause, def), its body too (an if's elif and else parts are not its body: list them on
-their own). `check` then splits a run's missed lines into explained and unexplained, and names
-every entry that matches no code (stale) or explains no missed line (covered now): both must be
-edited away, so the list cannot go stale silently. Reads nothing from zero/ (safe to import
-before measurement starts).
+contains one of its `match` texts (each text must name a line); where that line opens a
+compound statement (if, for, while, with, try, an except clause, def), its body too (an if's
+elif and else parts are not its body: list them on their own). `check` then splits a run's
+missed lines into explained and unexplained, and names every entry that matches no code (stale)
+or explains no missed line (covered now): both must be edited away, so the list cannot go stale
+silently. Reads nothing from zero/ (safe to import before measurement starts).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ REASONS = {
     "error-path": "refuses bad input or reports a failure; a test plants the bad input",
     "instrument": "a measurement helper for measure/ and paper_figures/, not the step",
     "elsewhere": "library code outside the step that verify checks; the named test runs it",
-    "unreachable": "defensive code that no valid state reaches",
+    "unreachable": "defensive code that no valid state reaches, or no caller in zero/",
+    "gap": "a path verify should check and does not yet; `why` says what would",
 }
 """Why a library line may stay unrun by verify (an entry's `reason`)."""
 
@@ -66,12 +67,18 @@ def _is_main_guard(node) -> bool:
 class Entry:
     file: str
     scope: str
-    match: str
+    match: tuple[str, ...]
+    """Texts of lines, each naming at least one line of the scope; ("*",): the whole scope."""
     reason: str
     why: str
 
+    def __post_init__(self):
+        if isinstance(self.match, str):
+            object.__setattr__(self, "match", (self.match,))
+
     def __str__(self) -> str:
-        return f"{self.file} {self.scope} {self.match!r} ({self.reason})"
+        shown = self.match[0] if len(self.match) == 1 else list(self.match)
+        return f"{self.file} {self.scope} {shown!r} ({self.reason})"
 
 
 def parse(text: str, *, source: str = str(LIST)) -> list[Entry]:
@@ -84,15 +91,20 @@ def parse(text: str, *, source: str = str(LIST)) -> list[Entry]:
     for i, raw in enumerate(data.get("line", [])):
         where = f"{source}: entry {i + 1}"
         missing = [k for k in FIELDS if not isinstance(raw.get(k), str) or not raw[k].strip()]
+        match = raw.get("match")
+        if isinstance(match, list) and match and all(isinstance(m, str) and m for m in match):
+            missing.remove("match")
         extra = sorted(set(raw) - set(FIELDS))
         if missing or extra:
             raise ValueError(
                 f"{where} ({raw.get('file')!r}): fields {missing} missing or empty, {extra} "
-                f"unknown; each entry needs the strings {list(FIELDS)}"
+                f"unknown; each entry needs the strings {list(FIELDS)} (match: or a list of them)"
             )
         if raw["reason"] not in REASONS:
             raise ValueError(f"{where}: reason={raw['reason']!r}: allowed are {sorted(REASONS)}")
-        out.append(Entry(**{k: raw[k] for k in FIELDS}))
+        fields = {k: raw[k] for k in FIELDS}
+        fields["match"] = tuple([match] if isinstance(match, str) else match)
+        out.append(Entry(**fields))
     return out
 
 
@@ -144,12 +156,16 @@ class Scopes:
 
     def explained(self, entry: Entry) -> set[int]:
         """The lines `entry` names in this file (empty: it matches nothing)."""
-        inside = self.scope_lines(entry.scope)
-        if entry.match == "*":
+        return set().union(*(self.matched(entry.scope, m) for m in entry.match))
+
+    def matched(self, scope: str, match: str) -> set[int]:
+        """The lines one match text names in a scope."""
+        inside = self.scope_lines(scope)
+        if match == "*":
             return inside
         out: set[int] = set()
         for i in sorted(inside):
-            if entry.match in self.lines[i - 1]:
+            if match in self.lines[i - 1]:
                 out.update(range(i, self.blocks.get(i, i) + 1))
         return out
 
@@ -171,8 +187,10 @@ def stale(entries: list[Entry], root: Path) -> list[str]:
             out.append(f"{e}: no such file")
         elif e.scope not in s.ranges:
             out.append(f"{e}: no def or class {e.scope!r} in {e.file}")
-        elif not s.explained(e):
-            out.append(f"{e}: no line of {e.scope} contains {e.match!r}")
+        else:
+            for m in e.match:
+                if not s.matched(e.scope, m):
+                    out.append(f"{e}: no line of {e.scope} contains {m!r}")
     return out
 
 

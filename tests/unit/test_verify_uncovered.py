@@ -14,7 +14,7 @@ from verify.uncovered import Entry, Scopes, check, parse, stale
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SOURCE = '''\
+SOURCE = """\
 import os
 
 LIMIT = {
@@ -46,7 +46,7 @@ class K:
 
 if __name__ == "__main__":
     outer(1)
-'''
+"""
 
 
 def entry(scope, match, reason="error-path", file="pkg/m.py"):
@@ -106,6 +106,8 @@ def test_scopes_and_matching_on_a_planted_source():
 def test_a_planted_bad_entry_is_reported_stale(tree):
     good = entry("outer", "raise ValueError")
     assert stale([good], tree) == []
+    (msg,) = stale([entry("outer", ("raise ValueError", "no such line"))], tree)
+    assert "contains 'no such line'" in msg  # every text of a list must match
     for bad, why in (
         (entry("outer", "raise TypeError"), "no line of outer contains"),
         (entry("renamed", "*"), "no def or class 'renamed'"),
@@ -120,7 +122,10 @@ def test_a_planted_bad_entry_is_reported_stale(tree):
 
 def test_malformed_entries_are_refused_naming_the_field():
     ok = '[[line]]\nfile = "f"\nscope = "s"\nmatch = "m"\nreason = "gpu-only"\nwhy = "w"\n'
-    assert parse(ok) == [Entry("f", "s", "m", "gpu-only", "w")]
+    assert parse(ok) == [Entry("f", "s", ("m",), "gpu-only", "w")]
+    assert parse(ok.replace('"m"', '["m", "n"]'))[0].match == ("m", "n")
+    with pytest.raises(ValueError, match=r"\['match'\] missing"):
+        parse(ok.replace('"m"', "[]"))
     with pytest.raises(ValueError, match="reason='flaky'"):
         parse(ok.replace("gpu-only", "flaky"))
     with pytest.raises(ValueError, match=r"\['why'\] missing"):
