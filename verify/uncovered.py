@@ -38,7 +38,8 @@ LIST = Path(__file__).with_name("uncovered.toml")
 REASONS = {
     "gpu-only": "a CUDA path (pinned host memory, streams, NCCL); verify runs on CPU ranks",
     "torchrun": "runs only in a world launched by torchrun; verify starts local ranks",
-    "error-path": "refuses bad input or reports a failure; a test plants the bad input",
+    "error-path": "refuses bad input or reports a failure (a lost rank, a corrupt checkpoint); "
+    "verify feeds valid input to healthy ranks",
     "instrument": "a measurement helper for measure/ and paper_figures/, not the step",
     "elsewhere": "library code outside the step that verify checks; the named test runs it",
     "unreachable": "defensive code that no valid state reaches, or no caller in zero/",
