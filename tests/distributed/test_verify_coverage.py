@@ -46,10 +46,9 @@ def test_the_ranks_are_measured_and_a_small_run_fails_the_list(tmp_path):
     # the parent's own lines count too (the launcher's pool, run in this process only)
     path = "zero/launch.py"
     assert line_of(path, "task = pickle.dumps((fn, args)") not in got["files"][path]["missed"]
-    # one cell leaves most of the library unrun: unlisted lines and idle entries, exit 1
+    # one cell leaves much of the library unrun: lines the list does not explain, exit 1
     assert proc.returncode == 1 and got["percent"] < linecoverage.THRESHOLD
-    assert got["unlisted"] and got["covered_now"]
-    assert "UNLISTED zero/" in proc.stdout and "COVERED NOW" in proc.stdout
+    assert got["unlisted"] and "UNLISTED zero/" in proc.stdout
 
 
 @pytest.mark.full
