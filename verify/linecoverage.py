@@ -1,17 +1,16 @@
 """python -m verify.linecoverage: line coverage of the library part of zero/ under a verify run.
 
-    python -m verify.linecoverage                 # the --quick preset with --resume (the figure)
+    python -m verify.linecoverage                 # --quick --resume (the figure); make coverage
     python -m verify.linecoverage --quick         # any verify arguments instead
     python -m verify --quick --resume --coverage  # the same, through verify's own command line
-    make coverage
 
-It runs verify in this process under coverage.py, the worker ranks included (each forked rank
-starts its own measurement and writes its own data file, which are combined at the end), then
-prints covered/total statements and the percentage for the library (LIBRARY below), and every
-statement that ran in no process and is not explained by an entry of the committed list
-verify/uncovered.toml (verify/uncovered.py). The exit status is non-zero when such a
-line exists, when an entry explains no missed line (covered now, or stale), when the figure is
-below THRESHOLD, or when verify itself fails: the list cannot go stale silently.
+It runs verify here under coverage.py, the worker ranks included (each forked rank measures
+itself and writes its own data file; they are combined at the end), then prints covered/total
+statements of the library ([Note: the library] below) and every missed statement that no entry
+of verify/uncovered.toml explains (verify/uncovered.py). The exit status is non-zero when such
+a line exists, when an entry is stale or explains no missed line (covered now), when the figure
+is below --threshold (THRESHOLD), or when verify fails: the list cannot go stale silently.
+--coverage-json writes the figures and the missed lines.
 """
 
 from __future__ import annotations
@@ -149,7 +148,7 @@ def parse(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--threshold", type=float, default=THRESHOLD, help="minimum percent (default %(default)s)"
     )
-    p.add_argument("--json", dest="cov_json", default=None, help="write the figures here")
+    p.add_argument("--coverage-json", dest="cov_json", default=None, help="write the figures here")
     return p.parse_known_args(argv)
 
 

@@ -40,7 +40,6 @@ REASONS = {
     "torchrun": "runs only in a world launched by torchrun; verify starts local ranks",
     "error-path": "refuses bad input or reports a failure (a lost rank, a corrupt checkpoint); "
     "verify feeds valid input to healthy ranks",
-    "instrument": "a measurement helper for measure/ and paper_figures/, not the step",
     "elsewhere": "library code outside the step that verify checks; the named test runs it",
     "unreachable": "defensive code that no valid state reaches, or no caller in zero/",
     "gap": "a path verify should check and does not yet; `why` says what would",
@@ -115,7 +114,8 @@ def load(path: Path = LIST) -> list[Entry]:
 
 @dataclass
 class Scopes:
-    """One source file's scopes: for each def or class its qualname and line range."""
+    """One source file's scopes and their line ranges: each def or class by qualname, each
+    module-level assignment by its name, MAIN, and MODULE (the whole file)."""
 
     lines: list[str]
     ranges: dict[str, list[tuple[int, int]]] = field(default_factory=dict)

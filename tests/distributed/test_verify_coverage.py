@@ -22,7 +22,7 @@ pytestmark = pytest.mark.dist
 def run(tmp_path, *args, timeout=900):
     out = tmp_path / "coverage.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "verify.linecoverage", "--json", str(out), *args]
+    cmd = [sys.executable, "-m", "verify.linecoverage", "--coverage-json", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, json.loads(out.read_text())
 
