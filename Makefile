@@ -5,6 +5,8 @@
 #   make test-distributed tests/distributed: gloo ranks, subprocesses, simulated ranks
 #   make test-notebooks  tests/notebooks: every notebook executed headless
 #   make test-gpu        tests/gpu: NCCL and CUDA checks (skipped, with the reason, without CUDA)
+#   make coverage        python -m verify.linecoverage: the library's line coverage under
+#                        verify --quick --resume, against verify/uncovered.toml (about 2 minutes)
 #   make repro           the main job: python -m paper_figures (pass options with ARGS="...")
 #   make test-full       the release tier: every test, hypothesis profile "full"
 #   make format          ruff format + ruff check --fix
@@ -23,7 +25,7 @@ ARGS ?=
 PACKAGE_INITS := $(wildcard reference/__init__.py zero/__init__.py measure/__init__.py \
 	verify/__init__.py paper_figures/__init__.py teaching/__init__.py)
 
-.PHONY: test test-unit test-distributed test-notebooks test-gpu test-full repro format lint strip-notebooks clean clean-venv
+.PHONY: coverage test test-unit test-distributed test-notebooks test-gpu test-full repro format lint strip-notebooks clean clean-venv
 
 # torch goes in first and pinned: asking pip for plain `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml $(PACKAGE_INITS)
@@ -53,6 +55,9 @@ test-gpu: $(STAMP)
 
 test-full: lint
 	HYPOTHESIS_PROFILE=full $(VPY) -m pytest -p no:cacheprovider --durations=30 -q
+
+coverage: $(STAMP)
+	$(VPY) -m verify.linecoverage $(ARGS)
 
 repro: $(STAMP)
 	$(VPY) -m paper_figures $(ARGS)

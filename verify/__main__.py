@@ -2,6 +2,7 @@
 
     python -m verify --quick                                  # the CI preset (verify/matrix.py)
     python -m verify --complete --json v.json --markdown v.md # the release covering run
+    python -m verify --quick --resume --coverage              # line coverage of the library
     python -m verify --stages 0 1 2 --world-sizes 1 2 4 --precisions fp32 bf16 fp16 \\
                      --optimizers sgd adam adamw --mode deterministic --steps 3 --json out.json
 
@@ -105,6 +106,12 @@ def parse(argv=None) -> argparse.Namespace:
         "state digest (a refactoring check)",
     )
     p.add_argument("--list", action="store_true", help="print the cells per world size, run none")
+    p.add_argument(
+        "--coverage",
+        action="store_true",
+        help="run under coverage.py and print the library's line coverage against "
+        "verify/uncovered.toml (python -m verify.linecoverage)",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
     args = p.parse_args(argv)
     if args.world_sizes is not None and any(n < 1 for n in args.world_sizes):
@@ -218,6 +225,11 @@ def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.coverage:
+        from .linecoverage import run_from_verify
+
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--coverage"]
+        return run_from_verify(rest)
     # under torchrun every rank computes; rank 0 alone prints and writes
     lead = os.environ.get("RANK", "0") == "0"
 

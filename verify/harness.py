@@ -31,6 +31,7 @@ and after the last step engine.memory_report() against verify.expect.expected_me
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import random
@@ -68,16 +69,50 @@ from .lockstep import check_fast_step, gradient_errors
 
 __all__ = ["expected_extents"]  # re-exported: it lived here before verify/expect.py
 
-MODELS = {
-    "mlp": (lambda: MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)), mlp_microbatches),
+
+class NormMLP(MLP):
+    """The MLP with a BatchNorm1d (affine=False: buffers only, no parameters) after each hidden
+    layer, so that the engine's buffer path runs: buffers kept whole on every rank, rank 0's
+    broadcast before every forward ([Note: buffers] in zero/build.py). In training mode a
+    BatchNorm normalises with the micro-batch's own statistics, so the gradients are those of
+    the reference side's copy whatever its running statistics hold. fp32 cells only: the engine
+    keeps buffers in the compute dtype, the reference side's copy in fp32."""
+
+    def __init__(self, cfg: MLPConfig, *, device=None):
+        super().__init__(cfg, device=device)
+        hidden = cfg.n_layer - 1
+        self.norms = torch.nn.ModuleList(
+            torch.nn.BatchNorm1d(cfg.d_hidden, affine=False, device=device) for _ in range(hidden)
+        )
+
+    def forward(self, x, targets=None):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(self.norms[i](x))
+        loss = None if targets is None else torch.nn.functional.mse_loss(x, targets)
+        return x, loss
+
+
+MODELS = {  # build(device=None): on the CPU, or on the meta device (Cell.meta)
+    "mlp": (
+        lambda device=None: MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3), device=device),
+        mlp_microbatches,
+    ),
     # numel 481, 37, 1369, 37, 185, 5: none divisible by any N > 1
     "mlp-uneven": (
-        lambda: MLP(MLPConfig(d_in=13, d_hidden=37, d_out=5, n_layer=3)),
+        lambda device=None: MLP(MLPConfig(d_in=13, d_hidden=37, d_out=5, n_layer=3), device=device),
         mlp_microbatches,
     ),
     "gpt": (
-        lambda: GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)),
+        lambda device=None: GPT(
+            GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32), device=device
+        ),
         gpt_microbatches,
+    ),
+    "mlp-bn": (
+        lambda device=None: NormMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
+        mlp_microbatches,
     ),
     # no forward: injected gradients only (verify/inject.py)
     "params-even": (lambda: ParamModel("even"), None),
@@ -92,7 +127,7 @@ GROUPS = {  # group 0: matrices (decayed), group 1: biases and norms
     "adamw": (Hyper(lr=1e-2, weight_decay=0.1), Hyper(lr=2e-2, betas=(0.8, 0.99))),
 }
 GRADIENTS = ("backward", "random", "extreme", "nonfinite", "drawn")
-UNIT_SIZES = {"tiny": 128, "huge": 4096}  # clipping chunk C; see Cell.units
+UNIT_SIZES = {"tiny": 128, "huge": 4096, "auto": 128}  # clipping chunk C; see Cell.units
 DELAY_S = 0.004  # upper end of the random sleep before each collective launch (Cell.delays)
 
 
@@ -117,7 +152,9 @@ class Cell:
     units: str = "tiny"
     """'tiny': every block its own unit and clipping chunks of 128 elements (many small
     buckets, parameters straddling shards); 'huge': one unit holding everything and chunks of
-    4096 (one bucket; at large N most ranks hold only padding)."""
+    4096 (one bucket; at large N most ranks hold only padding); 'auto': units="auto" for the
+    engine (zero/units.py), chunks of 128, while the reference side takes the blocks the model
+    declares (model.unit_names()), so the engine's detection must find exactly those."""
     gradients: str = "backward"
     """'backward' (the model's own), or injected: 'random', 'extreme', 'nonfinite'
     (verify.inject.draw_for) or 'drawn' (the explicit `draw`)."""
@@ -136,6 +173,10 @@ class Cell:
     pre-allocated contiguous arenas (ZeroConfig.contiguous_memory)."""
     bucket_elements: int | None = None
     """ZeRO-R's C_B: reduce-scatters in pieces of at most this many elements."""
+    meta: bool = False
+    """The engine's model is built on the meta device and materialised unit by unit with the
+    models' counter-based initial values (ZeroEngine's init_seed); the reference side starts
+    from the same model built on the CPU."""
     loss_scale: float | None = None
     """fp16: the loss scaler's first scale (and its floor, where below 1); None: the default
     2^16. Below 1/M the engine checks R itself for overflow ([Note: overflow detection])."""
@@ -153,6 +194,10 @@ class Cell:
             raise ValueError(f"model={self.model!r} has no forward: use injected gradients")
         if self.checkpointing and self.injected:
             raise ValueError("checkpointing=True: recomputation needs a forward, not injection")
+        if self.model == "mlp-bn" and (self.precision != "fp32" or self.meta):
+            raise ValueError("model='mlp-bn': fp32 and a CPU-built model only (see NormMLP)")
+        if self.units == "auto" and self.model != "gpt":
+            raise ValueError(f"units='auto' with model={self.model!r}: only the GPT's blocks")
         if (self.gradients == "drawn") != (self.draw is not None):
             raise ValueError("draw: give a GradientDraw exactly when gradients='drawn'")
 
@@ -186,7 +231,7 @@ class Cell:
             group_of=decay_matrices_only,
             micro_batches=self.micro_batches,
             clip_norm=self.clip_norm,
-            units=tuple(units) if self.units == "tiny" else (),
+            units={"tiny": tuple(units), "huge": (), "auto": "auto"}[self.units],
             overlap=self.overlap,
             chunk=UNIT_SIZES[self.units],
             persist_below=self.persist_below,
@@ -516,6 +561,15 @@ def check_reported(step: int, eng, res, ref, info, losses, norm_ok) -> str:
     return ""
 
 
+def reference_config(cell: Cell, model) -> ZeroConfig:
+    """The configuration the reference side reads: the cell's, with units="auto" replaced by
+    the blocks the model declares (model.unit_names()), never by the engine's detection."""
+    cfg = cell.zero_config(model.unit_names())
+    if cell.units == "auto":
+        cfg = dataclasses.replace(cfg, units=tuple(model.unit_names()))
+    return cfg
+
+
 def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     """Run one cell on this rank; returns this rank's verdict.
 
@@ -527,13 +581,16 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     device = cell_device()
     model = build()
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
-    cfg = cell.zero_config(model.unit_names())
-    spec = reference_spec(model, cfg)  # before the engine wraps the model
-    rcfg = reference_step_config(cfg, cell.world_size)
+    cfg, ref_cfg = cell.zero_config(model.unit_names()), reference_config(cell, model)
+    spec = reference_spec(model, ref_cfg)  # before the engine wraps the model
+    rcfg = reference_step_config(ref_cfg, cell.world_size)
     ref = init_state(init, spec, rcfg)
     with warnings.catch_warnings():  # 'huge' cells are one root unit on purpose
         warnings.filterwarnings("ignore", message="stage 3 with units=", category=UserWarning)
-        eng = ZeroEngine(model.to(device), cfg)
+        if cell.meta:  # the same initial values, never materialised whole
+            eng = ZeroEngine(build(device="meta"), cfg, device=device, init_seed=0)
+        else:
+            eng = ZeroEngine(model.to(device), cfg)
     ref_model = None if cell.injected else build().to(device)
     verdict = _verdict(rank)
 
@@ -598,7 +655,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
             fail(why)
         traffic = traffic_of_step(eng.counter, eng.counter.step - 1)
         traffic_want = expected_traffic(
-            cfg, spec, n, rank, forward=not cell.injected, skipped=info.skipped
+            ref_cfg, spec, n, rank, forward=not cell.injected, skipped=info.skipped
         )
         why = first_difference(f"step {step}: traffic", traffic, traffic_want)
         if why and not verdict["traffic"]:
@@ -621,7 +678,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
         if first and not verdict["first"]:
             verdict["first"] = f"step {step}: {first}"
     memory = {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"}
-    memory_want = expected_memory(cfg, spec, n)
+    memory_want = expected_memory(ref_cfg, spec, n)
     verdict["memory_bytes"] = {"engine": memory, "expected": memory_want}
     why = first_difference("resident bytes", memory, memory_want)
     if why:
@@ -668,7 +725,7 @@ def reference_trajectory(cell: Cell) -> list:
     build = MODELS[cell.model][0]
     model = build()
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
-    cfg = cell.zero_config(model.unit_names())
+    cfg = reference_config(cell, model)
     spec = reference_spec(model, cfg)
     rcfg = reference_step_config(cfg, cell.world_size)
     ref = init_state(init, spec, rcfg)

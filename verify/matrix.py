@@ -469,10 +469,41 @@ def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Cells for library lines the cells above leave unrun (python -m verify.linecoverage lists
+# what is still unrun, and why, in verify/uncovered.toml). Each checks a path of the engine
+# that the other cells never take.
+COVERAGE_CELLS = (
+    # units="auto": the engine's own block detection must find the GPT's declared blocks
+    _branch(stage=1, precision="bf16", optimizer="adamw", model="gpt", units="auto", steps=2,
+            seed=7000),
+    # a model built on the meta device, materialised unit by unit from init_seed: the same
+    # bits as the CPU-built model the reference starts from
+    _branch(stage=3, precision="fp32", optimizer="adam", meta=True, steps=2, seed=7001),
+    # a model with buffers (BatchNorm statistics), broadcast from rank 0 before every forward
+    _branch(stage=2, precision="fp32", optimizer="sgd", model="mlp-bn", steps=2, seed=7003),
+    # fast mode + offload at stage 2: the running sum of reduced shards kept on the host
+    _branch(stage=2, precision="bf16", optimizer="adamw", mode="fast", offload=True, steps=2,
+            seed=7002),
+)  # fmt: skip
+BRANCH_PREDICATES.update(
+    {
+        "units='auto' (the engine's detection)": lambda c: c.units == "auto",
+        "model built on the meta device": lambda c: c.meta,
+        "buffers (BatchNorm), broadcast before forward": lambda c: c.model == "mlp-bn",
+        "fast mode + offload, stage >= 2 (host running sum)": lambda c: (
+            c.mode == "fast" and c.offload and c.stage >= 2 and c.accumulation > 1
+        ),
+    }
+)
+LISTED_FIELDS += ("meta",)
+
+
 def quick() -> tuple[list[Cell], list[dict]]:
     """The CI preset: (cells, invariance runs)."""
     cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3] + zero_r_cells()
-    return cells + list(BRANCHES) + list(PLANTED_GAPS), invariance_runs(full=False)
+    extra = list(BRANCHES) + list(PLANTED_GAPS) + list(COVERAGE_CELLS)
+    return cells + extra, invariance_runs(full=False)
 
 
 def small() -> tuple[list[Cell], list[dict]]:
@@ -528,5 +559,5 @@ def complete() -> tuple[list[Cell], list[dict]]:
         out += slice_cells(gradients=kind, accumulation=4 if kind == "random" else 1)
     out += slice_cells(mode="fast", sizes="even") + gpt_cells
     out += extras() + list(TEETH) + zero_r_cells((2, 3, 4)) + list(BRANCHES)
-    out += list(PLANTED_GAPS)
+    out += list(PLANTED_GAPS) + list(COVERAGE_CELLS)
     return out, invariance_runs(full=True)

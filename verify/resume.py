@@ -32,6 +32,7 @@ from zero.train import train_steps
 from .harness import GROUPS, MODELS
 
 ACCUMULATE_M = 4  # M: micro-batches per step over all ranks; divisible by every N used here
+KEEP_LAST = 1  # the saving run checkpoints every step and keeps this many
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,12 +112,15 @@ def run_rank(
     if load_from is not None:
         eng.load(load_from)
     data, out = microbatches(case, model), {}
-    results = train_steps(eng, data, 1 if first else steps, start_step=eng.data_step)
+    # saving: a checkpoint after every step, the oldest pruned (KEEP_LAST); the resume loads
+    # the newest, so pruning must have kept it
+    on_step = None if save_to is None else (lambda s, r: eng.save(save_to, keep_last=KEEP_LAST))
+    results = train_steps(
+        eng, data, 1 if first else steps, start_step=eng.data_step, on_step=on_step
+    )
     if first:
         out["first"] = state_of(eng)
-        results += train_steps(eng, data, steps - 1, start_step=eng.data_step)
-    if save_to is not None:
-        eng.save(save_to)
+        results += train_steps(eng, data, steps - 1, start_step=eng.data_step, on_step=on_step)
     out.update(state=state_of(eng), losses=[r.loss for r in results])
     return out if rank == 0 else None
 
@@ -255,22 +259,61 @@ def consolidated_step(case: ResumeCase, directory, saved: dict, after: dict) -> 
     return out
 
 
+def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
+    """The saved checkpoint in this process, without an engine or a process group: pruned to
+    KEEP_LAST step directories, every checksum verified (zero.checkpoint.verify), and its
+    consolidation (written with consolidate_to, read back) loaded strictly into a fresh model
+    and a torch.optim optimizer, holding the saving run's gathered state bit for bit. '' or
+    the first difference."""
+    from zero.checkpoint import consolidate_to, resolve
+    from zero.checkpoint import verify as verify_checkpoint
+    from zero.optim import TORCH_OPTIMIZERS
+
+    steps = sorted(d.name for d in directory.iterdir() if d.name.startswith("step-"))
+    if len(steps) != min(KEEP_LAST, case.steps_before) or resolve(directory).name != steps[-1]:
+        return f"checkpoints kept: {steps}, latest {resolve(directory).name}"
+    verify_checkpoint(directory)
+    c = torch.load(consolidate_to(directory, directory / "consolidated.pt"), weights_only=True)
+    model, _ = MODELS[case.model]
+    model = model()
+    model.load_state_dict(c["model"], strict=True)
+    params = dict(model.named_parameters())
+    kind = getattr(torch.optim, TORCH_OPTIMIZERS[case.optimizer])
+    opt = kind([{"params": [params[n] for n in names]} for names in c["param_names"]])
+    opt.load_state_dict(c["optimizer"])  # strict: the groups' sizes and keys must match
+    got = {}
+    for n in (n for names in c["param_names"] for n in names):
+        got[f"master/{n}"] = params[n].detach().numpy()
+        got.update({f"{k}/{n}": v.numpy() for k, v in opt.state[params[n]].items() if k != "step"})
+    want = {k: v for k, v in state.items() if "/" in k}
+    if sorted(want) != sorted(got):
+        return f"consolidated entries differ: {sorted(set(want) ^ set(got))[:3]}"
+    meta = (c["meta"]["t"], c["meta"]["data_step"])
+    if meta != (state["t"], state["data_step"]):
+        return f"consolidated (t, data_step) {meta}, saved {(state['t'], state['data_step'])}"
+    return compare_states(want, got)
+
+
 def run_case(case: ResumeCase, directory, *, timeout_s: float = 600, rank_fn=run_rank) -> dict:
     """One row of the table (see the module docstring); `directory` receives the checkpoint.
     rank_fn: run_rank, or a wrapper of it (verify/planted.py plants a bug in the ranks)."""
-    from zero.launch import get_pool
+    from zero.launch import get_pool, spawn
 
     started = time.perf_counter()
     total = case.steps_before + case.steps_after
-    p1, p2 = get_pool(case.n1), get_pool(case.n2)
+    p1 = get_pool(case.n1)
     whole = p1.run(rank_fn, case, case.s1, total, timeout_s=timeout_s)[0]
     saved = p1.run(rank_fn, case, case.s1, case.steps_before, str(directory), timeout_s=timeout_s)[
         0
     ]
-    resumed = p2.run(
-        rank_fn, case, case.s2, case.steps_after, None, str(directory), True, timeout_s=timeout_s
-    )[0]
-    first = compare_states(whole["state"], resumed["state"])
+    first = check_saved(case, Path(directory), saved["state"])
+    # fresh processes (zero.launch.spawn, not a pool's workers), so that no module-level
+    # state of the saving or the uninterrupted run can reach the resumed one
+    resumed = spawn(
+        rank_fn, case.n2, case, case.s2, case.steps_after, None, str(directory), True,
+        timeout_s=timeout_s,
+    )[0]  # fmt: skip
+    first = first or compare_states(whole["state"], resumed["state"])
     if not first and whole["losses"][case.steps_before :] != resumed["losses"]:
         first = f"losses after the resume differ: {resumed['losses']} vs {whole['losses']}"
     plain = consolidated_step(case, directory, saved["state"], resumed["first"])
@@ -302,8 +345,9 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
 
     quick: one case per ordered pair (N1, N2), stages and (precision, optimizer) rotating so
     that with three sizes every stage is left and entered and all nine (precision, optimizer)
-    pairs appear once. Otherwise every (N1, s1) -> (N2, s2) with (N1, s1) != (N2, s2), AdamW
-    and bf16 on the MLP, plus the quick cases on the GPT (tied embedding and head)."""
+    pairs appear once, and one case on a model with buffers. Otherwise every (N1, s1) ->
+    (N2, s2) with (N1, s1) != (N2, s2), AdamW and bf16 on the MLP, plus the quick cases on the
+    GPT (tied embedding and head), and the buffers case."""
     sizes = sorted({n for n in world_sizes if n >= 1 and n & (n - 1) == 0})
     m = max([ACCUMULATE_M, *sizes])
     kinds = [(p, o) for p in ("fp32", "bf16", "fp16") for o in ("sgd", "adam", "adamw")]
@@ -316,8 +360,14 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
         quick_cases.append(
             ResumeCase(n1=n1, s1=s1, n2=n2, s2=s2, precision=p, optimizer=o, micro_batches=m)
         )
+    # a model with buffers (BatchNorm statistics, verify.harness.NormMLP): saved from rank 0's,
+    # loaded on every rank, consolidated beside the parameters
+    buffers = [
+        ResumeCase(n1=2, s1=1, n2=1, s2=2, precision="fp32", optimizer="sgd", model="mlp-bn",
+                   micro_batches=m)
+    ] if {1, 2} <= set(sizes) else []  # fmt: skip
     if quick:
-        return quick_cases
+        return quick_cases + buffers
     grid = [
         ResumeCase(n1=n1, s1=s1, n2=n2, s2=s2, micro_batches=m)
         for n1 in sizes
@@ -327,7 +377,7 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
         if (n1, s1) != (n2, s2)
     ]
     gpt = [ResumeCase(**{**asdict(c), "model": "gpt"}) for c in quick_cases]
-    return quick_cases + grid + gpt
+    return quick_cases + grid + gpt + buffers
 
 
 def resume_rows(

@@ -27,6 +27,7 @@ from verify.harness import GROUPS, microbatch_grads
 from verify.resume import (
     ResumeCase,
     build,
+    check_saved,
     compare_states,
     microbatches,
     resume_cases,
@@ -450,6 +451,23 @@ def test_consolidated_optimizer_loads_with_model_parameters(tmp_path):
 # -- faults ----------------------------------------------------------------------------------------
 
 FAULT_CASE = ResumeCase(n1=2, s1=2, n2=2, s2=2, precision="bf16", optimizer="adamw")
+
+
+@pytest.mark.dist
+def test_the_resume_tables_consolidation_check_sees_a_flipped_bit(tmp_path):
+    """verify/resume.py's check of the saved checkpoint (pruning, checksums, consolidation
+    loaded into plain torch) can fail: one bit flipped in the expected state, or a step
+    directory more than keep_last allows, is named."""
+    case = ResumeCase(n1=2, s1=1, n2=1, s2=0, optimizer="adam", steps_before=3)
+    saved = get_pool(2).run(run_rank, case, 1, 3, str(tmp_path))[0]["state"]
+    assert check_saved(case, tmp_path, saved) == ""
+    name = next(k for k in sorted(saved) if k.startswith("exp_avg/"))
+    bad = {**saved, name: saved[name].copy()}
+    bad[name].view(np.uint32)[0] ^= 1
+    assert check_saved(case, tmp_path, bad) == f"{name}: bits differ"
+    latest = checkpoint.resolve(tmp_path)
+    shutil.copytree(latest, tmp_path / "step-99999999")  # one more than keep_last allows
+    assert "checkpoints kept" in check_saved(case, tmp_path, saved)
 
 
 def train_and_die(rank, n, root, total, every, kill_rank, kill_after):

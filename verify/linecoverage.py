@@ -1,0 +1,183 @@
+"""python -m verify.linecoverage: line coverage of the library part of zero/ under a verify run.
+
+    python -m verify.linecoverage                 # --quick --resume (the figure); make coverage
+    python -m verify.linecoverage --quick         # any verify arguments instead
+    python -m verify --quick --resume --coverage  # the same, through verify's own command line
+
+It runs verify here under coverage.py, the worker ranks included (each forked rank measures
+itself and writes its own data file; they are combined at the end), then prints covered/total
+statements of the library ([Note: the library] below) and every missed statement that no entry
+of verify/uncovered.toml explains (verify/uncovered.py). The exit status is non-zero when such
+a line exists, when an entry is stale or explains no missed line (covered now), when the figure
+is below --threshold (THRESHOLD), or when verify fails: the list cannot go stale silently.
+--coverage-json writes the figures and the missed lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "zero"
+NOT_LIBRARY = {
+    "zero/digits.py": "a workload's command line (tests/distributed/test_workloads.py)",
+    "zero/resnet.py": "a workload's model (tests/distributed/test_workloads.py)",
+    "zero/data.py": "the training command line's corpus (tests/distributed/test_train_cli.py)",
+    "zero/cli.py": "command-line parsing for the CLIs (tests/unit/test_cli.py)",
+    "zero/checkpoint/cli.py": "a command line (tests/distributed/test_checkpoint.py)",
+    "zero/checkpoint/__main__.py": "a command line (tests/distributed/test_checkpoint.py)",
+    "zero/results.py": "an instrument: result records and provenance for the reports",
+}
+"""[Note: the library] What the figure measures: every module of zero/ except the files above
+(command lines, workloads and instruments built on the library, each with its own tests), and
+except the scopes of NOT_LIBRARY_SCOPES: every `if __name__ == "__main__":` block, the training
+command line that shares zero/train.py with train_steps (the one training loop, which is
+library), and the instruments that no training step calls (the paper's closed-form memory
+formulas, parameter and FLOP counts, the activation-byte probe, the counter's queries), which
+measure/, paper_figures/ and teaching/ use and their tests check. Nothing is left out for being
+unrun: unrun library lines are listed in verify/uncovered.toml, each with its reason, and count
+as missed."""
+
+NOT_LIBRARY_SCOPES = {
+    "*": ("__main__",),
+    "zero/train.py": (
+        "MODELS", "ZERO_DEFAULT", "ZERO_DERIVED", "ZERO_CHOICES", "TrainConfig", "evaluate",
+        "master_sha256", "_Progress", "plot_losses", "run_rank", "parse", "main",
+    ),
+    "zero/memory.py": (  # the paper's closed forms (Figure 1, Tables 1-2), for paper_figures/
+        "_bytes_per_param", "bytes_per_param", "model_state_bytes", "max_model_params",
+        "reduction_factor", "asymptotic_reduction", "optimizer_k", "MemoryBreakdown.total",
+        "MemoryBreakdown.to_dict",
+    ),
+    "zero/models.py": (  # sizes and FLOPs of paper-scale models, for measure/, paper_figures/
+        "PAPER_SHAPES", "gpt_num_params", "gpt_flops", "gpt_config_for", "GPT.num_params",
+        "MLP.num_params",
+    ),
+    "zero/zero_r/activations.py": ("SavedBytes", "saved_activation_bytes"),  # a probe
+    "zero/collectives.py": ("CommCounter.volume", "CommCounter.counts"),  # reports' queries
+}  # fmt: skip
+"""Scopes (verify/uncovered.py: def or class qualnames, module-level names, "__main__") that
+are not library, per file ("*": every file)."""
+
+DEFAULT_ARGS = ("--quick", "--resume")
+"""The run the figure is measured on: the CI preset plus the resume/reshard table (checkpoints
+are library code; --resume adds about 20 s)."""
+
+THRESHOLD = 90.0
+"""Percent of the library's statements that the default run must execute."""
+
+
+def library_files() -> list[Path]:
+    """The library's source files (LIBRARY: zero/ minus NOT_LIBRARY), sorted."""
+    files = sorted((ROOT / PACKAGE).rglob("*.py"))
+    return [f for f in files if f.relative_to(ROOT).as_posix() not in NOT_LIBRARY]
+
+
+def _rcfile(directory: Path) -> Path:
+    """coverage.py's configuration for the run; forked ranks read it through COVERAGE_RCFILE
+    (coverage's multiprocessing support), so it has to be a file."""
+    omit = ",\n    ".join(str(ROOT / p) for p in sorted(NOT_LIBRARY))
+    text = f"""[run]
+source = {ROOT / PACKAGE}
+omit =
+    {omit}
+parallel = True
+concurrency = multiprocessing, thread
+data_file = {directory / "data"}
+"""
+    path = directory / "rc"
+    path.write_text(text)
+    return path
+
+
+def measure(verify_args) -> tuple[int, dict[str, tuple[list[int], list[int]]]]:
+    """Run `python -m verify *verify_args` here under coverage; return (verify's exit status,
+    {path relative to the repository: (statement lines, missed lines)}) over library_files()."""
+    import coverage  # a dev dependency: only this command needs it
+
+    with tempfile.TemporaryDirectory(prefix="zero-coverage-") as tmp:
+        rc = _rcfile(Path(tmp))
+        cov = coverage.Coverage(config_file=str(rc))
+        cov.start()
+        try:
+            # imported only now: the library's module-level lines run under measurement
+            from verify.__main__ import main
+            from zero import launch
+
+            argv = list(verify_args)
+            if "--json" not in argv:  # the report's writing is part of a verify run
+                argv += ["--json", str(Path(tmp) / "verify.json")]
+            status = main(argv)
+            launch._close_pools()  # each rank leaves its loop and saves its data file
+        finally:
+            cov.stop()
+            cov.save()
+        cov.combine()
+        result = {}
+        for path in library_files():
+            _, statements, _, missed, _ = cov.analysis2(str(path))
+            rel = path.relative_to(ROOT).as_posix()
+            outside = not_library_lines(rel)
+            result[rel] = (
+                sorted(set(statements) - outside),
+                sorted(set(missed) - outside),
+            )
+    return status, result
+
+
+def not_library_lines(rel: str) -> set[int]:
+    """Lines of the file `rel` that NOT_LIBRARY_SCOPES leaves out of the library."""
+    from .uncovered import Scopes
+
+    scopes = Scopes.of((ROOT / rel).read_text(encoding="utf-8"))
+    names = NOT_LIBRARY_SCOPES["*"] + NOT_LIBRARY_SCOPES.get(rel, ())
+    return set().union(*(scopes.scope_lines(n) for n in names))
+
+
+def parse(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(
+        prog="python -m verify.linecoverage",
+        description=__doc__.split("\n\n")[0],
+        epilog="Other arguments go to python -m verify (default: " + " ".join(DEFAULT_ARGS) + ").",
+    )
+    p.add_argument(
+        "--threshold", type=float, default=THRESHOLD, help="minimum percent (default %(default)s)"
+    )
+    p.add_argument("--coverage-json", dest="cov_json", default=None, help="write the figures here")
+    return p.parse_known_args(argv)
+
+
+def main(argv=None) -> int:
+    args, rest = parse(argv)
+    from . import uncovered  # imports nothing of zero/: safe before measurement starts
+
+    status, files = measure(rest or list(DEFAULT_ARGS))
+    report = uncovered.check(files, uncovered.load(), root=ROOT)
+    for line in report.lines(threshold=args.threshold):
+        print(line, flush=True)
+    if args.cov_json:
+        from zero.results import write_json
+
+        write_json(args.cov_json, report.as_dict())
+    if status != 0:
+        print(f"verify itself failed (exit status {status})")
+    ok = report.ok(threshold=args.threshold) and status == 0
+    return 0 if ok else 1
+
+
+def run_from_verify(argv: list[str]) -> int:
+    """`python -m verify ... --coverage`: this command in a fresh interpreter (verify's own
+    imports have already run the library's module-level lines unmeasured)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "verify.linecoverage", *argv]
+    return subprocess.run(cmd, env=env, cwd=os.getcwd()).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
