@@ -294,12 +294,12 @@ def _units_of(c: Cell) -> tuple[tuple[int, ...], bool]:
     rank's master extent) of a cell's model, from the reference side's layout
     (verify/expect.py): a group boundary exactly at a shard start has no run before it."""
     from .expect import expected_extents, reference_spec
-    from .harness import MODELS
+    from .harness import MODELS, reference_config
 
     key = (c.model, c.units, c.stage, c.world_size, c.persist_below)
     if key not in _UNITS:
         model = MODELS[c.model][0]()
-        spec = reference_spec(model, c.zero_config(model.unit_names()))
+        spec = reference_spec(model, reference_config(c, model))
         inside = False
         for lay in spec.layouts:
             slots = sorted(lay.slots, key=lambda s: s.offset)
