@@ -13,7 +13,6 @@ alone) exactly; checkpoints restore frozen values across N and stage and consoli
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from reference import ModelSpec
 from reference.precision import cast
