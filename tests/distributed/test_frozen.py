@@ -10,14 +10,18 @@ and the traffic counter equal verify/expect.py's expectations (built from the mo
 alone) exactly; checkpoints restore frozen values across N and stage and consolidate them.
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
+from reference.optim import Hyper
 from reference.precision import DTYPES, cast
 from reference.simulate import World
 from reference.step import StepConfig, init_state, train_step, working_copy
 from verify import expect
+from zero import checkpoint
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
 from zero.launch import get_pool
@@ -219,3 +223,221 @@ def test_memory_and_traffic_equal_the_expectations_and_the_simulation(runs):
     assert sum(v[1] for v in gathers.values()) == sum(v[1] for v in plain_gathers.values()) + extra
     rs = out[(n, stage)][0]["traffic"]["reduce_scatter:grad"]
     assert rs == plain["reduce_scatter:grad"]
+
+
+# -- 2. against plain PyTorch: torch.optim over the trainable parameters, clip_grad_norm_ ---
+
+U = 2.0**-24  # float32 unit roundoff
+LR, WD, CLIP = 1e-3, 0.1, 0.01
+
+
+def engine_one_step(rank, n, optimizer):
+    """One step at stage 3 (M = 4, clipping active): the full master after it, and the norm."""
+    torch.set_num_threads(1)
+    model = lora_gpt()
+    hp = Hyper(lr=LR, weight_decay=WD)
+    cfg = config(3, n, 4 // n, optimizer=optimizer, groups=(hp,), clip_norm=CLIP)
+    eng = ZeroEngine(model, cfg)
+    bs = batches(0, 4)
+    for j in range(rank, 4, n):
+        eng.backward(eng(*bs[j])[1])
+    norm = eng.step().norm
+    master, _ = eng.gather_state()
+    return {"master": {k: v.numpy() for k, v in master.items()}, "norm": norm}
+
+
+def plain_step(optimizer, *, frozen_in_norm=False):
+    """The plain model: micro-batch gradients summed in order, / M, clip_grad_norm_ over the
+    trainable parameters (or, the old workaround, over every parameter), one torch.optim step
+    (foreach=False) over the trainable parameters."""
+    torch.set_num_threads(1)
+    model = lora_gpt()
+    if frozen_in_norm:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    named = dict(model.named_parameters())
+    before = {k: p.detach().clone() for k, p in named.items()}
+    grads, abs_sum = {}, {}
+    for b in batches(0, 4):
+        model.zero_grad(set_to_none=True)
+        model(*b)[1].backward()
+        for k, p in named.items():
+            if p.grad is not None:
+                grads[k] = grads.get(k, 0) + p.grad
+                abs_sum[k] = abs_sum.get(k, 0) + p.grad.abs().double()
+    for k in grads:
+        named[k].grad = grads[k] / 4
+    mean = {k: named[k].grad.clone() for k in grads}
+    total = torch.nn.utils.clip_grad_norm_([named[k] for k in grads], CLIP)
+    trainable = [p for k, p in named.items() if ".lora_" in k]
+    kw = {"lr": LR, "weight_decay": WD}
+    opt = torch.optim.AdamW(trainable, foreach=False, **kw)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(trainable, foreach=False, **kw)
+    opt.step()
+    return {
+        "before": before,
+        "after": {k: p.detach().clone() for k, p in named.items()},
+        "grad": mean,
+        "abs_sum": abs_sum,
+        "norm": float(total),
+        "numel": sum(g.numel() for g in grads.values()),
+        "tensors": len(grads),
+    }
+
+
+def norm_bound(plain):
+    """|engine norm - torch norm|: torch sums squares in float32 per tensor, then the norm of
+    the norms: a relative error of at most γ_{P+T+2} (P elements, T tensors, + the squaring and
+    the square roots), ρ below; the engine's float64 norm of its own mean gradient is exact to
+    far below that. The two mean gradients differ by at most 2γ_{M-1}·Σ|g_j|/M elementwise
+    (each sum of M terms within γ_{M-1}·Σ|g_j| of the exact one, /M exact), which moves the
+    norm by at most the 2-norm of that difference."""
+    k = plain["numel"] + plain["tensors"] + 2
+    rho = k * U / (1 - k * U)
+    gamma = 3 * U / (1 - 3 * U)
+    delta = torch.sqrt(sum(((2 * gamma * a / 4) ** 2).sum() for a in plain["abs_sum"].values()))
+    return rho, float(rho * plain["norm"] + delta)
+
+
+def step_bound(plain, k, optimizer, engine_norm):
+    """|engine p1 - torch p1| elementwise after one step from zero state with clipping.
+
+    c = CLIP/(norm + 1e-6), each side's own; |c_e - c_t| <= c·(ρ_c) with ρ_c = (norm_bound's
+    error)/norm + 2u (the division and its rounding on both sides). Each side's clipped gradient
+    x = fl(c·ḡ) and the two differ by at most Δx = c·(2δ + (ρ_c + 2u)(|g| + 2δ)), δ = the mean's
+    2γ_{M-1}Σ|g_j|/M as in tests/distributed/test_user_models.py's adamw_bound.
+      SGD: p1 = p0(1 - lr·wd) - lr·x (torch: p0 - lr(x + wd·p0)): lr·Δx plus the roundings
+          of both, 2·(3u·(|p0| + lr·|x|) + u·|p1|).
+      AdamW: p1 = p0(1 - lr·wd) - lr·f(x), f(x) = x/(|x| + eps) after bias correction, f' =
+          eps/(|x|+eps)²: lr·min(Δx·max f', 2) plus 2·(16u·lr + u·|p0| + u·(|p0| + lr)), the
+          arithmetic term of adamw_bound."""
+    g = plain["grad"][k].double().abs()
+    p0 = plain["before"][k].double().abs()
+    gamma = 3 * U / (1 - 3 * U)
+    delta = 2 * gamma * plain["abs_sum"][k] / 4
+    rho_c = norm_bound(plain)[1] / engine_norm + 4 * U
+    c = CLIP / (engine_norm + 1e-6) * (1 + rho_c)
+    dx = c * (2 * delta + (rho_c + 2 * U) * (g + 2 * delta))
+    if optimizer == "sgd":
+        p1 = p0 + LR * c * g
+        return LR * dx + 2 * (3 * U * (p0 + LR * c * g) + U * p1)
+    eps = 1e-8
+    low = torch.clamp(c * g - dx, min=0)
+    df = torch.clamp(dx * eps / (low + eps) ** 2, max=2.0)
+    return LR * df + 2 * (16 * U * LR + U * p0 + U * (p0 + LR))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_one_clipped_step_matches_torch_optim_over_the_trainable_parameters(optimizer):
+    plain = plain_step(optimizer)
+    got = get_pool(2).run(engine_one_step, optimizer)[0]
+    rho, nb = norm_bound(plain)
+    assert abs(got["norm"] - plain["norm"]) <= nb, (got["norm"], plain["norm"], nb)
+    assert CLIP < got["norm"]  # clipping is active
+    names = sorted(got["master"])
+    assert names == sorted(plain["grad"]) and all(".lora_" in k for k in names)
+    worst = 0.0
+    for k in names:
+        diff = (torch.from_numpy(got["master"][k]).double() - plain["after"][k].double()).abs()
+        bound = step_bound(plain, k, optimizer, got["norm"])
+        assert bool((diff <= bound).all()), (optimizer, k, float((diff / bound).max()))
+        worst = max(worst, float((diff / bound).max()))
+    # not vacuous: the old workaround (frozen parameters trainable at lr=0, so in the norm)
+    # clips by another coefficient, far outside the bounds
+    wide = plain_step(optimizer, frozen_in_norm=True)
+    assert wide["norm"] > plain["norm"] * (1 + 1000 * rho) + 1000 * nb, (wide["norm"], nb)
+    if optimizer == "sgd":  # the update itself is proportional to the coefficient
+        k = max(names, key=lambda k: float(plain["grad"][k].abs().max()))
+        diff = (wide["after"][k].double() - plain["after"][k].double()).abs()
+        assert bool((diff > 10 * step_bound(plain, k, optimizer, got["norm"])).any()), k
+
+
+@pytest.mark.dist
+def test_the_clipping_norm_leaves_frozen_parameters_out():
+    """The engine's norm is torch's clip_grad_norm_ over the trainable parameters only, and
+    differs from the one over every parameter (what training frozen parameters at lr=0 gave)
+    by far more than the bound: the reason the lr=0 workaround clipped differently."""
+    plain = plain_step("adamw")
+    wide = plain_step("adamw", frozen_in_norm=True)
+    per_n = {n: get_pool(n).run(engine_one_step, "adamw")[0]["norm"] for n in (1, 2)}
+    assert per_n[1] == per_n[2]
+    _, nb = norm_bound(plain)
+    assert abs(per_n[2] - plain["norm"]) <= nb
+    assert abs(per_n[2] - wide["norm"]) > 100 * nb, (per_n[2], wide["norm"], nb)
+    print(f"norm: trainable {plain['norm']:.6g}, with the frozen part {wide['norm']:.6g}")
+
+
+# -- 4. checkpoints: frozen values saved, restored at another N and stage, consolidated ------
+
+
+@pytest.mark.dist
+def test_checkpoint_resumes_bitwise_across_world_size_and_stage(tmp_path):
+    """Save after step 1 at N = 2, stage 3 (bf16: the frozen buffers are bf16 on disk); load
+    at N = 1 stage 0, N = 2 stage 1 and N = 4 stage 3 into engines whose frozen values were
+    zeroed, run step 2: the reference's bits after two steps, frozen values restored."""
+    ckpt = tmp_path / "ckpt"
+    get_pool(2).run(run_engine, 3, 1, "bf16", 0.5, str(ckpt))
+    spec, state, _, frozen = reference_run(precision="bf16")
+    m = json.loads((checkpoint.format.resolve(ckpt) / "manifest.json").read_text())
+    assert m["format_version"] == 2 and len(m["frozen_units"]) == GPT_CFG.n_layer + 1
+    for n, stage in [(1, 0), (2, 1), (4, 3)]:
+        for rank, got in enumerate(
+            get_pool(n).run(run_engine, stage, 1, "bf16", 0.5, None, str(ckpt))
+        ):
+            where = (n, stage, rank)
+            for name in spec.names:
+                assert np.array_equal(got["master"][name], bits(state.master[name])), (where, name)
+                for x, want in state.opt[name].items():
+                    assert np.array_equal(got["opt"][name][x], bits(want)), (where, name, x)
+            for name, want in frozen.items():
+                assert np.array_equal(got["frozen"][name], bits(want)), (where, name)
+
+
+@pytest.mark.dist
+def test_consolidation_loads_into_the_plain_model_strictly(tmp_path):
+    """The consolidated state dict holds every parameter (frozen ones upcast from bf16 to
+    fp32) and loads into the plain LoRA model with strict=True; its optimizer state covers the
+    trainable parameters alone and loads into torch.optim.AdamW over them."""
+    ckpt = tmp_path / "ckpt"
+    get_pool(2).run(run_engine, 3, 1, "bf16", 0.5, str(ckpt))
+    spec, state, _, frozen = reference_run(steps=1, precision="bf16")
+    sd = checkpoint.consolidate(ckpt)
+    model = lora_gpt()
+    model.load_state_dict(sd["model"], strict=True)
+    named = dict(model.named_parameters())
+    for name in spec.names:
+        assert np.array_equal(bits(named[name].detach().numpy()), bits(state.master[name])), name
+    for name, want in frozen.items():  # bf16 values, exactly representable in fp32
+        got = named[name].detach()
+        assert got.dtype == torch.float32
+        assert np.array_equal(bits(got.numpy()), bits(np.asarray(want, np.float32))), name
+    assert sd["param_names"] == [[n for n in named if named[n].requires_grad]]
+    opt = torch.optim.AdamW([named[n] for n in sd["param_names"][0]])
+    opt.load_state_dict(sd["optimizer"])
+    assert len(sd["optimizer"]["state"]) == len(spec.names)
+    for i, name in enumerate(sd["param_names"][0]):
+        got = sd["optimizer"]["state"][i]["exp_avg_sq"].numpy()
+        assert np.array_equal(bits(got), bits(state.opt[name]["exp_avg_sq"])), name
+
+
+def refuse_mismatch(rank, n, ckpt):
+    """Load a checkpoint with a frozen parameter into a model where it trains: refused."""
+    model = lora_gpt()
+    name = next(k for k, p in model.named_parameters() if not p.requires_grad)
+    model.get_parameter(name).requires_grad_(True)
+    eng = ZeroEngine(model, config(0, n, 2, precision="bf16"))
+    try:
+        eng.load(ckpt)
+    except ValueError as e:
+        return name, str(e)
+    return name, ""
+
+
+@pytest.mark.dist
+def test_a_frozen_parameter_that_trains_now_is_refused_on_load(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    get_pool(2).run(run_engine, 3, 1, "bf16", 0.5, str(ckpt))
+    name, msg = get_pool(2).run(refuse_mismatch, str(ckpt))[0]
+    assert repr(name) in msg and "requires_grad=True" in msg and "frozen" in msg, msg
