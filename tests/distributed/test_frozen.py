@@ -10,6 +10,7 @@ and the traffic counter equal verify/expect.py's expectations (built from the mo
 alone) exactly; checkpoints restore frozen values across N and stage and consolidate them.
 """
 
+import importlib.util
 import json
 
 import numpy as np
@@ -441,3 +442,67 @@ def test_a_frozen_parameter_that_trains_now_is_refused_on_load(tmp_path):
     get_pool(2).run(run_engine, 3, 1, "bf16", 0.5, str(ckpt))
     name, msg = get_pool(2).run(refuse_mismatch, str(ckpt))[0]
     assert repr(name) in msg and "requires_grad=True" in msg and "frozen" in msg, msg
+
+
+# -- LoRA itself: the first forward is the base model's; Hugging Face GPT-2 -----------------
+
+
+def test_lora_starts_as_the_base_model_and_freezes_it():
+    base = GPT(GPT_CFG, seed=SEED)
+    model = GPT(GPT_CFG, seed=SEED)
+    names = add_lora(model, 4, seed=SEED)
+    assert "lm_head" not in names and len(names) == 4 * GPT_CFG.n_layer  # tied head left alone
+    idx, _ = batches(0, 1)[0]
+    with torch.no_grad():
+        assert torch.equal(base(idx)[0], model(idx)[0])  # B = 0: the delta adds exact zeros
+    trains = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trains and all(n.endswith(("lora_a", "lora_b")) for n in trains)
+    with pytest.raises(ValueError, match="rank=0"):
+        add_lora(GPT(GPT_CFG), 0)
+
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def hf_lora_run(rank, n, stage):
+    """Hugging Face GPT-2 from a config, LoRA on its Conv1D layers, wrapped unchanged."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.set_num_threads(1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cfg = GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+        )  # fmt: skip
+        model = GPT2LMHeadModel(cfg)
+        add_lora(model, 2, seed=0)
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.data.normal_(0, 0.02)
+    eng = ZeroEngine(model, ZeroConfig(stage=stage, micro_batches=4, chunk=128, units="auto"))
+    before = frozen_bits(eng)
+    for step in range(2):
+        bs = batches(step, 4)
+        for j in range(rank, 4, n):
+            eng.backward(eng(input_ids=bs[j][0], labels=bs[j][0]).loss)
+        eng.step()
+    master, _ = eng.gather_state()
+    return {
+        "master": {k: f32bits(v) for k, v in master.items()},
+        "same": all(np.array_equal(v, frozen_bits(eng)[k]) for k, v in before.items()),
+        "frozen": len(before),
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_hugging_face_gpt2_with_lora_every_stage_the_same_bits():
+    ref = get_pool(1).run(hf_lora_run, 0)[0]
+    assert ref["same"] and ref["frozen"] > 0
+    assert ref["master"] and all(".lora_" in k for k in ref["master"])
+    for stage in (0, 3):
+        for got in get_pool(2).run(hf_lora_run, stage):
+            assert got["same"], stage
+            for k, v in ref["master"].items():
+                assert np.array_equal(got["master"][k], v), (stage, k)
