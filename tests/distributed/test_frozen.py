@@ -506,3 +506,23 @@ def test_hugging_face_gpt2_with_lora_every_stage_the_same_bits():
             assert got["same"], stage
             for k, v in ref["master"].items():
                 assert np.array_equal(got["master"][k], v), (stage, k)
+
+
+# -- the measurement: a simulated rank of a large world, engine = analytic model -------------
+
+
+@pytest.mark.dist
+def test_lora_memory_at_stage_3_on_a_simulated_rank_equals_the_analytic_model():
+    """measure/frozen.py at N = 64 (one rank of a fake world, the GPT built on meta): the
+    engine's bytes equal zero.memory's model over the same padding exactly, frozen = 2Ψ_f/N
+    plus padding, and the trainable part is (2 + 2 + 12)Ψ_t/N."""
+    from measure.frozen import measure
+
+    (rec,) = measure([64], chunk=128)
+    assert rec["frozen_fraction"] > 0.98
+    exact = {k: int(v) for k, v in rec["analytic_with_padding"].items()}
+    assert rec["engine"] == exact
+    psi_t, n = rec["psi_trainable"], 64
+    assert (exact["params"], exact["grads"]) == (2 * psi_t // n, 2 * psi_t // n)
+    assert exact["master"] + exact["optimizer"] == 12 * psi_t // n
+    assert 2 * rec["psi_frozen"] / n <= exact["frozen"] <= 2 * rec["psi_frozen"] / n * 1.01
