@@ -63,12 +63,14 @@ def f32bits(t):
     return t.detach().float().cpu().clone().view(torch.int32).numpy()  # a copy: no shared storage
 
 
-def run_engine(rank, n, stage, steps=2, precision="fp32", clip_norm=0.5, save=None, load=None):
+def run_engine(
+    rank, n, stage, steps=2, precision="fp32", clip_norm=0.5, save=None, load=None, options=()
+):
     """`steps` steps of the LoRA GPT at M = 4 (from a checkpoint `load`, then saved to `save`);
     returns the full master, moments, frozen values, norms, memory and step 1's traffic."""
     torch.set_num_threads(1)
     model = lora_gpt()
-    cfg = config(stage, n, 4 // n, precision=precision, clip_norm=clip_norm)
+    cfg = config(stage, n, 4 // n, precision=precision, clip_norm=clip_norm, **dict(options))
     eng = ZeroEngine(model, cfg)
     frozen0 = frozen_bits(eng)
     start = 0
@@ -96,6 +98,7 @@ def run_engine(rank, n, stage, steps=2, precision="fp32", clip_norm=0.5, save=No
         "memory": {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"},
         "traffic": expect.traffic_of_step(eng.counter, eng.counter.step - 1),
         "units": [u.name for u in eng.units],
+        "peak_live": getattr(eng.impl, "peak_live", None),  # stage 3: gathered units at once
     }
 
 
@@ -163,6 +166,8 @@ def test_lora_trains_to_the_references_bits_and_frozen_values_never_change(runs)
                 for x, want in state.opt[name].items():
                     assert np.array_equal(got["opt"][name][x], bits(want)), (where, name, x)
             assert got["norms"] == norms, where
+            if stage == 3:  # a frozen buffer is freed after its unit's backward, not kept to
+                assert got["peak_live"] == 2, where  # the end: else 3 blocks' buffers at once
             assert sorted(got["frozen"]) == sorted(frozen), where
             for name, want in frozen.items():  # the start value rounded once, never updated
                 assert np.array_equal(got["frozen"][name], bits(want)), (where, name)
@@ -526,3 +531,28 @@ def test_lora_memory_at_stage_3_on_a_simulated_rank_equals_the_analytic_model():
     assert (exact["params"], exact["grads"]) == (2 * psi_t // n, 2 * psi_t // n)
     assert exact["master"] + exact["optimizer"] == 12 * psi_t // n
     assert 2 * rec["psi_frozen"] / n <= exact["frozen"] <= 2 * rec["psi_frozen"] / n * 1.01
+
+
+# -- ZeRO-R options with frozen parts ------------------------------------------------------
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "options",
+    [
+        (("activation_checkpointing", True),),
+        (("activation_checkpointing", True), ("offload_activations", True)),
+        (("offload_optimizer", True), ("contiguous_memory", True)),
+        (("bucket_elements", 512), ("overlap", False)),
+        (("persist_below", 10**6),),
+    ],
+    ids=["checkpointing", "offload_activations", "offload_contiguous", "buckets", "persistent"],
+)
+def test_zero_r_options_keep_the_references_bits(options):
+    spec, state, norms, frozen = reference_run()
+    for got in get_pool(2).run(run_engine, 3, 2, "fp32", 0.5, None, None, options):
+        assert got["norms"] == norms, options
+        for name in spec.names:
+            assert np.array_equal(got["master"][name], bits(state.master[name])), (options, name)
+        for name, want in frozen.items():
+            assert np.array_equal(got["frozen"][name], bits(want)), (options, name)
