@@ -116,6 +116,7 @@ class Rank:
         self.opt: list[dict[str, np.ndarray]] = []  # fp32, same extent as master
         self.grad: list[np.ndarray] = []  # reduction dtype: padded unit (0-1) or shard (2-3)
         self.peak_partials: list[int] = []  # extra streaming-tree buffers, per unit (shards)
+        self.frozen: list[np.ndarray] = []  # compute dtype, per frozen unit: whole, or shard (3)
 
     def resident_bytes(self, shard_nbytes: Sequence[int]) -> dict[str, int]:
         """Bytes this rank owns, by category, each buffer counted once: a view (the fp32
@@ -132,12 +133,15 @@ class Rank:
             return total
 
         extra = sum(p * b for p, b in zip(self.peak_partials, shard_nbytes, strict=True))
-        return {
+        out = {
             "params": owned(self.working),
             "grads": owned(self.grad) + extra,
             "master": owned(self.master),
             "optimizer": sum(owned(st.values()) for st in self.opt),
         }
+        if self.frozen:
+            out["frozen"] = owned(self.frozen)
+        return out
 
 
 class Stage0:
@@ -150,7 +154,12 @@ class Stage0:
 
     stage = 0
 
-    def __init__(self, master, spec: ModelSpec, cfg: StepConfig, *, mode: str = "deterministic"):
+    def __init__(
+        self, master, spec: ModelSpec, cfg: StepConfig, *, mode: str = "deterministic", frozen=()
+    ):
+        """frozen: [(unit name, UnitLayout, {name: value})] of the units' frozen parameters
+        (docs/design.md §2): held in the compute dtype, never reduced nor updated; stage 3
+        shards them and gathers them with their unit (forward; backward but for the root)."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: allowed are {MODES}")
         self.spec, self.cfg, self.mode = spec, cfg, mode
@@ -173,6 +182,16 @@ class Stage0:
                 rk.opt.append({x: np.zeros(rk.master[u].size, np.float32) for x in names})
                 rk.grad.append(np.zeros(self.grad_numel(u), self.red))
                 rk.peak_partials.append(0)
+        self.frozen = [(name, lay) for name, lay, _ in frozen]
+        self.frozen_shard = [lay.shard_numel(n) for _, lay in self.frozen]
+        self.frozen_padding = [
+            [int((~lay.real_mask(n)[r * L : (r + 1) * L]).sum()) for r in range(n)]
+            for (_, lay), L in zip(self.frozen, self.frozen_shard, strict=True)
+        ]
+        for f, (_, lay, values) in enumerate(frozen):
+            full = cast(lay.flatten(values, n, np.float32), cfg.precision)
+            for rk in self.ranks:
+                rk.frozen.append(self.hold_frozen(rk, f, full))
 
     # -- what the partition decides (the methods Stage1-3 override) ------------------------
 
@@ -197,6 +216,13 @@ class Stage0:
     def held_grad(self, rk: Rank, u: int) -> np.ndarray:
         """The part of R that rk optimises, a view into its gradient buffer."""
         return rk.grad[u][self.extent(rk, u)]
+
+    def hold_frozen(self, rk: Rank, f: int, full: np.ndarray) -> np.ndarray:
+        """Frozen unit f's buffer on rk: all of it."""
+        return full.copy()
+
+    def gather_frozen(self, f: int, phase: str) -> None:
+        """Frozen parameters are resident: nothing to gather."""
 
     def pre_forward(self, u: int) -> None:
         """Every unit's parameters are resident: nothing to gather."""
@@ -250,6 +276,10 @@ class Stage0:
         for k in range(m // n):
             for u in units:
                 self.pre_forward(u)
+            for f, (name, _) in enumerate(self.frozen):  # the frozen parts, with their units
+                self.gather_frozen(f, "param_fwd")
+                if name:  # the root stays gathered through backward
+                    self.gather_frozen(f, "param_bwd")
             for u in reversed(units):  # backward runs the units in reverse
                 self.pre_backward(u)
                 bufs = [
@@ -449,6 +479,15 @@ class Stage3(Stage2):
     def pre_backward(self, u: int) -> None:
         self._gather_params(u, "param_bwd")
 
+    def hold_frozen(self, rk: Rank, f: int, full: np.ndarray) -> np.ndarray:
+        L = self.frozen_shard[f]
+        return full[rk.rank * L : (rk.rank + 1) * L].copy()
+
+    def gather_frozen(self, f: int, phase: str) -> None:
+        shards = [rk.frozen[f] for rk in self.ranks]
+        tag = self._tag(len(self.spec.layouts) + f, phase)
+        all_gather(shards, self.frozen_padding[f], self.log, **tag)
+
     def refresh_working(self, u: int) -> None:
         Stage0.refresh_working(self, u)  # the shard is cast locally; gathered when next used
 
@@ -461,11 +500,11 @@ class Stage3(Stage2):
 STAGES = (Stage0, Stage1, Stage2, Stage3)
 
 
-def World(master, spec: ModelSpec, cfg: StepConfig, *, stage: int, mode: str) -> Stage0:  # noqa: N802
+def World(master, spec: ModelSpec, cfg: StepConfig, *, stage: int, mode: str, frozen=()) -> Stage0:  # noqa: N802
     """N simulated ranks running ZeRO `stage` in `mode`: STAGES[stage](...)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: allowed are 0, 1, 2, 3")
-    return STAGES[stage](master, spec, cfg, mode=mode)
+    return STAGES[stage](master, spec, cfg, mode=mode, frozen=frozen)
 
 
 def _accumulate(acc: list, parts) -> None:

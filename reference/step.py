@@ -18,9 +18,12 @@ The step, in order (docs/design.md §2):
   5. t = t + 1; each parameter is updated by its group's optimizer (reference/optim.py).
   6. The working copy is the fp32 master rounded to the compute dtype (nearest even).
 Here s(x) means x computed in float64 and rounded once to float32.
-Every parameter is trainable and in `grads` of every micro-batch: one that a micro-batch did not
-use has a zero gradient (as DDP reduces it), and still gets its update (weight decay, momentum).
-Frozen parameters (requires_grad=False) have no place here, so the engine refuses them by name.
+Every parameter of the spec is trainable and in `grads` of every micro-batch: one that a
+micro-batch did not use has a zero gradient (as DDP reduces it), and still gets its update.
+Frozen parameters (requires_grad=False) are not in the spec: no gradient, master, optimizer state
+or place in the norm's chunks, never updated; they are held in the compute dtype, cast once from
+their start value (nearest even), and reach the step only through the g_j computed with them.
+So the norm and every trainable bit are those of the model without them (docs/design.md §2).
 """
 
 from __future__ import annotations

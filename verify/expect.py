@@ -30,8 +30,12 @@ from zero.memory import model_state_breakdown
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def reference_units(model, config) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
-    """[(unit name, [(parameter name, shape)])], root ('') first, empty units left out."""
+def reference_units(
+    model, config, *, frozen: bool = False
+) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """[(unit name, [(parameter name, shape)])], root ('') first, empty units left out: the
+    trainable parameters, or with frozen=True those with requires_grad=False, which have their
+    own buffer per unit and no place in the reference's spec (docs/design.md §2)."""
     mods = dict(model.named_modules())
     holders: dict[int, set[str]] = {}
     for uname in config.units:
@@ -39,6 +43,8 @@ def reference_units(model, config) -> list[tuple[str, list[tuple[str, tuple[int,
             holders.setdefault(id(p), set()).add(uname)
     out: dict[str, list] = {u: [] for u in ("", *config.units)}
     for name, p in model.named_parameters():  # a tied parameter is yielded once
+        if p.requires_grad == frozen:
+            continue
         owner = holders.get(id(p), set())
         out[next(iter(owner)) if len(owner) == 1 else ""].append((name, tuple(p.shape)))
     return [(u, ps) for u, ps in out.items() if ps]
@@ -47,13 +53,21 @@ def reference_units(model, config) -> list[tuple[str, list[tuple[str, tuple[int,
 def reference_groups(model, config) -> dict[str, int]:
     """Parameter name -> optimizer group, by config.group_of on the model's own parameters."""
     fn = config.group_of
-    return {n: (fn(n, p) if fn else 0) for n, p in model.named_parameters()}
+    return {n: (fn(n, p) if fn else 0) for n, p in model.named_parameters() if p.requires_grad}
 
 
 def reference_spec(model, config) -> ModelSpec:
     """The reference's ModelSpec from the model and the config alone."""
     units = [ps for _, ps in reference_units(model, config)]
     return ModelSpec.build(units, reference_groups(model, config), chunk=config.chunk)
+
+
+def frozen_layouts(model, config) -> list[tuple[str, object]]:
+    """[(unit name, UnitLayout)] of each unit's frozen parameters, root first (zero/frozen.py:
+    the trainable parameters' layout rules, a buffer of their own)."""
+    units = reference_units(model, config, frozen=True)
+    spec = ModelSpec.build([ps for _, ps in units], chunk=config.chunk)
+    return [(name, lay) for (name, _), lay in zip(units, spec.layouts, strict=True)]
 
 
 def reference_step_config(config, n: int) -> StepConfig:
@@ -96,7 +110,7 @@ def real_per_shard(lay, n: int) -> list[int]:
 
 
 def expected_traffic(
-    config, spec, n: int, rank: int, *, forward: bool, skipped: bool = False
+    config, spec, n: int, rank: int, *, forward: bool, skipped: bool = False, frozen=(), names=None
 ) -> dict[str, tuple]:
     """Model-state collectives of one step on `rank`: {"op:phase": (calls, elements, padding)}.
 
@@ -113,6 +127,12 @@ def expected_traffic(
     Each reduce-scatter is cut into ceil(L / (C_B // N)) pieces with bucket_elements C_B; the
     pieces send what the whole would. Every call sends (N-1)·(its shard part) elements. A
     skipped step (overflow) updates nothing, so it gathers no updated parameters.
+    frozen: frozen_layouts(...); at stage 3 (not persistent) each is gathered as a trainable
+    unit is (k param_fwd, and k param_bwd but for the root), and never reduced: stage 3's
+    volume grows by 2Ψ_f·M/N (× (N-1)/N), stages 0-2 by nothing. A unit whose outputs need no
+    gradient is not gathered in backward; this assumes every non-root unit's outputs do.
+    names: the trainable units' names (None: unit 0 is the root, as in a model with a
+    trainable root).
     """
     k, det = config.micro_batches // n, config.deterministic
     out: dict[str, list[int]] = {}
@@ -145,8 +165,16 @@ def expected_traffic(
             add(rs[0], *(k * x for x in rs[1:]))
             if forward:
                 add("all_gather:param_fwd", k, k * ag[0], k * ag[1])
-                if i:  # the root (unit 0) stays gathered through backward
+                if i if names is None else names[i]:  # the root stays gathered in backward
                     add("all_gather:param_bwd", k, k * ag[0], k * ag[1])
+    for name, lay in frozen:
+        if config.stage != 3 or persistent(config, lay) or not forward:
+            continue
+        L, real = lay.shard_numel(n), real_per_shard(lay, n)
+        ag = (k * (n - 1) * L, k * (n - 1) * (L - real[rank]))
+        add("all_gather:param_fwd", k, *ag)
+        if name:
+            add("all_gather:param_bwd", k, *ag)
     return {key: tuple(v) for key, v in out.items()}
 
 
@@ -155,7 +183,7 @@ def optimizer_states(config) -> int:
     return max(len(state_names(config.optimizer, hp)) for hp in config.groups)
 
 
-def expected_memory(config, spec, n: int) -> dict[str, int]:
+def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
     """engine.memory_report()'s model-state categories (comm_buffers, which depend on what is
     in flight, are not modelled): per unit, zero.memory.model_state_breakdown at the unit's
     stage (stage 0 for stage 3's persistent units) over its padded numel; pure fp32 has no
@@ -163,7 +191,8 @@ def expected_memory(config, spec, n: int) -> dict[str, int]:
     for the gradient extent the update reads (stages 0-1: the master's extent, beside the
     device buffer; stages 2-3: the reduced shard itself moves to the host, and fast mode keeps
     its running sum on the device too) and, in mixed precision, an upload staging buffer of the
-    master's extent in the compute dtype."""
+    master's extent in the compute dtype. frozen (frozen_layouts(...)) adds the category
+    "frozen": each padded buffer in the compute dtype, /N at stage 3 (not persistent)."""
     cb = DTYPE_BYTES[config.precision]
     gb = DTYPE_BYTES[config.reduce_dtype or "fp32"]
     fp32 = config.precision == "fp32"
@@ -197,6 +226,20 @@ def expected_memory(config, spec, n: int) -> dict[str, int]:
             staging += 0 if fp32 else extent * cb
     if offload and not fp32:
         total["staging"] = staging
+    if frozen:
+        total["frozen"] = sum(
+            int(
+                model_state_breakdown(
+                    num_params=0,
+                    world_size=n,
+                    stage=0 if persistent(config, lay) else config.stage,
+                    param_bytes=cb,
+                    frozen_params=lay.numel,
+                    frozen_padding=lay.padded_numel(n) - lay.numel,
+                ).frozen
+            )
+            for _, lay in frozen
+        )
     return total
 
 

@@ -60,6 +60,7 @@ from .expect import (
     expected_memory,
     expected_traffic,
     first_difference,
+    frozen_layouts,
     reference_spec,
     reference_step_config,
     traffic_of_step,
@@ -583,6 +584,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     cfg, ref_cfg = cell.zero_config(model.unit_names()), reference_config(cell, model)
     spec = reference_spec(model, ref_cfg)  # before the engine wraps the model
+    frozen = frozen_layouts(model, ref_cfg)
     rcfg = reference_step_config(ref_cfg, cell.world_size)
     ref = init_state(init, spec, rcfg)
     with warnings.catch_warnings():  # 'huge' cells are one root unit on purpose
@@ -655,7 +657,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
             fail(why)
         traffic = traffic_of_step(eng.counter, eng.counter.step - 1)
         traffic_want = expected_traffic(
-            ref_cfg, spec, n, rank, forward=not cell.injected, skipped=info.skipped
+            ref_cfg, spec, n, rank, forward=not cell.injected, skipped=info.skipped, frozen=frozen
         )
         why = first_difference(f"step {step}: traffic", traffic, traffic_want)
         if why and not verdict["traffic"]:
@@ -678,7 +680,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
         if first and not verdict["first"]:
             verdict["first"] = f"step {step}: {first}"
     memory = {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"}
-    memory_want = expected_memory(ref_cfg, spec, n)
+    memory_want = expected_memory(ref_cfg, spec, n, frozen)
     verdict["memory_bytes"] = {"engine": memory, "expected": memory_want}
     why = first_difference("resident bytes", memory, memory_want)
     if why:

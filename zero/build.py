@@ -84,16 +84,12 @@ def check_units(module: nn.Module, units) -> None:
 
 
 def check_params(module: nn.Module, config: ZeroConfig) -> None:
-    """Every parameter is trained, from an fp32 master (docs/design.md §2): frozen parameters
-    and dtypes other than float32 and the compute dtype are refused by name."""
+    """Every trainable parameter is trained from an fp32 master, every frozen one is held in the
+    compute dtype (docs/design.md §2): dtypes other than float32 and the compute dtype are
+    refused by name, and so is a model with no trainable parameter (torch.optim refuses an
+    empty parameter list too)."""
     allowed = dict.fromkeys((torch.float32, config.compute_dtype))
     for name, p in module.named_parameters():
-        if not p.requires_grad:
-            raise ValueError(
-                f"parameter {name!r} has requires_grad=False: frozen parameters are not "
-                "supported yet (ZeroEngine trains every parameter); make it trainable, or keep "
-                "the frozen part outside the module the engine wraps"
-            )
         if p.dtype not in allowed:
             raise ValueError(
                 f"parameter {name!r} has dtype {p.dtype}: ZeroEngine keeps an fp32 master and "
@@ -101,6 +97,20 @@ def check_params(module: nn.Module, config: ZeroConfig) -> None:
                 f"{' and '.join(str(d) for d in allowed)} (e.g. model.float()); {p.dtype} would "
                 "be trained in another dtype"
             )
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            "the model has no parameter with requires_grad=True: there is nothing to train "
+            "(unfreeze at least one parameter)"
+        )
+
+
+def split_frozen(named):
+    """collect_units' list cut in two, each in the same form and unit order, empty units left
+    out: the trainable parameters (requires_grad=True) and the frozen ones (docs/design.md §2,
+    "Which parameters train"). A unit may appear in both."""
+    keep = [(u, [(n, p) for n, p in ps if p.requires_grad]) for u, ps in named]
+    frozen = [(u, [(n, p) for n, p in ps if not p.requires_grad]) for u, ps in named]
+    return [x for x in keep if x[1]], [x for x in frozen if x[1]]
 
 
 def collect_units(module: nn.Module, config: ZeroConfig):
@@ -184,13 +194,14 @@ def group_index(config: ZeroConfig, named) -> dict[str, int]:
 def check_ranks_agree(config: ZeroConfig, named, groups: dict[str, int], *, engine_like) -> None:
     """Different models, unit orders, configs or initial values on different ranks would
     hang or silently diverge: compare digests and name the first rank and unit that differ.
+    `named` holds every parameter, trainable and frozen (group -1: not in `groups`).
     engine_like: group, world_size, counter and device (control tensors live there)."""
     group, world_size = engine_like.group, engine_like.world_size
     counter, device = engine_like.counter, engine_like.device
     cfg = {f.name: repr(getattr(config, f.name)) for f in fields(config) if f.name != "group_of"}
     rows = [("config", json.dumps(cfg, sort_keys=True))]
     for uname, ps in named:
-        shape = [(pn, tuple(p.shape), str(p.dtype), groups[pn]) for pn, p in ps]
+        shape = [(pn, tuple(p.shape), str(p.dtype), groups.get(pn, -1)) for pn, p in ps]
         rows.append((f"unit {uname or '<root>'} structure", repr(shape)))
         if not any(p.is_meta for _, p in ps):  # meta values come from (seed, name) alone
             vals = b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in ps)

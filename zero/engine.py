@@ -37,6 +37,7 @@ from . import build, fullstate, introspect
 from . import collectives as C
 from .config import ZeroConfig
 from .forward import backward_scaled, cast_inputs, forward_rng
+from .frozen import build_frozen_units
 from .materialize import StartValues
 from .optim import step_runs
 from .stages import STAGE_CLASSES, StageContext, stage_class
@@ -87,18 +88,20 @@ class ZeroEngine(nn.Module):
         build.check_config(config, n)
         self.counter = C.CommCounter(step=-1)  # construction's checks are "step -1"
         self.step_config = config.step_config(n)
-        # control tensors live here too: NCCL takes only CUDA tensors
-        first = next(module.parameters()).device
+        first = next(module.parameters()).device  # control tensors too (NCCL: CUDA only)
         meta = first.type == "meta"
         self.device = device = torch.device(device) if device is not None else first
         if meta and device.type == "meta":
             raise ValueError("device='meta': a meta-device model needs a real device to build on")
-        starts = StartValues(module, config.units, seed=init_seed, init=init, device=device)
-        named = build.collect_units(module, config)
+        every = build.collect_units(module, config)
+        named, frozen = build.split_frozen(every)  # frozen: zero/frozen.py
+        # a unit's trainable and frozen halves take their start values from one pass over it
+        values_of = StartValues(module, config.units, seed=init_seed, init=init, device=device)
+        values_of = values_of.per_unit(every)
         self.group_index = build.group_index(config, named)
         self.fake = dist.get_backend(self.group) == "fake"  # a simulated rank: no real peers
         if not self.fake:
-            build.check_ranks_agree(config, named, self.group_index, engine_like=self)
+            build.check_ranks_agree(config, every, self.group_index, engine_like=self)
         parts = build.partitions(config, named, self.group_index, world_size=n, rank=self.rank)
         # ZeRO-R as policies the stages are given: placement (offload, arenas) and C_B pieces
         kinds = [stage_class(config.stage, p.layout.numel, config.persist_below) for p in parts]
@@ -125,8 +128,7 @@ class ZeroEngine(nn.Module):
         self.units: list[FlatUnit] = []
         self._stage_of: list[Stage0] = []
         for i, ((uname, params), part) in enumerate(zip(named, parts, strict=True)):
-            values = starts.unit(uname, params)
-            u = FlatUnit(i, uname, params, part, config.compute_dtype, device, values)
+            u = FlatUnit(i, uname, params, part, config.compute_dtype, device, values_of(uname))
             if u.replaced:
                 build.rebind(module, u.replaced)
             real = [part.real_elements(r) for r in range(n)]
@@ -143,23 +145,23 @@ class ZeroEngine(nn.Module):
                 u, grad_on_host=stage.grad_on_host(part), extent=stage.extent(part)
             )
             u.initial = None  # the fp32 start values are now in the master
+        self.frozen_units = build_frozen_units(self, frozen, values_of)  # after the trainable
         for arena in (self.grad_arena, self.host_grad_arena):  # each handed out exactly
             assert arena is None or arena.cursor == arena.nbytes, (arena.cursor, arena.nbytes)
         self.runs = [self.stage_of(u).runs(u) for u in self.units]
-        self.init_report = starts.report  # {unit: {parameter: the rule that gave its value}}
+        self.init_report = values_of.report  # {unit: {parameter: the rule that gave it}}
         # [Note: buffers] materialised, in the compute dtype, broadcast before each forward
         self.buffers = build.prepare_buffers(module, device, config.compute_dtype)
         self.counter.step = 0
         self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
-        self.t, self.data_step = 0, 0
-        self._losses: list[float] = []
+        self.t, self.data_step, self._losses = 0, 0, []  # _losses: this step's, as floats
         for u in self.units:
             for _, p in u.params:
                 p.register_post_accumulate_grad_hook(self._hook(u))
-        mods = dict(self.module.named_modules())
-        self.called = CalledCheck([u.name for u in self.units], mods)
+        mods, every_unit = dict(self.module.named_modules()), [*self.units, *self.frozen_units]
+        self.called = CalledCheck(list(dict.fromkeys(u.name for u in every_unit)), mods)
         for stage in self.stages.values():
-            stage.register_hooks({u.name: mods[u.name] for u in self.units} | {"": self.module})
+            stage.register_hooks({u.name: mods[u.name] for u in every_unit} | {"": self.module})
         self.activation_arena: CheckpointArena | None = None
         if config.activation_checkpointing:  # ZeRO-R (zero/zero_r/activations.py)
             self.activation_arena = checkpoint_units(
@@ -234,7 +236,7 @@ class ZeroEngine(nn.Module):
             if not u.fired:
                 self.stage_of(u).post_backward(u)
         self.ctx.reductions.drain()
-        for u in self.units:
+        for u in (*self.units, *self.frozen_units):  # frozen: stage 3 frees what is gathered
             self.stage_of(u).end_microstep(u)
             u.ready, u.fired = 0, False
         for stage in self.stages.values():

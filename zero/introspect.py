@@ -34,6 +34,7 @@ class Introspect(Protocol):
     device: torch.device  # where control tensors and the working copy live
     fake: bool  # a simulated rank (fake process group): values are void
     units: list[FlatUnit]  # in construction order, root first
+    frozen_units: list[FlatUnit]  # each unit's frozen parameters (zero/frozen.py), after them
     group_index: dict[str, int]  # parameter name -> optimizer parameter group
     counter: CommCounter  # every collective and host<->device copy, by step
     microstep: int  # micro-steps run of the current step (0 between steps)
@@ -49,7 +50,8 @@ class Introspect(Protocol):
 
 def resident(engine) -> dict[str, list[torch.Tensor]]:
     """The resident tensors by category. With offload_optimizer: host gradient buffers
-    under grads, and the compute-dtype upload staging as its own category."""
+    under grads, and the compute-dtype upload staging as its own category. Frozen parameters
+    (zero/frozen.py) are their own category, "frozen", when the model has any."""
     units = engine.units
     grads = [u.grad for u in units]
     out = {
@@ -58,6 +60,9 @@ def resident(engine) -> dict[str, list[torch.Tensor]]:
         "master": [u.master for u in units],
         "optimizer": [t for u in units for t in u.opt.values()],
     }
+    frozen = getattr(engine, "frozen_units", [])
+    if frozen:
+        out["frozen"] = [engine.working_extent(u)[0] for u in frozen]
     if engine.placement.offload is not None:
         grads += [t for u in units for t in (u.host_grad, u.host_stage) if t is not None]
         staging = [u.staging for u in units if u.staging is not None]
@@ -90,7 +95,7 @@ def memory_split(engine) -> dict[str, dict[str, int]]:
     host = {k: owned(v, True) for k, v in tensors.items()}
     device["grads"] += extra
     device["comm_buffers"], host["comm_buffers"] = engine.accounting.transient_peak, 0
-    order = ["params", "grads", "master", "optimizer", "comm_buffers", "staging"]
+    order = ["params", "frozen", "grads", "master", "optimizer", "comm_buffers", "staging"]
     return {
         "device": {k: device[k] for k in order if k in device},
         "host": {k: host[k] for k in order if k in host},

@@ -107,6 +107,11 @@ class StartValues:
         )
         return lambda name, shape: values.pop(name)  # held by FlatUnit alone from then on
 
+    def per_unit(self, every) -> PerUnit:
+        """values_of(unit) over `every` ([(unit, params)], frozen parameters included): one
+        pass per unit, however its parameters are split (trainable and frozen FlatUnits)."""
+        return PerUnit(self, dict(every))
+
     def _counter(self, name: str, p) -> torch.Tensor:
         rule = param_init(self.module, name)
         return init_value(self.seed, name, tuple(p.shape), rule.kind, std=rule.std)
@@ -173,3 +178,29 @@ class StartValues:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """t's bits as bytes (NaN compares unequal to itself; its bits do not)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+class PerUnit:
+    """values_of(unit): StartValues.unit over all of the unit's parameters, run once.
+
+    [Note: one pass per unit] reset_parameters() draws from the unit's seeded RNG for every
+    parameter it initialises, but draws nothing for one left on the meta device. A unit whose
+    frozen parameters were materialised in a second pass would therefore give its trainable
+    ones other values than the same unit built whole; one pass over all of them keeps the bits
+    of a real-device construction. The frozen half's values wait (FlatUnit pops its own names)
+    until its FlatUnit is built, after the trainable units."""
+
+    def __init__(self, starts: StartValues, params_of: dict):
+        self.starts, self.params_of, self.made = starts, params_of, {}
+        self.report = starts.report
+        # calls each unit will get: two when it has both trainable and frozen parameters
+        self.left = {
+            u: 1 + (any(p.requires_grad for _, p in ps) and not all(p.requires_grad for _, p in ps))
+            for u, ps in params_of.items()
+        }
+
+    def __call__(self, unit: str):
+        if unit not in self.made:
+            self.made[unit] = self.starts.unit(unit, self.params_of[unit])
+        self.left[unit] -= 1
+        return self.made.pop(unit) if self.left[unit] == 0 else self.made[unit]

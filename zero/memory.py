@@ -171,29 +171,31 @@ class MemoryBreakdown:
     """fp32 master copy of the parameters (0 in pure fp32 training)."""
     optimizer: float
     """Optimizer states (Adam's m and v, SGD's momentum)."""
+    frozen: float = 0.0
+    """Frozen parameters (requires_grad=False), held in the compute dtype only."""
     _exact: tuple[Fraction, ...] | None = field(default=None, init=False, repr=False, compare=False)
     # The unrounded categories when model_state_breakdown built this, so that total is rounded
     # once ([Note: exact arithmetic]); None when a caller built it from its own numbers.
 
     @property
     def total(self) -> float:
-        """params + grads + master + optimizer, summed exactly and rounded once."""
+        """params + grads + master + optimizer + frozen, summed exactly and rounded once."""
         parts = self._exact
         if parts is None:
             parts = tuple(
-                Fraction(x) for x in (self.params, self.grads, self.master, self.optimizer)
+                Fraction(x)
+                for x in (self.params, self.grads, self.master, self.optimizer, self.frozen)
             )
         return float(sum(parts))
 
     def to_dict(self) -> dict[str, float]:
-        """The categories and the total, as plain floats for JSON records."""
-        return {
-            "params": self.params,
-            "grads": self.grads,
-            "master": self.master,
-            "optimizer": self.optimizer,
-            "total": self.total,
-        }
+        """The categories and the total, as plain floats for JSON records ("frozen" only when
+        there are frozen parameters, as engine.memory_report() has it)."""
+        out = {"params": self.params, "grads": self.grads, "master": self.master}
+        out["optimizer"] = self.optimizer
+        if self.frozen:
+            out["frozen"] = self.frozen
+        return {**out, "total": self.total}
 
 
 def model_state_breakdown(
@@ -209,6 +211,8 @@ def model_state_breakdown(
     accumulation: int = 1,
     deterministic: bool = True,
     padding: int = 0,
+    frozen_params: float = 0,
+    frozen_padding: int = 0,
 ) -> MemoryBreakdown:
     """Resident model-state bytes per rank by category, the general form of docs/design.md §3.
 
@@ -236,6 +240,12 @@ def model_state_breakdown(
     :func:`model_state_bytes` exactly. Pure fp32 Adam (param 4, grad 4, master 0) is 16Ψ at
     stage 0.
 
+    - frozen (parameters with requires_grad=False, docs/design.md §2): their own buffers in the
+      compute dtype, nothing else (no gradient, master or state): (frozen_params +
+      frozen_padding)·param_bytes at stages 0-2, /N at stage 3. num_params counts the trainable
+      parameters alone. A LoRA fine-tune at stage 3 with Ψ_f frozen and Ψ_t trainable elements
+      holds 2Ψ_f/N + (2 + 2 + 12)Ψ_t/N in the paper's configuration.
+
     ``accumulation`` is M/N, micro-batches per step divided by N, an integer >= 1. ``padding`` is
     the number of padding elements of the flat buffers (alignment and equal shards, docs/design.md
     §3).
@@ -260,10 +270,18 @@ def model_state_breakdown(
         grads += (accumulation.bit_length() - 1) * numel * grad_bytes / n
     master = numel * master_bytes / (n if stage >= 1 else 1)
     optimizer = numel * states * state_bytes / (n if stage >= 1 else 1)
+    frozen = _real("frozen_params", frozen_params) + _integer(
+        "frozen_padding", frozen_padding, minimum=0
+    )
+    frozen = frozen * param_bytes / (n if stage == 3 else 1)
 
-    exact = (params, grads, master, optimizer)
+    exact = (params, grads, master, optimizer, frozen)
     out = MemoryBreakdown(
-        params=float(params), grads=float(grads), master=float(master), optimizer=float(optimizer)
+        params=float(params),
+        grads=float(grads),
+        master=float(master),
+        optimizer=float(optimizer),
+        frozen=float(frozen),
     )
     object.__setattr__(out, "_exact", exact)  # frozen: set once, here, before anyone sees it
     return out

@@ -123,13 +123,51 @@ def test_a_unit_whose_forward_is_never_called_is_named(stage):
 # -- 3. frozen parameters -----------------------------------------------------------------------
 
 
+def frozen_step(rank, n, stage, freeze):
+    """One step of Net with `freeze` frozen: (loss, frozen value before, after, a trained
+    parameter before, after); tests/distributed/test_frozen.py checks the bits in depth."""
+    del rank
+    m = Net()
+    for name in freeze:
+        m.get_parameter(name).requires_grad_(False)
+    cfg = ZeroConfig(stage=stage, micro_batches=n, chunk=128, units=("blocks.0", "blocks.1"))
+    return outcome(_frozen_step, m, cfg, freeze)
+
+
+def _frozen_step(m, cfg, freeze):
+    eng = ZeroEngine(m, cfg)
+    with eng.gathered_params():
+        before = {k: p.detach().clone() for k, p in m.named_parameters()}
+    eng.backward(eng(torch.ones(4, 8), torch.zeros(4, 2)))
+    loss = eng.step().loss
+    with eng.gathered_params():
+        after = {k: p.detach().clone() for k, p in m.named_parameters()}
+    return loss, before, after, {k: p.requires_grad for k, p in m.named_parameters()}
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("stage", [0, 3])
-def test_frozen_parameters_are_refused_by_name(stage):
-    got = run_build(stage, ("blocks.0",), freeze="blocks.1.fc1.bias")
+def test_frozen_parameters_are_held_not_trained(stage):
+    """Formerly refused by name; now supported (docs/models.md "Parameters"): a frozen
+    parameter, and a unit whose parameters are all frozen, keep their values bit for bit while
+    the rest trains."""
+    freeze = ("blocks.1.fc1.bias", "blocks.0.fc1.weight", "blocks.0.fc1.bias")
+    freeze += ("blocks.0.fc2.weight", "blocks.0.fc2.bias")  # blocks.0 all frozen
+    got = get_pool(2).run(frozen_step, stage, freeze)[0]
+    assert got[0] != "error", got
+    _, before, after, trains = got
+    for k in before:
+        same = torch.equal(before[k].view(torch.int32), after[k].view(torch.int32))
+        assert same == (k in freeze), k
+        assert trains[k] == (k not in freeze), k
+
+
+@pytest.mark.dist
+def test_a_model_with_nothing_to_train_is_refused():
+    names = tuple(n for n, _ in Net().named_parameters())
+    got = get_pool(2).run(frozen_step, 0, names)[0]
     assert got[:2] == ("error", "ValueError"), got
-    assert "'blocks.1.fc1.bias'" in got[2] and "requires_grad=False" in got[2], got
-    assert "not supported" in got[2], got
+    assert "requires_grad=True" in got[2] and "nothing to train" in got[2], got
 
 
 # -- 4. buffers ---------------------------------------------------------------------------------

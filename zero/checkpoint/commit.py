@@ -76,6 +76,11 @@ def _write_rank_files(engine, step_dir: Path) -> dict:
         tensors += [(x, _own(engine, u, t)) for x, t in sorted(u.opt.items())]
         name = f"u{u.index:04d}-r{engine.rank:04d}.bin"
         files[name] = _tensor_file(step_dir / name, tensors)
+    for j, u in enumerate(engine.frozen_units):  # values as held: the compute dtype
+        resident, held = engine.working_extent(u)
+        own = resident[u.part.own.start - held.start : u.part.own.stop - held.start]
+        name = f"f{j:04d}-r{engine.rank:04d}.bin"
+        files[name] = _tensor_file(step_dir / name, [("frozen", own)])
     extra = _rng_tensors(engine)
     if engine.rank == 0:
         extra += [(f"buffer:{k}", b) for k, b in _buffers(engine.module)]
@@ -108,6 +113,9 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
     for u in engine.units:
         for s in u.part.layout.slots:
             where[s.name] = (u.index, s.offset)
+    for j, u in enumerate(engine.frozen_units):
+        for s in u.part.layout.slots:
+            where[s.name] = (j, s.offset)
     first = {id(p): k for k, p in engine.module.named_parameters()}  # tied: the first name
     aliases: dict[str, list[str]] = {}
     canonical: dict[str, str] = {}
@@ -117,17 +125,18 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
     params = []
     for pname, p in engine.module.named_parameters():  # module order: torch.optim's order
         unit, offset = where[pname]
-        params.append(
-            {
-                "name": pname,
-                "shape": list(p.shape),
-                "dtype": str(p.dtype).removeprefix("torch."),  # the working (compute) dtype
-                "group": engine.group_index[pname],
-                "unit": unit,
-                "offset": offset,
-                "aliases": aliases[pname],
-            }
-        )
+        entry = {
+            "name": pname,
+            "shape": list(p.shape),
+            "dtype": str(p.dtype).removeprefix("torch."),  # the working (compute) dtype
+            "group": engine.group_index.get(pname),  # None: frozen
+            "unit": unit,  # an index into "units", or into "frozen_units" when frozen
+            "offset": offset,
+            "aliases": aliases[pname],
+        }
+        if pname not in engine.group_index:
+            entry["frozen"] = True
+        params.append(entry)
     units = [
         {
             "name": u.name,
@@ -141,6 +150,18 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
         }
         for u in engine.units
     ]
+    frozen_units = [
+        {
+            "name": u.name,
+            "params": [s.name for s in u.part.layout.slots],
+            "layout_numel": u.part.layout.layout_numel,
+            "shard_numel": u.part.shard_numel,
+            "padded_numel": u.part.padded_numel,
+            "dtype": str(u.working.dtype).removeprefix("torch."),
+            "files": [f"f{j:04d}-r{r:04d}.bin" for r in range(n)],
+        }
+        for j, u in enumerate(engine.frozen_units)
+    ]
     sd_keys = []  # state_dict() order: (key, parameter or buffer name)
     for prefix, mod in engine.module.named_modules(remove_duplicate=False):
         for key, p in mod._parameters.items():
@@ -153,7 +174,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
                 sd_keys.append([full, f"buffer:{full}"])
     body = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if frozen_units else 1,
         "name": name,
         "sequence": sequence,
         "world_size": n,
@@ -164,6 +185,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
         "config": _config_record(engine.config),
         "params": params,
         "units": units,
+        **({"frozen_units": frozen_units} if frozen_units else {}),
         "state_dict_keys": list(dict(sd_keys).items()),  # a shared module once
         "files": files,
         "rng": {"files": [f"r{r:04d}.bin" for r in range(n)], "restored_at_same_world_size": True},

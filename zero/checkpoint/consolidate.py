@@ -44,6 +44,10 @@ def consolidate(directory) -> dict:
     `torch.optim.AdamW(model.parameters())` matches; for several, build each group's list in
     module order. Every value is the fp32 master bit for bit; Adam's "step" is t as a float32
     tensor (torch's own convention), SGD keeps "momentum_buffer" only when momentum != 0.
+    Frozen parameters (requires_grad=False) are in "model" as the engine held them, in the
+    compute dtype, upcast to fp32 (exact; with bf16 training that is the start value rounded to
+    bf16), and nowhere in "optimizer" or "param_names": torch.optim over the trainable
+    parameters (`[p for p in model.parameters() if p.requires_grad]`) is what matches.
     """
     step_dir = resolve(directory)
     m = read_manifest(step_dir)
@@ -56,6 +60,9 @@ def consolidate(directory) -> dict:
         numel = 1
         for d in p["shape"]:
             numel *= d
+        if p.get("frozen"):  # held in the compute dtype: the fp32 upcast is exact
+            end = p["offset"] + numel
+            return reader.range(p["unit"], "frozen", p["offset"], end, frozen=True).view(p["shape"])
         if key not in units[p["unit"]]["states"]:
             return torch.zeros(p["shape"])
         return reader.range(p["unit"], key, p["offset"], p["offset"] + numel).view(p["shape"])
@@ -67,7 +74,8 @@ def consolidate(directory) -> dict:
             model[key] = reader.tensor("r0000.bin", src).clone()
         else:
             model[key] = masters[src]
-    names = [[p["name"] for p in m["params"] if p["group"] == g] for g in range(len(hypers))]
+    trained = [p for p in m["params"] if not p.get("frozen")]
+    names = [[p["name"] for p in trained if p["group"] == g] for g in range(len(hypers))]
     by_name = {p["name"]: p for p in m["params"]}
     state, indices, i = {}, [], 0
     for g, group_names in enumerate(names):

@@ -8,9 +8,15 @@ buffer has N·L elements. On disk, ROOT holds step directories and one pointer:
                                       elements [L1, 2·L1) of the fp32 master, then of each
                                       optimizer state, raw little-endian
     ROOT/step-00000012/r0001.bin      rank 1's RNG state (rank 0's file also holds the buffers)
+    ROOT/step-00000012/f0000-r0001.bin  rank 1's shard of frozen buffer 0 (zero/frozen.py) at N1:
+                                      [L1, 2·L1) of the padded buffer, in the compute dtype
 Every rank writes the same thing at every stage: its slice r of each unit, taken from the whole
 master where the stage keeps it whole (stage 0, persistent stage-3 units). The working copy is
 not saved: it is the master rounded to the compute dtype, which is how the engine makes it.
+Frozen parameters have no master: their values are saved as held (the compute dtype), each
+rank its slice r; the manifest lists them under "frozen_units" and marks them in "params"
+("frozen": true, no group). Such a checkpoint has format_version 2 (code that reads only 1
+refuses it); one without frozen parameters is still written as version 1.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 FORMAT = "zero-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"step-\d{8,}(-\d+)?")
@@ -231,9 +237,10 @@ class _Reader:
             return torch.empty(shape, dtype=dt)
         return torch.frombuffer(data, dtype=dt, count=numel, offset=offset).view(shape)
 
-    def range(self, unit: int, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of a saved unit's padded fp32 buffer of state `key`."""
-        spec = self.m["units"][unit]
+    def range(self, unit: int, key: str, start: int, stop: int, frozen=False) -> torch.Tensor:
+        """Elements [start, stop) of a saved unit's padded buffer of state `key`, in fp32 (a
+        frozen buffer, frozen=True, is stored in the compute dtype: the upcast is exact)."""
+        spec = self.m["frozen_units" if frozen else "units"][unit]
         L = spec["shard_numel"]
         out = torch.zeros(stop - start)
         pos = start
@@ -241,10 +248,12 @@ class _Reader:
             k, end = pos // L, min(stop, (pos // L + 1) * L)
             name = spec["files"][k]  # slots lie inside the layout, so k < N1 always
             buf = self.file(name)
-            offset = self.m["files"][name]["entries"][key][0]
+            offset, _, dtype, _ = self.m["files"][name]["entries"][key]
+            dt = getattr(torch, dtype)
+            at = offset + dt.itemsize * (pos - k * L)
             out[pos - start : end - start] = torch.frombuffer(
-                buf, dtype=torch.float32, count=end - pos, offset=offset + 4 * (pos - k * L)
-            )
+                buf, dtype=dt, count=end - pos, offset=at
+            ).float()
             pos = end
         return out
 

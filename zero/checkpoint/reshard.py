@@ -52,7 +52,15 @@ def _check_model(engine, m: dict) -> None:
             f"optimizer={engine.config.optimizer!r}: the checkpoint holds the states of "
             f"optimizer={kind!r}"
         )
-    for name in mine:
+    for name, p in mine.items():
+        if saved[name].get("frozen", False) != (not p.requires_grad):
+            was = "frozen" if saved[name].get("frozen", False) else "trainable"
+            raise ValueError(
+                f"parameter {name!r}: requires_grad={p.requires_grad} here, {was} in the "
+                "checkpoint (frozen parameters have no master or optimizer state to restore)"
+            )
+        if not p.requires_grad:
+            continue
         g_saved, g_mine = saved[name]["group"], engine.group_index[name]
         if g_saved != g_mine:
             raise ValueError(
@@ -69,10 +77,10 @@ def _extent(u, reader: _Reader, where: dict, key: str, ext: slice, device) -> to
         if lo >= hi:
             continue
         unit, offset = where[s.name]
-        if key not in reader.m["units"][unit]["states"]:
+        if key != "frozen" and key not in reader.m["units"][unit]["states"]:
             continue  # a state this optimizer did not keep then: zeros, as a fresh one starts
         out[lo - ext.start : hi - ext.start] = reader.range(
-            unit, key, offset + lo - s.offset, offset + hi - s.offset
+            unit, key, offset + lo - s.offset, offset + hi - s.offset, frozen=key == "frozen"
         )
     return out.to(device)
 
@@ -95,6 +103,10 @@ def _load_here(engine: Introspect, directory) -> CheckpointInfo:
                 u.master.copy_(master[ext.start - held.start : ext.stop - held.start])
             for x, state in u.opt.items():
                 state.copy_(_extent(u, reader, where, x, ext, state.device))
+            reader.drop()
+        for u in engine.frozen_units:  # the held values, whole or this rank's shard
+            resident, held = engine.working_extent(u)
+            resident.copy_(_extent(u, reader, where, "frozen", held, resident.device))
             reader.drop()
         name = f"r{engine.rank:04d}.bin"
         if m["world_size"] == engine.world_size:  # the same rank's RNG; else left as it is

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..unit import FlatUnit
 from .base import StageContext, replace_working
+from .frozen import mark_inputs
 from .stage0 import Stage0
 from .stage2 import Stage2
 
@@ -55,23 +56,8 @@ class PartitionState(enum.Enum):
 
 
 _METADATA = frozenset(
-    {
-        "size",
-        "numel",
-        "dim",
-        "stride",
-        "element_size",
-        "nelement",
-        "__len__",
-        "__hash__",
-        "requires_grad_",
-        "is_contiguous",
-        "is_floating_point",
-        "is_complex",
-        "is_signed",
-        "get_device",
-        "ndimension",
-    }
+    "size numel dim stride element_size nelement __len__ __hash__ requires_grad_ "
+    "is_contiguous is_floating_point is_complex is_signed get_device ndimension".split()
 )
 
 
@@ -132,6 +118,9 @@ class Persistent(Stage0):
         super().allocate(u)
         u.state = PartitionState.GATHERED
 
+    def allocate_frozen(self, u: FlatUnit) -> None:
+        u.state = PartitionState.GATHERED
+
 
 class Stage3(Stage2):
     stage = 3
@@ -157,6 +146,17 @@ class Stage3(Stage2):
         u.shard = u.working[u.part.own].clone()  # 1D, compute dtype, L: the resident part
         if u.shard.dtype == torch.float32:  # pure fp32: the shard is the master itself
             u.master = u.shard
+        self._shard(u)
+
+    def allocate_frozen(self, u: FlatUnit) -> None:
+        """Frozen parameters (zero/frozen.py): sharded like the trainable ones, gathered with
+        their unit; freed after backward by mark_inputs (zero/stages/frozen.py: autograd hooks
+        on parameters never fire for them), else at the end of the micro-step."""
+        self.units.append(u)
+        u.shard = u.working[u.part.own].clone()  # 1D, compute dtype, L
+        self._shard(u)
+
+    def _shard(self, u: FlatUnit) -> None:
         u.state = PartitionState.GATHERED
         for name, p in u.params:  # in place: identity, hooks and tied references survive
             p.__class__ = Stage3Parameter
@@ -243,11 +243,17 @@ class Stage3(Stage2):
         for u in self.units:
             if u.name:
                 m = modules[u.name]
+                if u.frozen:  # registered first, so it wraps the inputs the unit receives
+                    m.register_forward_pre_hook(mark_inputs(self, u), with_kwargs=True)
                 m.register_forward_pre_hook(lambda _m, _a, u=u: self.pre_forward(u))
                 m.register_forward_hook(lambda _m, _a, out, u=u: self.post_forward(u, out))
-        root_unit = next((u for u in self.units if not u.name), None)
-        if root_unit is not None:
-            root.register_forward_pre_hook(lambda _m, _a: self.gather(root_unit, "param_fwd"))
+        for root_unit in [u for u in self.units if not u.name]:  # trainable and frozen parts
+            root.register_forward_pre_hook(lambda _m, _a, u=root_unit: self.gather(u, "param_fwd"))
+
+    def release(self, u: FlatUnit) -> None:
+        """A frozen unit's backward is over (zero/stages/frozen.py's _PostBackward)."""
+        if u.state is PartitionState.GATHERED:
+            self.transition(u, PartitionState.SHARDED)
 
     def pre_forward(self, u: FlatUnit) -> None:
         if u not in self.order:
