@@ -126,7 +126,8 @@ def reference_run(steps=2, precision="fp32", clip_norm=0.5, m=4):
             for name, p in model.named_parameters():
                 p.data = torch.from_numpy(np.asarray(work[name], np.float32)).to(dtype)
                 p.grad = None
-            backward_scaled(model(*cast_inputs(b, dtype))[1], None)
+            args, _ = cast_inputs(b, {}, dtype)
+            backward_scaled(model(*args)[1], None)
             grads.append({n: cast(p.grad.float().numpy(), precision)
                           for n, p in model.named_parameters() if p.requires_grad})  # fmt: skip
         state, info = train_step(state, grads, spec, rcfg)
