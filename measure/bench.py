@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import gc
 import os
-import sys
 import time
 import traceback
 from collections import defaultdict
@@ -870,4 +869,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, "python -m measure.bench")

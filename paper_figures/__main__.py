@@ -6,7 +6,6 @@ Legend: Ψ = num_params, N_d = world_size, K = the optimizer-state multiplier.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -73,4 +72,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zero import cli
+
+    cli.run(main, "python -m paper_figures")

@@ -145,4 +145,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from zero import cli
+
+    cli.run(main, "python -m verify.demo")

@@ -19,7 +19,6 @@ scikit-learn is an optional dependency: pip install -e '.[models]'.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -212,8 +211,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, ImportError) as exc:
-        print(f"python -m zero.digits: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main, "python -m zero.digits", refuse=(ValueError, ImportError))

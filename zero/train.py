@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -52,7 +53,7 @@ from . import cli
 from .config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from .data import VOCAB_SIZE, Corpus, load_corpus
 from .engine import StepResult, ZeroEngine
-from .launch import init_from_env, spawn, under_torchrun
+from .launch import check_timeout, init_from_env, spawn, under_torchrun
 from .models import GPT, GPTConfig
 from .optim import TORCH_OPTIMIZERS
 from .results import make_record, write_atomic, write_json
@@ -198,10 +199,22 @@ class TrainConfig:
             "micro_batches",
             f"a positive multiple of nproc={n}",
         )
-        need(self.lr > 0, "lr", "a learning rate > 0")
-        need(self.weight_decay >= 0, "weight_decay", "a value >= 0")
-        need(0.0 < self.val_fraction < 1.0, "val_fraction", "a fraction in (0, 1)")
-        need(self.timeout_s > 0, "timeout_s", "seconds > 0")
+
+        def real(name: str) -> bool:  # finite: lr=inf would surface as a non-finite gradient
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need(real("lr") and self.lr > 0, "lr", "a finite learning rate > 0")
+        need(real("weight_decay") and self.weight_decay >= 0, "weight_decay", "a finite value >= 0")
+        need(
+            real("val_fraction") and 0.0 < self.val_fraction < 1.0,
+            "val_fraction",
+            "a fraction in (0, 1)",
+        )
+        check_timeout(self.timeout_s)
+        need(isinstance(self.out, str) and self.out != "", "out", "a folder path")
+        need(isinstance(self.resume, bool), "resume", "True or False")
+        need(isinstance(self.zero, ZeroConfig), "zero", "a ZeroConfig")
 
     def zero_config(self, world_size: int) -> ZeroConfig:
         gpt, _ = MODELS[self.model]
@@ -434,6 +447,12 @@ def parse(argv=None) -> TrainConfig:
 def main(argv=None) -> dict | None:
     """Run the CLI; returns rank 0's log record (None on the other torchrun ranks)."""
     cfg = parse(argv)
+    # before any work: an unwritable --out would otherwise be found after training
+    cli.check_writable("out", cfg.out)
+    if cfg.data is not None and not Path(cfg.data).exists():
+        raise ValueError(
+            f"data={cfg.data!r}: no such file or folder; allowed is a text file or folder"
+        )
     if under_torchrun():
         rank, world, device = init_from_env(timeout_s=cfg.timeout_s)
         if cfg.nproc not in (None, world):
@@ -455,8 +474,4 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as exc:
-        print(f"python -m zero.train: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main, "python -m zero.train")
