@@ -243,11 +243,9 @@ def simulate_rank(
     report = engine.memory_report()
     # Activation checkpoints kept in host memory by offload_activations, per micro-step: all of
     # a micro-step's checkpoints are held at once, from their forward to their recomputation.
-    offloaded = [
-        r.nbytes
-        for r in engine.counter.records
-        if r.kind == "offload" and r.phase == "activation_down"
-    ]
+    # (the counter's totals: its records keep only the last steps, [Note: bounded traffic
+    # records] in zero/collectives.py)
+    offloaded = engine.counter.total("offload", phase="activation_down")["nbytes"]
     return {
         "config": {
             "params_requested": params,
@@ -288,7 +286,7 @@ def simulate_rank(
             num_params=count, world_size=world_size, stage=stage
         ).total,
         "step_seconds": step_seconds,
-        "activation_host_bytes": sum(offloaded) // max(1, steps * zcfg.micro_batches // world_size),
+        "activation_host_bytes": offloaded // max(1, steps * zcfg.micro_batches // world_size),
         "seconds": time.perf_counter() - t0,
     }
 

@@ -59,6 +59,10 @@ def outputs(root: Path | None) -> Outputs:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.out is not None:
+        from zero import cli
+
+        cli.check_writable("out", args.out)  # before any section runs
     out = outputs(args.out)
     selected = [s for s in SECTIONS if args.only is None or s.name in args.only]
     rows = []

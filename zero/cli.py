@@ -156,6 +156,14 @@ def parse(cls, argv=None, *, parser=None, description=None, prog=None, **options
         parser.exit(2, f"{parser.prog}: error: {where}{msg}\n")
 
 
+def is_real(value) -> bool:
+    """A finite real number (an int or a float, not a bool): what every numeric field needs
+    before its range is checked (inf and nan pass most range checks)."""
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def error_line(exc: BaseException) -> str:
     """An exception's message on one line (whitespace collapsed)."""
     return " ".join(str(exc).split())

@@ -53,6 +53,8 @@ from . import cli
 from .config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from .data import VOCAB_SIZE, Corpus, load_corpus
 from .engine import StepResult, ZeroEngine
+from .history import FILE as HISTORY_FILE
+from .history import HistoryLog
 from .launch import check_timeout, init_from_env, spawn, under_torchrun
 from .models import GPT, GPTConfig
 from .optim import TORCH_OPTIMIZERS
@@ -325,9 +327,24 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     engine = ZeroEngine(GPT(gpt, device=device, seed=cfg.seed), cfg.zero_config(world_size))
     out, lead = Path(cfg.out), rank == 0
     ckpt = out / "ckpt"
+    # [Note: bounded manifests] in zero/history.py: rank 0 keeps the history in an append-only
+    # file; a checkpoint holds a constant-size mark of it, not the history itself
+    log = HistoryLog(ckpt / HISTORY_FILE) if lead else None
     history: dict = {"train": [], "val": []}
     if cfg.resume and (ckpt / "latest").is_file():
-        history = engine.load(ckpt).extra["history"]  # the log travels with the checkpoint
+        extra = engine.load(ckpt).extra
+        if lead:
+            history = log.restore(extra)
+    elif lead:
+        log.start()
+        history = log.history
+
+    def add(split: str, entry: dict) -> None:
+        if lead:
+            log.append(split, entry)  # appends to `history` too
+        else:
+            history[split].append(entry)
+
     start = engine.data_step
     M = engine.config.micro_batches
     tokens_per_step = M * batch_size * T
@@ -379,14 +396,15 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     def on_step(step: int, res: StepResult) -> None:
         seconds = time.perf_counter() - clock[0]
         done = step + 1
-        history["train"].append(
+        add(
+            "train",
             {
                 "step": done,
                 "loss": res.loss,
                 "norm": res.norm,
                 "skipped": res.skipped,
                 "tokens_per_s": tokens_per_step / seconds,
-            }
+            },
         )
         if done % cfg.log_every == 0 or done == start + 1:
             memory[:] = [0] * world_size
@@ -408,21 +426,23 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
             val = evaluate(
                 engine, corpus, seed=cfg.seed, batches=cfg.eval_batches, batch_size=batch_size
             )
-            history["val"].append({"step": done, "loss": val})
+            add("val", {"step": done, "loss": val})
             progress.say(f"step {done}: train loss {res.loss:.4f}, validation loss {val:.4f}")
             save_log()
         if last or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
-            engine.save(ckpt, keep_last=2, extra={"history": history})
+            engine.save(ckpt, keep_last=2, extra={"history_log": log.mark() if lead else None})
         clock[0] = time.perf_counter()
 
     if start == 0 and not history["val"]:  # where the curve starts: about ln 256 nats
         val = evaluate(
             engine, corpus, seed=cfg.seed, batches=cfg.eval_batches, batch_size=batch_size
         )
-        history["val"].append({"step": 0, "loss": val})
+        add("val", {"step": 0, "loss": val})
     if start < cfg.steps:
         train_steps(engine, microbatch, cfg.steps - start, start_step=start, on_step=on_step)
     progress.close()
+    if lead:
+        log.close()
     final = save_log(master_sha256(engine))
     return final if lead else None
 
