@@ -139,6 +139,7 @@ class ZeroConfig:
         if self.group_of is not None and not callable(self.group_of):
             raise ValueError(f"group_of={self.group_of!r}: must be None or a callable")
         for name in (
+            "overlap",
             "activation_checkpointing",
             "offload_activations",
             "offload_optimizer",
