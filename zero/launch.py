@@ -145,9 +145,8 @@ def check_launch_env(env) -> None:
         except ValueError:
             numbers[key] = -1
         if numbers[key] < low or (key == "MASTER_PORT" and numbers[key] > 65535):
-            raise LaunchEnvError(
-                f"{key}={text!r}: must be an integer >= {low} (and a port <= 65535)"
-            )
+            port = " and <= 65535" if key == "MASTER_PORT" else ""
+            raise LaunchEnvError(f"{key}={text!r}: must be an integer >= {low}{port}")
     if numbers["RANK"] >= numbers["WORLD_SIZE"]:
         raise LaunchEnvError(
             f"RANK={env['RANK']!r}: must be below WORLD_SIZE={env['WORLD_SIZE']!r}"
