@@ -11,7 +11,8 @@ download; zero/data.py) or on `--data PATH`. Rank 0 shows a progress bar (tqdm w
 plain lines otherwise) with the loss, tokens/s and each rank's resident model-state bytes; every
 `--eval-every` steps all ranks evaluate the validation loss (forward only, averaged over ranks),
 and every `--ckpt-every` steps (and at the end) the run is checkpointed to OUT/ckpt. Rank 0
-writes OUT/train_log.json (a zero.results record, atomically) and OUT/loss_curve.png.
+writes OUT/train_log.json (a zero.results record, atomically) and OUT/loss_curve.png, and appends
+the loss history to OUT/ckpt/history.jsonl (zero/history.py).
 `--resume` continues from OUT/ckpt/latest up to `--steps` in total; in deterministic mode
 (the default) the result is bitwise that of an uninterrupted run, at any stage and world size.
 
