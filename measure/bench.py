@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import gc
 import os
-import sys
 import time
 import traceback
 from collections import defaultdict
@@ -46,6 +45,7 @@ from reference.optim import Hyper
 from zero import cli
 from zero import engine as engine_module
 from zero.config import ZeroConfig, decay_matrices_only
+from zero.launch import MAX_TIMEOUT_S, check_timeout
 from zero.models import GPT, GPTConfig, gpt_microbatches
 from zero.results import make_record, provenance, read_json, write_json
 from zero.train import train_steps
@@ -137,18 +137,16 @@ class BenchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r}: allowed are integers >= {low}")
-        if not (self.lr > 0 and self.weight_decay >= 0):
+        for name, low in (("lr", None), ("weight_decay", 0), ("quiet_cores", 0)):
+            value = getattr(self, name)  # finite first: inf and nan pass a range check
+            if not cli.is_real(value) or (value <= 0 if low is None else value < low):
+                allowed = "> 0" if low is None else f">= {low}"
+                raise ValueError(f"{name}={value!r}: allowed are finite values {allowed}")
+        if not (cli.is_real(self.quiet_wait_s) and 0 <= self.quiet_wait_s <= MAX_TIMEOUT_S):
             raise ValueError(
-                f"lr={self.lr!r}, weight_decay={self.weight_decay!r}: allowed are lr > 0 and "
-                "weight_decay >= 0"
+                f"quiet_wait_s={self.quiet_wait_s!r}: allowed are seconds in [0, {MAX_TIMEOUT_S}]"
             )
-        if not (self.quiet_cores >= 0 and self.quiet_wait_s >= 0):
-            raise ValueError(
-                f"quiet_cores={self.quiet_cores!r}, quiet_wait_s={self.quiet_wait_s!r}: "
-                "allowed are values >= 0"
-            )
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s!r}: allowed are seconds > 0")
+        check_timeout(self.timeout_s)
 
     @property
     def workload(self) -> BenchModel:
@@ -841,6 +839,10 @@ def parse(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
 
 def main(argv=None) -> int:
     cfg, args = parse(argv)
+    if args.from_json is not None and not os.path.isfile(args.from_json):
+        raise ValueError(f"from_json={args.from_json!r}: no such file; allowed is a results file")
+    if args.json is not None:
+        cli.check_writable("json", args.json, file=True)  # before the timing, not after it
     if args.from_json:
         records = read_json(args.from_json)["records"]
         add_ratios(records)  # the ratios follow from the timings; recomputed, never trusted
@@ -870,4 +872,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, "python -m measure.bench")

@@ -207,4 +207,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, "python -m measure.fragmentation")

@@ -56,18 +56,24 @@ HEADROOM_BYTES = 2 * 1024**3
 
 def _gpt(params: float, *, seq: int, vocab_size: int, shape: dict | None = None):
     """The GPT of `gpt_config_for(params)`, or of `shape` (n_layer, n_embd, n_head) when given."""
-    from zero.models import GPT, GPTConfig, gpt_config_for
+    from zero.models import GPTConfig, gpt_config_for, gpt_num_params
 
     if shape:
         cfg = GPTConfig(vocab_size=vocab_size, block_size=max(seq, 16), **shape)
     else:
         cfg, _ = gpt_config_for(params, vocab_size=vocab_size)
         cfg = type(cfg)(**{**cfg.__dict__, "block_size": max(seq, 16)})
-    return cfg, GPT(cfg, device="meta").num_params()
+    return cfg, gpt_num_params(cfg)  # arithmetic: a 1e15 model is never built to be counted
 
 
 def estimate_peak_bytes(
-    *, params: float, world_size: int, stage: int, seq: int = 64, vocab_size: int = 50257
+    *,
+    params: float,
+    world_size: int,
+    stage: int,
+    seq: int = 64,
+    vocab_size: int = 50257,
+    shape: dict | None = None,
 ) -> dict:
     """The analytic model states of one rank and an upper estimate of its peak, in bytes.
 
@@ -77,7 +83,7 @@ def estimate_peak_bytes(
     """
     from zero.memory import model_state_breakdown
 
-    cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size)
+    cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size, shape=shape)
     h = cfg.n_embd
     block = 12 * h * h + 13 * h
     root = count - cfg.n_layer * block
@@ -133,6 +139,9 @@ class SimulateConfig:
     """JSON of further ZeroConfig fields (e.g. {"activation_checkpointing": true})."""
 
     def __post_init__(self):
+        for name in ("world_size", "steps", "seq", "batch", "vocab_size", "rank", "stage"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: allowed are integers")
         for name in ("world_size", "steps", "seq", "batch", "vocab_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -141,8 +150,22 @@ class SimulateConfig:
             raise ValueError(f"rank={self.rank!r}: allowed are 0 .. world_size-1")
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage={self.stage!r}: allowed are 0, 1, 2, 3")
-        if self.shape is None and not self.params > 0:  # a given shape makes params unused
-            raise ValueError(f"params={self.params!r}: allowed are counts > 0 (or give shape)")
+        if self.shape is None and not 0 < self.params < float("inf"):  # a shape makes it unused
+            raise ValueError(
+                f"params={self.params!r}: allowed are finite counts > 0 (or give shape)"
+            )
+        if self.shape is not None and (
+            set(self.shape) != {"n_layer", "n_embd", "n_head"}
+            or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                for v in self.shape.values()
+            )
+        ):
+            raise ValueError(
+                f"shape={self.shape!r}: allowed is {{'n_layer', 'n_embd', 'n_head'}}, integers >= 1"
+            )
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r}: allowed are 'cpu' and 'cuda[:i]'")
 
 
 def simulate_rank(
@@ -220,11 +243,9 @@ def simulate_rank(
     report = engine.memory_report()
     # Activation checkpoints kept in host memory by offload_activations, per micro-step: all of
     # a micro-step's checkpoints are held at once, from their forward to their recomputation.
-    offloaded = [
-        r.nbytes
-        for r in engine.counter.records
-        if r.kind == "offload" and r.phase == "activation_down"
-    ]
+    # (the counter's totals: its records keep only the last steps, [Note: bounded traffic
+    # records] in zero/collectives.py)
+    offloaded = engine.counter.total("offload", phase="activation_down")["nbytes"]
     return {
         "config": {
             "params_requested": params,
@@ -265,7 +286,7 @@ def simulate_rank(
             num_params=count, world_size=world_size, stage=stage
         ).total,
         "step_seconds": step_seconds,
-        "activation_host_bytes": sum(offloaded) // max(1, steps * zcfg.micro_batches // world_size),
+        "activation_host_bytes": offloaded // max(1, steps * zcfg.micro_batches // world_size),
         "seconds": time.perf_counter() - t0,
     }
 
@@ -299,7 +320,8 @@ def measure_rank(
         raise ValueError(f"measure_rank: unknown argument(s) {sorted(unknown)}")
     with tempfile.TemporaryDirectory(prefix="zero-simulate-") as tmp:
         path = os.path.join(tmp, "rank.json")
-        argv = [sys.executable, "-m", "measure.simulate", "--json", path, "--quiet"]
+        # --force: the fit was decided above (or waived by check_fits=False)
+        argv = [sys.executable, "-m", "measure.simulate", "--json", path, "--quiet", "--force"]
         for key, value in kwargs.items():
             if value is not None:
                 argv += [flags[key], json.dumps(value) if isinstance(value, dict) else str(value)]
@@ -322,7 +344,25 @@ def main(argv=None) -> int:
     p = cli.new_parser("python -m measure.simulate", __doc__.split("\n")[0])
     p.add_argument("--json", default=None, help="write the record (zero.results) here")
     p.add_argument("--quiet", action="store_true", help="print nothing (for measure_rank)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="build the rank even when its estimated peak exceeds the memory available",
+    )
     cfg, a = cli.parse(SimulateConfig, argv, parser=p, choices={"stage": (0, 1, 2, 3)})
+    if a.json is not None:
+        cli.check_writable("json", a.json, file=True)
+    if not a.force:  # before anything is built: a 1e15 model would take minutes, then fail
+        est = estimate_peak_bytes(
+            params=cfg.params, world_size=cfg.world_size, stage=cfg.stage, seq=cfg.seq,
+            vocab_size=cfg.vocab_size, shape=cfg.shape,
+        )  # fmt: skip
+        ok, reason = fits_here(est, device=cfg.device)
+        if not ok:
+            raise ValueError(
+                f"params={cfg.params:g}: {reason} ({est['num_params']:,} parameters); "
+                "allowed are ranks that fit, or pass --force"
+            )
     out = simulate_rank(**asdict(cfg))
     if not a.quiet:
         gb = 1e9
@@ -353,4 +393,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, "python -m measure.simulate")

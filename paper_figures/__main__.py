@@ -6,7 +6,6 @@ Legend: Ψ = num_params, N_d = world_size, K = the optimizer-state multiplier.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -60,6 +59,10 @@ def outputs(root: Path | None) -> Outputs:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.out is not None:
+        from zero import cli
+
+        cli.check_writable("out", args.out)  # before any section runs
     out = outputs(args.out)
     selected = [s for s in SECTIONS if args.only is None or s.name in args.only]
     rows = []
@@ -73,4 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zero import cli
+
+    cli.run(main, "python -m paper_figures")

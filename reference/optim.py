@@ -62,23 +62,36 @@ class Hyper:
     """Adam's denominator epsilon."""
 
     def __post_init__(self):
+        def real(name: str) -> bool:  # a finite real number (not a bool, not a string)
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        b = self.betas
         checks = {
-            "lr": self.lr >= 0,
-            "weight_decay": self.weight_decay >= 0,
-            "momentum": self.momentum >= 0,
-            "dampening": 0 <= self.dampening <= 1,
-            "eps": self.eps >= 0,
-            "betas": len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "lr": real("lr") and self.lr >= 0,
+            "weight_decay": real("weight_decay") and self.weight_decay >= 0,
+            "momentum": real("momentum") and self.momentum >= 0,
+            "dampening": real("dampening") and 0 <= self.dampening <= 1,
+            "eps": real("eps") and self.eps > 0,
+            "betas": isinstance(b, (tuple, list))
+            and len(b) == 2
+            and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in b
+            ),
+            "nesterov": isinstance(self.nesterov, bool),
         }
         allowed = {
-            "dampening": "in [0, 1]",
-            "betas": "two values in [0, 1)",
+            "lr": "a finite number >= 0",
+            "weight_decay": "a finite number >= 0",
+            "momentum": "a finite number >= 0",
+            "dampening": "a number in [0, 1]",
+            "eps": "a finite number > 0",
+            "betas": "two numbers in [0, 1)",
+            "nesterov": "True or False",
         }
         for field, ok in checks.items():
             if not ok:
-                raise ValueError(
-                    f"{field}={getattr(self, field)!r}: must be {allowed.get(field, '>= 0')}"
-                )
+                raise ValueError(f"{field}={getattr(self, field)!r}: must be {allowed[field]}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError(
                 f"nesterov=True with momentum={self.momentum}, dampening={self.dampening}: "

@@ -11,6 +11,7 @@ torch's. NaN payloads differ between libraries, so tests compare NaN-ness, not N
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import ml_dtypes
@@ -69,15 +70,20 @@ class ScalerConfig:
     """Floor: the scale never drops below it."""
 
     def __post_init__(self):
+        def real(name: str) -> bool:  # a finite real number: inf would skip every step forever
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
         for field in ("init_scale", "min_scale"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"{field}={getattr(self, field)}: must be > 0")
-        if not 0 < self.backoff < 1:
-            raise ValueError(f"backoff={self.backoff}: must be in (0, 1)")
-        if not self.growth > 1:
-            raise ValueError(f"growth={self.growth}: must be > 1")
-        if self.growth_interval < 1:
-            raise ValueError(f"growth_interval={self.growth_interval}: must be >= 1")
+            if not (real(field) and getattr(self, field) > 0):
+                raise ValueError(f"{field}={getattr(self, field)!r}: must be a finite number > 0")
+        if not (real("backoff") and 0 < self.backoff < 1):
+            raise ValueError(f"backoff={self.backoff!r}: must be a number in (0, 1)")
+        if not (real("growth") and self.growth > 1):
+            raise ValueError(f"growth={self.growth!r}: must be a finite number > 1")
+        gi = self.growth_interval
+        if isinstance(gi, bool) or not isinstance(gi, int) or gi < 1:
+            raise ValueError(f"growth_interval={gi!r}: must be an integer >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,6 +28,7 @@ So the norm and every trainable bit are those of the model without them (docs/de
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -75,8 +76,17 @@ class StepConfig:
                 f"reduce_dtype={self.reduce_dtype!r}: allowed are 'fp32' or the compute dtype "
                 f"{self.precision!r}"
             )
-        if not self.groups:
-            raise ValueError("groups=(): at least one parameter group is needed")
+        if not isinstance(self.groups, (tuple, list)) or not self.groups:
+            raise ValueError(f"groups={self.groups!r}: a non-empty tuple of Hyper is needed")
+        for i, hp in enumerate(self.groups):
+            if not isinstance(hp, optim.Hyper):  # caught here, not at the first step
+                raise ValueError(f"groups[{i}]={hp!r}: must be a reference.optim.Hyper")
+        if not isinstance(self.scaler, ScalerConfig):
+            raise ValueError(f"scaler={self.scaler!r}: must be a ScalerConfig")
+        for name in ("world_size", "micro_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name}={v!r}: must be an integer")
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size}: must be >= 1")
         if self.micro_batches < 1 or self.micro_batches % self.world_size:
@@ -84,8 +94,11 @@ class StepConfig:
                 f"micro_batches={self.micro_batches}: must be a positive multiple of "
                 f"world_size={self.world_size}"
             )
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip_norm={self.clip_norm}: must be > 0 or None")
+        c = self.clip_norm
+        if c is not None and not (
+            isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0
+        ):
+            raise ValueError(f"clip_norm={c!r}: must be a finite number > 0, or None")
         if self.nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: allowed are 'raise', 'skip'")
 

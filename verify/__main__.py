@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from zero import cli
+from zero.launch import check_timeout
 from zero.results import provenance, write_atomic, write_json
 
 from . import matrix
@@ -118,6 +120,15 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--world-sizes {args.world_sizes}: each must be >= 1")
     if args.steps < 1 or args.accumulation < 1:
         p.error(f"--steps {args.steps} --accumulation {args.accumulation}: each must be >= 1")
+    try:
+        check_timeout(args.timeout, "timeout")
+        for name in ("json", "markdown"):
+            if getattr(args, name) is not None:
+                cli.check_writable(name, getattr(args, name), file=True)
+    except ValueError as exc:
+        p.error(cli.error_line(exc))
+    if args.baseline is not None and not Path(args.baseline).is_file():
+        p.error(f"--baseline {args.baseline!r}: no such file; allowed is a JSON report")
     return args
 
 
@@ -142,13 +153,22 @@ def plan(args) -> tuple[list[Cell], list[dict]]:
     if args.quick or args.complete:
         cells, runs = matrix.quick() if args.quick else matrix.complete()
         if args.world_sizes is not None:
+            has = sorted({c.world_size for c in cells})
             cells = [c for c in cells if c.world_size in args.world_sizes]
+            if not cells:  # else "0/0 cells" and exit 1 without a reason
+                preset = "--quick" if args.quick else "--complete"
+                raise ValueError(
+                    f"world_sizes={args.world_sizes}: the {preset} preset has cells of world "
+                    f"sizes {has} only; allowed are some of those"
+                )
     else:
         cells = cells_for(args)
         runs = matrix.invariance_runs(full=False) if args.invariance else []
         runs = [r for r in runs if r["stage"] in args.stages]
     if args.no_invariance:
         runs = []
+    if not cells and not runs:
+        raise ValueError("the selection options give no cells: allowed is a non-empty selection")
     return cells, runs
 
 
@@ -288,4 +308,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, "python -m verify")

@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2, help="local gloo ranks (default 2)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per stage")
     args = parser.parse_args(argv)
+    for name in ("world_size", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"{name}={getattr(args, name)}: must be an integer >= 1")
     rows = run(world_size=args.world_size, steps=args.steps)
     print(table(rows))
     same = all(r.digest == rows[0].digest for r in rows)
@@ -145,4 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from zero import cli
+
+    cli.run(main, "python -m verify.demo")

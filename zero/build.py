@@ -38,12 +38,21 @@ def check_config(config: ZeroConfig, n: int) -> None:
 
 def resolve_units(module: nn.Module, config: ZeroConfig) -> ZeroConfig:
     """config with units="auto" spelled out (zero/units.py), and a warning when stage 3 would
-    gather the whole model as one root unit for all of forward and backward."""
+    gather the whole model as one root unit for all of forward and backward. Refuses a module
+    without parameters and arguments of the wrong type."""
     import dataclasses
     import warnings
 
     from .units import auto
 
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module={type(module).__name__}: must be a torch.nn.Module")
+    if not isinstance(config, ZeroConfig):
+        raise ValueError(f"config={type(config).__name__}: must be a zero.ZeroConfig")
+    if next(module.parameters(), None) is None:  # else a bare StopIteration further on
+        raise ValueError(
+            f"module={type(module).__name__}: has no parameters; the engine trains parameters"
+        )
     if config.units == "auto":
         config = dataclasses.replace(config, units=tuple(auto(module)))
     if config.stage == 3 and not config.units:

@@ -7,6 +7,8 @@ there becomes an argparse error (exit 2, one line naming the field). A field hol
 is merged: its fields become options of their own. Types: int, float, str, bool
 (--flag/--no-flag), `X | None` (the word 'none' gives None), tuple[X, ...] (several values),
 dict (JSON) and Literal (choices); `choices` gives the known set of any other field.
+`run(main, prog)` is every CLI's entry point: a ValueError anywhere in main (bad input found
+after parsing) ends the process the way argparse does, `prog: error: ...` and exit status 2.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import functools
 import inspect
 import json
 import re
+import sys
 import types
 import typing
 
@@ -147,7 +150,69 @@ def parse(cls, argv=None, *, parser=None, description=None, prog=None, **options
     try:
         return build(ns), ns
     except ValueError as exc:
-        msg = " ".join(str(exc).split())
+        msg = error_line(exc)
         named = re.match(r"(\w+)=", msg)
         where = f"argument --{named.group(1).replace('_', '-')}: " if named else ""
         parser.exit(2, f"{parser.prog}: error: {where}{msg}\n")
+
+
+def is_real(value) -> bool:
+    """A finite real number (an int or a float, not a bool): what every numeric field needs
+    before its range is checked (inf and nan pass most range checks)."""
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception's message on one line (whitespace collapsed)."""
+    return " ".join(str(exc).split())
+
+
+def run(main, prog: str, argv=None, *, refuse=(ValueError,)):
+    """Run a CLI's `main(argv)` and exit: its int return value is the exit status (anything
+    else: 0). A ValueError (bad input: every message names the field, the value and what is
+    allowed) becomes one line, `prog: error: MESSAGE`, and exit status 2, with no traceback,
+    as argparse's own errors do. Other exceptions keep their traceback: they are bugs or faults,
+    not input."""
+    try:
+        code = main(argv)
+    except refuse as exc:
+        print(f"{prog}: error: {error_line(exc)}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+
+def check_writable(name: str, path, *, file: bool = False) -> None:
+    """Refuse, before any work, an output that cannot be written: `path` a folder (created
+    later if missing) or, with file=True, a file. The nearest existing folder on the way must be
+    a writable directory (tried with a temporary file, which holds for root too), and nothing on
+    the way may be a file."""
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path)
+    if p.exists() and p.is_dir() == file:
+        what = "a folder" if file else "a file"
+        raise ValueError(f"{name}={str(path)!r}: is {what}; allowed is a writable {_kind(file)}")
+    probe = p.parent if file else p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(
+            f"{name}={str(path)!r}: {str(probe)!r} is not a folder; allowed is a writable "
+            f"{_kind(file)}"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(
+            f"{name}={str(path)!r}: cannot write in {str(probe)!r} ({reason}); allowed is a "
+            f"writable {_kind(file)}"
+        ) from None
+
+
+def _kind(file: bool) -> str:
+    return "file path" if file else "folder"

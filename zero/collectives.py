@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,21 +51,74 @@ class CommRecord:
     end: float | None = None  # at completion (wait)
 
 
-@dataclass
-class CommCounter:
-    """All traffic of one engine; `step` is set by the engine so records group by step."""
+KEEP_STEPS = 8
+"""Steps whose records a CommCounter keeps by default ([Note: bounded traffic records])."""
 
-    records: list[CommRecord] = field(default_factory=list)
-    step: int = 0
+
+class CommCounter:
+    """All traffic of one engine; `step` is set by the engine so records group by step.
+
+    [Note: bounded traffic records] A step adds a few dozen records per rank, so a long run
+    would grow without bound (5-6 KB per step). The counter keeps the records of the last
+    `keep_steps` steps (the current one included) and, for the whole run, exact totals per
+    (kind, op, phase) in `totals`: [calls, elements, padding, nbytes]. Setting `step` drops the
+    records that fall out of the window; asking for a dropped step raises instead of answering
+    with an empty list. keep_steps=None keeps everything (a short run that reads every step).
+    """
+
+    def __init__(self, *, step: int = 0, keep_steps: int | None = KEEP_STEPS):
+        if keep_steps is not None and (
+            isinstance(keep_steps, bool) or not isinstance(keep_steps, int) or keep_steps < 1
+        ):
+            raise ValueError(f"keep_steps={keep_steps!r}: must be None or an integer >= 1")
+        self.records: list[CommRecord] = []
+        self.totals: dict[tuple[str, str, str], list[int]] = {}
+        self.keep_steps = keep_steps
+        self.dropped_below: int | None = None  # records of steps below this one are gone
+        self._step = step
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        if self.keep_steps is not None:
+            floor = value - self.keep_steps + 1
+            if self.records and self.records[0].step < floor:
+                self.records = [r for r in self.records if r.step >= floor]
+                self.dropped_below = max(self.dropped_below or floor, floor)
 
     def add(self, **kw) -> CommRecord:
         rec = CommRecord(step=self.step, start=time.perf_counter(), **kw)
         self.records.append(rec)
+        row = self.totals.setdefault((rec.kind, rec.op, rec.phase), [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += rec.elements
+        row[2] += rec.padding
+        row[3] += rec.nbytes
         return rec
 
     def of_step(self, step: int | None = None, kind: str = "model") -> list[CommRecord]:
         s = self.step if step is None else step
+        if self.dropped_below is not None and s < self.dropped_below:
+            raise ValueError(
+                f"step={s}: its traffic records were dropped (the counter keeps the last "
+                f"keep_steps={self.keep_steps} steps, from step {self.dropped_below}; totals "
+                "keeps the whole run's sums)"
+            )
         return [r for r in self.records if r.step == s and r.kind == kind]
+
+    def total(self, kind: str = "model", *, phase: str | None = None) -> dict[str, int]:
+        """The whole run's sums of one kind (optionally one phase), exact whatever was dropped:
+        {"calls", "elements", "padding", "nbytes"}."""
+        out = dict.fromkeys(("calls", "elements", "padding", "nbytes"), 0)
+        for (k, _op, ph), row in self.totals.items():
+            if k == kind and phase in (None, ph):
+                for key, v in zip(out, row, strict=True):
+                    out[key] += v
+        return out
 
     def volume(self, step: int | None = None, kind: str = "model") -> tuple[int, int]:
         """(elements sent, of which padding) by this rank in one step."""

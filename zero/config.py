@@ -13,12 +13,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reference.layout import ALIGN
 from reference.optim import Hyper
 from reference.precision import ScalerConfig
 from reference.step import StepConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STAGES = (0, 1, 2, 3)
+MAX_CHUNK = 2**24
+"""The largest clipping chunk: 16 Mi elements, 64 MiB of fp32 per chunk. A unit is padded to
+whole chunks on every rank, so a chunk far above any unit only wastes memory (2**40 would ask
+for 4 TiB)."""
 
 
 def decay_matrices_only(name: str, param: torch.Tensor) -> int:
@@ -71,7 +76,8 @@ class ZeroConfig:
     (no all-gathers; their gradients cost 2Ψ_unit per step, their master and states are
     replicated). Worth it for units so small that a gather costs more in latency than in bytes."""
     chunk: int = 4096
-    """Clipping-chunk size C in elements (a power of two >= 128); shards are multiples of it."""
+    """Clipping-chunk size C in elements (a power of two in [128, 2**24]); shards are multiples
+    of it."""
     activation_checkpointing: bool = False
     """ZeRO-R (paper §6.1): run every unit's forward (the root's excepted) under
     torch.utils.checkpoint (non-reentrant), so that backward keeps only each unit's inputs and
@@ -118,11 +124,27 @@ class ZeroConfig:
             raise ValueError(f"stage={self.stage!r}: allowed are {STAGES}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic={self.deterministic!r}: must be True or False")
-        if self.persist_below < 0:
-            raise ValueError(f"persist_below={self.persist_below}: must be >= 0")
-        if self.chunk < 128 or self.chunk & (self.chunk - 1):
-            raise ValueError(f"chunk={self.chunk}: must be a power of two >= 128")
+        for name, low in (("persist_below", 0), ("micro_batches", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name}={v!r}: must be an integer >= {low}")
+        c = self.chunk
+        if (
+            isinstance(c, bool)
+            or not isinstance(c, int)
+            or not ALIGN <= c <= MAX_CHUNK
+            or c & (c - 1)
+        ):
+            raise ValueError(
+                f"chunk={c!r}: must be a power of two in [{ALIGN}, 2**{MAX_CHUNK.bit_length() - 1}]"
+            )
+        for name in ("stage", "precision", "optimizer", "nonfinite"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: not a boolean")
+        if self.group_of is not None and not callable(self.group_of):
+            raise ValueError(f"group_of={self.group_of!r}: must be None or a callable")
         for name in (
+            "overlap",
             "activation_checkpointing",
             "offload_activations",
             "offload_optimizer",

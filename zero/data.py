@@ -163,6 +163,12 @@ def load_corpus(data: str | os.PathLike | None = None, *, val_fraction: float = 
     chosen = set(val_names)
     train_docs = [d for d in docs if d[0] not in chosen]
     val_docs = [d for d in docs if d[0] in chosen]
+    if not train_docs and len(docs) > 1:  # the split, not the text, left nothing to train on
+        raise _fail(
+            "val_fraction",
+            val_fraction,
+            f"a smaller fraction: it holds out all {len(docs)} pieces of {source}",
+        )
     if not train_docs:
         raise _fail("data", source, f"text of more than one piece ({PIECE_BYTES} bytes)")
 

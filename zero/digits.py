@@ -19,7 +19,6 @@ scikit-learn is an optional dependency: pip install -e '.[models]'.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,7 +30,7 @@ from reference.optim import Hyper
 from . import cli
 from .config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from .engine import ZeroEngine
-from .launch import spawn
+from .launch import check_timeout, spawn
 from .optim import TORCH_OPTIMIZERS
 from .resnet import ResNet, ResNetConfig
 from .results import make_record, write_json
@@ -114,12 +113,22 @@ class DigitsConfig:
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "an integer >= 1")
         need(isinstance(self.seed, int) and self.seed >= 0, "seed", "an integer >= 0")
         m = self.micro_batches
-        need(m is None or (m >= 1 and m % self.nproc == 0), "micro_batches",
+        need(m is None or (isinstance(m, int) and m >= 1 and m % self.nproc == 0), "micro_batches",
              f"a positive multiple of nproc={self.nproc}")  # fmt: skip
-        need(self.lr > 0, "lr", "a learning rate > 0")
-        need(self.weight_decay >= 0, "weight_decay", "a value >= 0")
-        need(0.0 < self.test_fraction < 1.0, "test_fraction", "a fraction in (0, 1)")
-        need(self.timeout_s > 0, "timeout_s", "seconds > 0")
+        real = cli.is_real
+        need(real(self.lr) and self.lr > 0, "lr", "a finite learning rate > 0")
+        need(
+            real(self.weight_decay) and self.weight_decay >= 0,
+            "weight_decay",
+            "a finite value >= 0",
+        )
+        need(
+            real(self.test_fraction) and 0.0 < self.test_fraction < 1.0,
+            "test_fraction",
+            "a fraction in (0, 1)",
+        )
+        check_timeout(self.timeout_s)
+        need(isinstance(self.out, str) and self.out != "", "out", "a folder path")
 
     def zero_config(self) -> ZeroConfig:
         return replace(
@@ -206,14 +215,11 @@ def parse(argv=None) -> DigitsConfig:
 def main(argv=None) -> dict:
     """Run the CLI; returns rank 0's log record (the model is in OUT/model.pt)."""
     cfg = parse(argv)
+    cli.check_writable("out", cfg.out)  # before the run, not after it
     data = load_digits_split(cfg.test_fraction)  # once; the forked ranks share it
     (Path(cfg.out)).mkdir(parents=True, exist_ok=True)
     return spawn(run_rank, cfg.nproc, cfg, data, timeout_s=cfg.timeout_s)[0]
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, ImportError) as exc:
-        print(f"python -m zero.digits: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main, "python -m zero.digits", refuse=(ValueError, ImportError))

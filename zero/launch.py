@@ -71,6 +71,11 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} failed{others}:\n{child_traceback}")
 
 
+class LaunchEnvError(ValueError, RuntimeError):
+    """The launcher's environment variables are missing, malformed or stale (a ValueError:
+    bad input, reported in one line by the CLIs; a RuntimeError for older callers)."""
+
+
 class PoolBrokenError(RuntimeError):
     """A WorkerPool was used after an error, a timeout or ``close()``."""
 
@@ -79,11 +84,25 @@ def _fail(name: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
 
 
+MAX_TIMEOUT_S = 10**7
+"""The longest timeout accepted, about 116 days: a bound on what a timedelta and the backends'
+millisecond counters hold (inf would overflow them), far above any run."""
+
+
+def check_timeout(timeout_s: object, name: str = "timeout_s") -> None:
+    """A timeout must be a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not 0 < timeout_s <= MAX_TIMEOUT_S  # False for nan and inf
+    ):
+        raise _fail(name, timeout_s, f"a finite number of seconds in (0, {MAX_TIMEOUT_S:g}]")
+
+
 def _check(world_size: object, timeout_s: object, backend: object) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise _fail("world_size", world_size, "an integer >= 1")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise _fail("timeout_s", timeout_s, "a number of seconds > 0")
+    check_timeout(timeout_s)
     if backend not in BACKENDS:
         raise _fail("backend", backend, f"one of {BACKENDS}")
     if backend == "nccl" and torch.cuda.is_initialized():
@@ -104,6 +123,44 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
 
 
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launch_env(env) -> None:
+    """Refuse (LaunchEnvError, one line naming the variables) a launcher environment that is
+    incomplete or malformed, or stale: WORLD_SIZE > 1 with neither TORCHELASTIC_RUN_ID nor
+    LOCAL_RANK, which torchrun always sets, is what variables left in a shell look like, and
+    joining would wait for peers that never come until the timeout."""
+    missing = [k for k in LAUNCH_VARS if k not in env]
+    if missing:
+        raise LaunchEnvError(
+            f"init_from_env: {', '.join(missing)} not set; launch with torchrun "
+            "(e.g. torchrun --standalone --nproc-per-node N -m ...) or use zero.launch.spawn"
+        )
+    numbers = {}
+    for key, low in (("WORLD_SIZE", 1), ("RANK", 0), ("MASTER_PORT", 1), ("LOCAL_RANK", 0)):
+        text = env.get(key, "0" if key == "LOCAL_RANK" else None)
+        try:
+            numbers[key] = int(text)
+        except ValueError:
+            numbers[key] = -1
+        if numbers[key] < low or (key == "MASTER_PORT" and numbers[key] > 65535):
+            port = " and <= 65535" if key == "MASTER_PORT" else ""
+            raise LaunchEnvError(f"{key}={text!r}: must be an integer >= {low}{port}")
+    if numbers["RANK"] >= numbers["WORLD_SIZE"]:
+        raise LaunchEnvError(
+            f"RANK={env['RANK']!r}: must be below WORLD_SIZE={env['WORLD_SIZE']!r}"
+        )
+    if numbers["WORLD_SIZE"] > 1 and not ({"TORCHELASTIC_RUN_ID", "LOCAL_RANK"} & set(env)):
+        shown = ", ".join(f"{k}={env[k]}" for k in LAUNCH_VARS)
+        raise LaunchEnvError(
+            f"{shown} are set but TORCHELASTIC_RUN_ID and LOCAL_RANK are not: stale launcher "
+            "variables (left in the shell?) would make this rank wait for peers that never "
+            "come; unset them, launch with torchrun, or set LOCAL_RANK if another launcher "
+            "started this process"
+        )
+
+
 def init_from_env(*, timeout_s: float = 300) -> tuple[int, int, torch.device]:
     """Join the world torchrun set up; return (rank, world_size, device).
 
@@ -111,16 +168,9 @@ def init_from_env(*, timeout_s: float = 300) -> tuple[int, int, torch.device]:
     on CPU. Collectives that do not complete within ``timeout_s`` raise instead of hanging. If a
     default group already exists it is reused.
     """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise _fail("timeout_s", timeout_s, "a number of seconds > 0")
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
-    if missing and not dist.is_initialized():
-        raise RuntimeError(
-            f"init_from_env: {', '.join(missing)} not set; launch with torchrun "
-            "(e.g. torchrun --standalone --nproc-per-node N -m ...) or use zero.launch.spawn"
-        )
+    check_timeout(timeout_s)
+    if not dist.is_initialized():
+        check_launch_env(os.environ)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         backend, device = "nccl", torch.device("cuda", local_rank)

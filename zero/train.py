@@ -11,7 +11,8 @@ download; zero/data.py) or on `--data PATH`. Rank 0 shows a progress bar (tqdm w
 plain lines otherwise) with the loss, tokens/s and each rank's resident model-state bytes; every
 `--eval-every` steps all ranks evaluate the validation loss (forward only, averaged over ranks),
 and every `--ckpt-every` steps (and at the end) the run is checkpointed to OUT/ckpt. Rank 0
-writes OUT/train_log.json (a zero.results record, atomically) and OUT/loss_curve.png.
+writes OUT/train_log.json (a zero.results record, atomically) and OUT/loss_curve.png, and appends
+the loss history to OUT/ckpt/history.jsonl (zero/history.py).
 `--resume` continues from OUT/ckpt/latest up to `--steps` in total; in deterministic mode
 (the default) the result is bitwise that of an uninterrupted run, at any stage and world size.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -52,7 +54,9 @@ from . import cli
 from .config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from .data import VOCAB_SIZE, Corpus, load_corpus
 from .engine import StepResult, ZeroEngine
-from .launch import init_from_env, spawn, under_torchrun
+from .history import FILE as HISTORY_FILE
+from .history import HistoryLog
+from .launch import check_timeout, init_from_env, spawn, under_torchrun
 from .models import GPT, GPTConfig
 from .optim import TORCH_OPTIMIZERS
 from .results import make_record, write_atomic, write_json
@@ -207,10 +211,22 @@ class TrainConfig:
             "micro_batches",
             f"a positive multiple of nproc={n}",
         )
-        need(self.lr > 0, "lr", "a learning rate > 0")
-        need(self.weight_decay >= 0, "weight_decay", "a value >= 0")
-        need(0.0 < self.val_fraction < 1.0, "val_fraction", "a fraction in (0, 1)")
-        need(self.timeout_s > 0, "timeout_s", "seconds > 0")
+
+        def real(name: str) -> bool:  # finite: lr=inf would surface as a non-finite gradient
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need(real("lr") and self.lr > 0, "lr", "a finite learning rate > 0")
+        need(real("weight_decay") and self.weight_decay >= 0, "weight_decay", "a finite value >= 0")
+        need(
+            real("val_fraction") and 0.0 < self.val_fraction < 1.0,
+            "val_fraction",
+            "a fraction in (0, 1)",
+        )
+        check_timeout(self.timeout_s)
+        need(isinstance(self.out, str) and self.out != "", "out", "a folder path")
+        need(isinstance(self.resume, bool), "resume", "True or False")
+        need(isinstance(self.zero, ZeroConfig), "zero", "a ZeroConfig")
 
     def zero_config(self, world_size: int) -> ZeroConfig:
         gpt, _ = MODELS[self.model]
@@ -322,9 +338,24 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     engine = ZeroEngine(GPT(gpt, device=device, seed=cfg.seed), cfg.zero_config(world_size))
     out, lead = Path(cfg.out), rank == 0
     ckpt = out / "ckpt"
+    # [Note: bounded manifests] in zero/history.py: rank 0 keeps the history in an append-only
+    # file; a checkpoint holds a constant-size mark of it, not the history itself
+    log = HistoryLog(ckpt / HISTORY_FILE) if lead else None
     history: dict = {"train": [], "val": []}
     if cfg.resume and (ckpt / "latest").is_file():
-        history = engine.load(ckpt).extra["history"]  # the log travels with the checkpoint
+        extra = engine.load(ckpt).extra
+        if lead:
+            history = log.restore(extra)
+    elif lead:
+        log.start()
+        history = log.history
+
+    def add(split: str, entry: dict) -> None:
+        if lead:
+            log.append(split, entry)  # appends to `history` too
+        else:
+            history[split].append(entry)
+
     start = engine.data_step
     M = engine.config.micro_batches
     tokens_per_step = M * batch_size * T
@@ -376,14 +407,15 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     def on_step(step: int, res: StepResult) -> None:
         seconds = time.perf_counter() - clock[0]
         done = step + 1
-        history["train"].append(
+        add(
+            "train",
             {
                 "step": done,
                 "loss": res.loss,
                 "norm": res.norm,
                 "skipped": res.skipped,
                 "tokens_per_s": tokens_per_step / seconds,
-            }
+            },
         )
         if done % cfg.log_every == 0 or done == start + 1:
             memory[:] = [0] * world_size
@@ -405,21 +437,23 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
             val = evaluate(
                 engine, corpus, seed=cfg.seed, batches=cfg.eval_batches, batch_size=batch_size
             )
-            history["val"].append({"step": done, "loss": val})
+            add("val", {"step": done, "loss": val})
             progress.say(f"step {done}: train loss {res.loss:.4f}, validation loss {val:.4f}")
             save_log()
         if last or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
-            engine.save(ckpt, keep_last=2, extra={"history": history})
+            engine.save(ckpt, keep_last=2, extra={"history_log": log.mark() if lead else None})
         clock[0] = time.perf_counter()
 
     if start == 0 and not history["val"]:  # where the curve starts: about ln 256 nats
         val = evaluate(
             engine, corpus, seed=cfg.seed, batches=cfg.eval_batches, batch_size=batch_size
         )
-        history["val"].append({"step": 0, "loss": val})
+        add("val", {"step": 0, "loss": val})
     if start < cfg.steps:
         train_steps(engine, microbatch, cfg.steps - start, start_step=start, on_step=on_step)
     progress.close()
+    if lead:
+        log.close()
     final = save_log(master_sha256(engine))
     return final if lead else None
 
@@ -444,6 +478,12 @@ def parse(argv=None) -> TrainConfig:
 def main(argv=None) -> dict | None:
     """Run the CLI; returns rank 0's log record (None on the other torchrun ranks)."""
     cfg = parse(argv)
+    # before any work: an unwritable --out would otherwise be found after training
+    cli.check_writable("out", cfg.out)
+    if cfg.data is not None and not Path(cfg.data).exists():
+        raise ValueError(
+            f"data={cfg.data!r}: no such file or folder; allowed is a text file or folder"
+        )
     if under_torchrun():
         rank, world, device = init_from_env(timeout_s=cfg.timeout_s)
         if cfg.nproc not in (None, world):
@@ -465,8 +505,4 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as exc:
-        print(f"python -m zero.train: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main, "python -m zero.train")

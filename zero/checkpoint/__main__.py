@@ -3,8 +3,7 @@
 Legend: `consolidate DIR OUT` writes one plain state dict; `verify DIR` checks every checksum.
 """
 
-import sys
-
+from .. import cli
 from .cli import main
 
-sys.exit(main())
+cli.run(main, "python -m zero.checkpoint")

@@ -1,0 +1,90 @@
+"""Long runs stay bounded: the engine's traffic records and a checkpoint's manifest do not grow
+with the step count ([Note: bounded traffic records] in zero/collectives.py, [Note: bounded
+manifests] in zero/history.py), while the totals and a resumed run's loss history stay exact."""
+
+import json
+
+import pytest
+from engine_tools import mlp_engine, one_step
+
+from zero.collectives import KEEP_STEPS
+from zero.launch import get_pool
+from zero.train import main
+
+STEPS = 300
+
+
+def _long_run(rank, n):
+    model, eng = mlp_engine(2, n, 1)
+    sizes, by_step = [], []
+    for step in range(STEPS):
+        one_step(eng, model, rank, n, 1, step)
+        done = eng.counter.step - 1
+        by_step.append({kind: eng.counter.volume(done, kind) for kind in ("model", "control")})
+        sizes.append(len(eng.counter.records))
+    try:
+        eng.counter.of_step(0)
+        dropped = None
+    except ValueError as exc:
+        dropped = str(exc)
+    totals = {kind: eng.counter.total(kind) for kind in ("model", "control")}
+    return sizes, by_step, dropped, totals
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_traffic_records_stay_flat_and_totals_stay_exact():
+    """300 steps at stage 2 on 2 ranks: the record count is the same after every step once the
+    window of KEEP_STEPS steps is full (today's code grew by a step's records per step); a
+    dropped step is refused by name, not answered with an empty list; and the totals equal the
+    sum of the per-step volumes read while the steps were still kept."""
+    for sizes, by_step, dropped, totals in get_pool(2).run(_long_run):
+        full = sizes[KEEP_STEPS:]
+        assert len(set(full)) == 1, sorted(set(full))
+        assert full[0] <= KEEP_STEPS * max(1, sizes[0]), (full[0], sizes[0])
+        assert dropped is not None and "step=0" in dropped and "keep_steps" in dropped
+        for kind in ("model", "control"):
+            stepped = sum(v[kind][0] for v in by_step)
+            # the totals also hold construction's step -1 checks (control traffic only)
+            assert totals[kind]["elements"] >= stepped
+            if kind == "model":
+                assert totals[kind]["elements"] == stepped, (totals[kind], stepped)
+
+
+FAST = ["--model", "tiny", "--nproc", "1", "--log-every", "1000", "--eval-batches", "1"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_manifest_size_is_flat_and_resume_keeps_the_history(tmp_path):
+    """A checkpoint at step 40 has a manifest of the same size as one at step 10 (it held the
+    whole loss history, ~130 bytes more per step); resuming from the step-30 checkpoint of a
+    run whose history file runs further gives back exactly the history up to the checkpoint,
+    and the resumed run's history is the uninterrupted run's (losses and steps)."""
+    out = tmp_path / "a"
+    args = [*FAST, "--out", str(out), "--eval-every", "10", "--ckpt-every", "10"]
+    main([*args, "--steps", "40"])
+    ckpt = out / "ckpt"
+    sizes = {}
+    for d in ckpt.iterdir():
+        if d.is_dir() and (d / "manifest.json").is_file():
+            m = json.loads((d / "manifest.json").read_text())
+            sizes[m["data_step"]] = len((d / "manifest.json").read_bytes())
+            assert "history" not in m["extra"], "the manifest embeds the history again"
+    assert set(sizes) == {30, 40}, sizes  # keep_last=2
+    # the same digit counts: sha256 hex digests and step numbers of equal width
+    assert sizes[30] == sizes[40], sizes
+    whole = json.loads((out / "train_log.json").read_text())["result"]["history"]
+
+    # resume from the step-30 checkpoint: the history file holds entries up to step 40
+    step30 = [d for d in ckpt.iterdir() if d.is_dir() and (d / "manifest.json").is_file()]
+    step30 = [d for d in step30 if json.loads((d / "manifest.json").read_text())["data_step"] == 30]
+    (ckpt / "latest").write_text(f"{step30[0].name}\n")
+    main([*args, "--steps", "40", "--resume"])
+    again = json.loads((out / "train_log.json").read_text())["result"]["history"]
+
+    def strip(h):  # tokens/s is a timing; everything else must be the same
+        return {k: [{x: v for x, v in e.items() if x != "tokens_per_s"} for e in h[k]] for k in h}
+
+    assert strip(again) == strip(whole)
+    assert [e["step"] for e in again["train"]] == list(range(1, 41))
