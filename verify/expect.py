@@ -95,8 +95,43 @@ def real_per_shard(lay, n: int) -> list[int]:
     return [int(x) for x in mask.sum(axis=1)]
 
 
+def ran_units(spec, grads, n: int, rank: int) -> list[list[bool]]:
+    """Per unit, per micro-step of this step on `rank`: whether the unit ran (forward and
+    backward), read off the reference's micro-batch gradients: a unit ran where some
+    parameter of it has a gradient ([Note: unused parameters], reference/step.py)."""
+    k = len(grads) // n
+    return [
+        [any(s.name in grads[i * n + rank] for s in lay.slots) for i in range(k)]
+        for lay in spec.layouts
+    ]
+
+
+def stage3_forward_gathers(ran, before, overlap: bool) -> list[int]:
+    """param_fwd all-gathers of each non-root unit over one step's micro-steps (unit 0, the
+    root, is gathered by every forward and is counted apart). A unit that runs is gathered
+    once; with overlap, pre_forward(u) also prefetches the unit that followed u in the
+    previous micro-step's order (zero/stages/stage3.py), if it is sharded and no other
+    non-root unit is held: where that unit does not run now, the gather is spent for nothing.
+    `before`: which units ran in the micro-step before this step's first (None: none)."""
+    units, k = len(ran), len(ran[0]) if ran else 0
+    out = [0] * units
+    last = [u for u in range(1, units) if before and before[u]]
+    for i in range(k):
+        order = [u for u in range(1, units) if ran[u][i]]
+        held: set[int] = set()  # prefetched units that do not run: held to the micro-step's end
+        for u in order:
+            out[u] += 1
+            if overlap and u in last and last.index(u) + 1 < len(last):
+                nxt = last[last.index(u) + 1]
+                if nxt not in order and nxt not in held and not held:
+                    out[nxt] += 1
+                    held.add(nxt)
+        last = order
+    return out
+
+
 def expected_traffic(
-    config, spec, n: int, rank: int, *, forward: bool, skipped: bool = False
+    config, spec, n: int, rank: int, *, forward: bool, skipped: bool = False, ran=None, before=None
 ) -> dict[str, tuple]:
     """Model-state collectives of one step on `rank`: {"op:phase": (calls, elements, padding)}.
 
@@ -113,9 +148,15 @@ def expected_traffic(
     Each reduce-scatter is cut into ceil(L / (C_B // N)) pieces with bucket_elements C_B; the
     pieces send what the whole would. Every call sends (N-1)·(its shard part) elements. A
     skipped step (overflow) updates nothing, so it gathers no updated parameters.
+    ran: ran_units(...) for a model whose units do not all run in every micro-step (then
+    stage 3 gathers a unit for its forward and backward only where it runs, plus the forward
+    prefetches of stage3_forward_gathers; `before` is ran's last micro-step of the step
+    before); None: every unit runs every micro-step.
     """
     k, det = config.micro_batches // n, config.deterministic
     out: dict[str, list[int]] = {}
+    ran = ran if ran is not None else [[True] * k for _ in spec.layouts]
+    fwd = stage3_forward_gathers(ran, before, config.overlap)
 
     def add(key, calls, elements, padding):
         row = out.setdefault(key, [0, 0, 0])
@@ -143,10 +184,12 @@ def expected_traffic(
                 add("all_gather:param_update", 1, *ag)
         else:
             add(rs[0], *(k * x for x in rs[1:]))
-            if forward:
+            if forward and not i:  # the root: every forward, and held through backward
                 add("all_gather:param_fwd", k, k * ag[0], k * ag[1])
-                if i:  # the root (unit 0) stays gathered through backward
-                    add("all_gather:param_bwd", k, k * ag[0], k * ag[1])
+            elif forward:
+                add("all_gather:param_fwd", fwd[i], fwd[i] * ag[0], fwd[i] * ag[1])
+                b = sum(ran[i])
+                add("all_gather:param_bwd", b, b * ag[0], b * ag[1])
     return {key: tuple(v) for key, v in out.items()}
 
 

@@ -114,7 +114,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
     for pname, p in engine.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(first[id(p)], []).append(pname)
         canonical[pname] = first[id(p)]
-    params = []
+    params, steps = [], engine.param_steps()
     for pname, p in engine.module.named_parameters():  # module order: torch.optim's order
         unit, offset = where[pname]
         params.append(
@@ -126,6 +126,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
                 "unit": unit,
                 "offset": offset,
                 "aliases": aliases[pname],
+                "step": steps[pname],  # t_p: since format version 2
             }
         )
     units = [

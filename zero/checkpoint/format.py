@@ -27,7 +27,10 @@ import torch
 import torch.distributed as dist
 
 FORMAT = "zero-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""1: the first format. 2 adds each parameter's own optimizer step count (params[i]["step"],
+reference/step.py's [Note: unused parameters]); a version-1 checkpoint loads with every count
+equal to t, which is what the engine that wrote it did."""
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"step-\d{8,}(-\d+)?")
@@ -53,6 +56,7 @@ class CheckpointInfo:
     directory: Path  # the step directory read
     data_step: int  # the data position: the next step to run (train_steps' start_step)
     t: int  # optimizer steps taken
+    steps: dict  # parameter name -> its own optimizer steps (t for every one before version 2)
     world_size: int  # N1
     stage: int  # the stage it was saved at
     extra: object  # the JSON value passed to save(extra=...)
@@ -192,6 +196,12 @@ def read_manifest(step_dir: Path) -> dict:
     if m["byteorder"] != sys.byteorder:
         raise CheckpointError(f"{path}: saved on a {m['byteorder']}-endian machine")
     return m
+
+
+def saved_steps(m: dict) -> dict[str, int]:
+    """Each parameter's optimizer step count t_p from a manifest; before format version 2
+    every parameter had taken all t steps."""
+    return {p["name"]: int(p.get("step", m["t"])) for p in m["params"]}
 
 
 class _Reader:
