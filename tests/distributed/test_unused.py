@@ -82,7 +82,7 @@ def test_the_old_zero_gradient_update_fails_verification():
     per_rank = get_pool(2).run(planted_zero_update, branch_cells(2), timeout_s=600)
     for verdicts in per_rank:
         for v in verdicts:
-            assert not v["passed"] and "side." in v["first"], v["first"]
+            assert not v["passed"] and v["first"].startswith("step 1: unit 3 (side)"), v["first"]
 
 
 # -- against plain PyTorch: torch.optim.AdamW(foreach=False) + clip_grad_norm_ ------------------
@@ -225,10 +225,9 @@ def save_then_resume(rank, n, stage, directory, phase):
     zcfg = ZeroConfig(stage=stage, optimizer="adamw", groups=(HP,), micro_batches=2,
                       units=tuple(model.unit_names()))  # fmt: skip
     eng = ZeroEngine(model, zcfg)
-    data = skip_microbatches if stage == 3 else branch_microbatches
 
-    def batch(s, j):
-        return data(cfg, seed=0, data_step=s, count=2, batch_size=4)[j]
+    def batch(s, j):  # ranks disagree on even steps: fine at N = 1, and at stages 0-2
+        return branch_microbatches(cfg, seed=0, data_step=s, count=2, batch_size=4)[j]
 
     if phase == "load":
         eng.load(directory)
