@@ -19,7 +19,9 @@ and of fp32; γ_k = k·u/(1-k·u); verify/bounds.py):
      g = g0·coef:                    e_g = coef·e_g0 + |g0|·Δcoef + 2u·|g| + 2η
    then verify/bounds.optimizer_step_error propagates e_g through the optimizer's lines, charging
    each line the roundings of two implementations (torch's functional kernels vs the reference's
-   op order). The new master and every optimizer state must lie within the resulting bounds.
+   op order), at each parameter's own step count. A parameter that no micro-batch has a
+   gradient for is skipped by both ([Note: unused parameters]): its bound is 0, bits. The new
+   master and every optimizer state must lie within the resulting bounds.
    The working copy rounds both masters to the compute dtype: |fl(a) - fl(b)| <= (1+u_c)·|a-b|
    + 2·u_c·|b| + η, where η is the dtype's smallest subnormal (rounding near zero has an
    absolute error floor of η/2: 2^-25 in fp16, which a relative term cannot cover).

@@ -293,6 +293,8 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     "fast_norm_misreported": lambda c: c.mode == "fast" and _optimizer_steps(c) >= 1,
     # the step count is compared after every step; needs a skipped step
     "t_advances_on_skip": lambda c: c.gradients == "nonfinite" or c.loss_scale is not None,
+    # a branch whole steps skip: the skipped parameters are compared (fast mode: bound 0)
+    "unused_updated": lambda c: c.model in ("mlp-branch", "mlp-skip"),
 }
 
 

@@ -11,7 +11,8 @@ steps taken, R the reduced gradient. A step is exactly reference/step.py's, comp
   1. every micro-step, each unit's gradients are reduced as its stage says (zero/stages/);
   2. overflow: any non-finite in R on any rank ([Note: overflow detection]);
   3. g = fp32(R) · s(1/(S·M)); the global norm from chunk partials; clipping;
-  4. the optimizer on this rank's extent (zero/optim.py), then the new working copy.
+  4. the optimizer on this rank's extent (zero/optim.py), skipping parameters that no rank had
+     a gradient for ([Note: unused parameters], reference/step.py), then the new working copy.
 
 [Note: overflow detection] The reference checks every micro-batch gradient and R. Once a
 non-finite value enters an IEEE sum, the sum stays non-finite (inf + x is inf or NaN; NaN

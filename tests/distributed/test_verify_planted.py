@@ -38,6 +38,8 @@ The bugs:
                               (the norm used for clipping is right)
   t_advances_on_skip          a skipped step still counts as an optimizer step (harmless to SGD's
                               state, so only the reported step count shows it)
+  unused_updated              a parameter no micro-batch had a gradient for is still updated
+                              with zeros (decay and moments move it), where torch.optim skips it
 """
 
 import dataclasses
@@ -176,9 +178,9 @@ def plant_loss_m_over_n(mp):
     original = ZeroEngine._exchange
 
     def exchange(self, *a, **kw):
-        overflow, bad, loss, partials = original(self, *a, **kw)
+        overflow, bad, loss, *rest = original(self, *a, **kw)
         k = self.config.micro_batches // self.world_size
-        return overflow, bad, loss * k, partials
+        return overflow, bad, loss * k, *rest
 
     mp.setattr(ZeroEngine, "_exchange", exchange)
 
@@ -267,6 +269,15 @@ def plant_t_advances_on_skip(mp):
     mp.setattr(ZeroEngine, "step", step)
 
 
+def plant_unused_updated(mp):
+    original = zoptim.live_runs
+
+    def every_run(runs, slots, lo, used, steps):  # the old rule: used or not, updated
+        return original(runs, slots, lo, [True] * len(used), steps)
+
+    mp.setattr(engine_module, "live_runs", every_run)
+
+
 BUGS = {
     "one_ulp": plant_one_ulp,
     "shard_offset": plant_shard_offset,
@@ -284,6 +295,7 @@ BUGS = {
     "half_width_pieces": plant_half_width_pieces,
     "fast_norm_misreported": plant_fast_norm_misreported,
     "t_advances_on_skip": plant_t_advances_on_skip,
+    "unused_updated": plant_unused_updated,
 }
 
 
