@@ -54,7 +54,9 @@ def test_the_branch_is_unused_on_odd_steps_in_the_reference():
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_every_stage_equals_the_reference_bitwise(n):
     """Stages 0-3 at N: masters, states, working copies, norms and every parameter's own step
-    count are the reference's bits, step by step (verify/harness.py)."""
+    count are the reference's bits, step by step (verify/harness.py). At stage 3 the side unit
+    runs on no rank in odd steps: its zeros are built from metadata, where FlatUnit.grads()
+    used to read the sharded parameters and raise an error about a read nobody made."""
     per_rank = get_pool(n).run(run_cells, branch_cells(n), timeout_s=600)
     for verdicts in per_rank:
         for v in verdicts:
