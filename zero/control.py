@@ -65,7 +65,10 @@ def exchange(units, losses, held, g, inv: np.float32, chunk: int, device, group,
     )
     loss = float(every[:, 0].sum() / every[:, 1].sum())
     overflow = bool(every[:, 2].max() > 0)
-    anywhere = (every[:, 3 : 3 + len(flags)].amax(dim=0) > 0).tolist()
+    # this rank's own flags count as they are (its row of `every` holds them; a fake process
+    # group, measure/simulate.py, leaves the gathered rows unwritten)
+    seen = (every[:, 3 : 3 + len(flags)].amax(dim=0) > 0).tolist()
+    anywhere = [bool(a) or b > 0 for a, b in zip(seen, flags, strict=True)]
     used = []
     for u in units:
         used.append(anywhere[: len(u.used)])
