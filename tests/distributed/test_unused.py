@@ -186,7 +186,11 @@ def lockstep_vs_torch(rank, n, stage, planted):
                 else:  # torch.optim skipped it: so must the engine, bit for bit
                     bound = np.zeros_like(want)
                 ok = bool(np.all(np.abs(got - want) <= bound))
-                rows.append((step, k, k in grads, ok, after_steps[k], torch_count(opt, p)))
+                moved = np.abs(want - before[k].astype(np.float64))
+                tight = k not in grads or float(np.mean(moved > 100 * bound)) > 0.9
+                rows.append(
+                    (step, k, k in grads, ok and tight, after_steps[k], torch_count(opt, p))
+                )
     finally:
         engine_module.live_runs = original
     return rows
@@ -198,7 +202,8 @@ def test_lockstep_with_torch_adamw_and_clip_grad_norm(stage):
     """Four steps, each from torch's state: used parameters within the derived bound of
     torch.optim.AdamW(foreach=False) after clip_grad_norm_; the side branch, which torch skips
     on odd steps (grad None), unchanged bit for bit; every parameter's own step count equal to
-    torch's state["step"]."""
+    torch's state["step"]. Not vacuous: over 90% of each used tensor moved by more than 100x
+    its bound."""
     per_rank = get_pool(2).run(lockstep_vs_torch, stage, False, timeout_s=600)
     for rows in per_rank:
         assert all(ok for *_, ok, _, _ in rows), [r for r in rows if not r[3]]
