@@ -22,7 +22,8 @@ Communication per step (× (N-1)/N, M micro-batches): stage 0-2 deterministic (M
 (reduce-scatter each micro-step, then one all-gather: of gradients at stage 0, of parameters at
 1-2); fast 2Ψ at stages 0-1 (local accumulation, then all-reduce or reduce-scatter + all-gather)
 and (M/N + 1)Ψ at stage 2; stage 3 3Ψ·M/N in both modes. Elements sent include padding; the log
-also says how many of them are padding. Control traffic (overflow flag, norm partials) is logged
+also says how many of them are padding. Control traffic (overflow flag, used-parameter flags, norm
+partials) is logged
 as kind="control" and kept apart.
 
 Fast mode sums in another order (local accumulation first, then across ranks), so it is *not*
@@ -38,7 +39,16 @@ import numpy as np
 
 from . import optim
 from .precision import DTYPES, cast, f32, scaler_update
-from .step import ModelSpec, StepConfig, StepInfo, TrainState, clip_coefficient, init_state
+from .step import (
+    ModelSpec,
+    StepConfig,
+    StepInfo,
+    TrainState,
+    clip_coefficient,
+    complete,
+    init_state,
+    used_names,
+)
 from .tree import StreamingTree, chunk_sumsq, global_norm, tree_sum
 
 MODES = ("deterministic", "fast")
@@ -94,13 +104,18 @@ def all_reduce(bufs, shard: int, padding, log, **tag):
     return full
 
 
-def all_reduce_max(flags, log):
-    """Control: every rank learns whether any rank saw an overflow; a one-element all-reduce,
-    counted as N-1 elements per rank."""
+def all_reduce_max(flags, log, used=None):
+    """Control: every rank learns whether any rank saw an overflow, and (with `used`, one set
+    of parameter names per rank) which parameters some rank had a gradient for: one flag per
+    parameter besides the overflow flag, counted as (N-1)·(1 + P) elements per rank.
+    Returns the overflow decision, or (decision, union of `used`) when `used` is given."""
     tag = {"phase": "overflow", "unit": None, "kind": "control", "padding": 0}
+    extra = 0 if used is None else used[1]
     for r in range(len(flags)):
-        log[r].append(Sent(op="all_reduce_max", elements=len(flags) - 1, **tag))
-    return any(flags)
+        log[r].append(Sent(op="all_reduce_max", elements=(len(flags) - 1) * (1 + extra), **tag))
+    if used is None:
+        return any(flags)
+    return any(flags), set().union(*used[0])
 
 
 # --- the simulated world --------------------------------------------------------------------
@@ -273,6 +288,13 @@ class Stage0:
         local_bad = [False] * n
         streams = [[StreamingTree() for _ in range(n)] for _ in units]  # deterministic mode
         acc: list[list] = [[None] * n for _ in units]  # fast mode's running sums
+        # [Note: unused parameters] each rank ORs "had a gradient" over its micro-batches;
+        # the absent ones enter its buffers as zeros
+        mine = [
+            set().union(*(used_names(grads[j : j + 1], self.spec) for j in range(r, m, n)))
+            for r in range(n)
+        ]
+        grads = [complete(g, self.spec, cfg.precision) for g in grads]
         for k in range(m // n):
             for u in units:
                 self.pre_forward(u)
@@ -293,7 +315,8 @@ class Stage0:
                 self.held_grad(rk, u)[:] = out[rk.rank]
         held = [[self.held_grad(rk, u) for rk in self.ranks] for u in units]
         local_bad = [b or any(not_finite(h[r]) for h in held) for r, b in enumerate(local_bad)]
-        if all_reduce_max(local_bad, self.log):
+        overflow, used = all_reduce_max(local_bad, self.log, (mine, len(self.spec.names)))
+        if overflow:
             return self._skip(scale)
 
         c = f32(1.0 / (scale * m))
@@ -309,13 +332,14 @@ class Stage0:
         if coef is not None:
             g = [[x * coef for x in per_rank] for per_rank in g]
         t = state.t + 1
+        steps = {x: state.step_of(x) + (x in used) for x in self.spec.names}
         for u in units:
             for rk in self.ranks:
-                self._optimizer_step(rk, u, g[u][rk.rank], t)
+                self._optimizer_step(rk, u, g[u][rk.rank], steps, used)
             self.refresh_working(u)
         scaler = None if state.scaler is None else scaler_update(state.scaler, False, cfg.scaler)
         self.state = TrainState(
-            master={}, opt={}, t=t, data_step=state.data_step + 1, scaler=scaler
+            master={}, opt={}, t=t, data_step=state.data_step + 1, scaler=scaler, steps=steps
         )
         return StepInfo(
             overflow=False, skipped=False, scale=scale, norm=norm, clip_coef=coef, reduced={}
@@ -336,20 +360,21 @@ class Stage0:
     def _state_names(self, name):
         return optim.state_names(self.cfg.optimizer, self.cfg.groups[self.spec.group_of[name]])
 
-    def _optimizer_step(self, rk: Rank, u: int, g: np.ndarray, t: int) -> None:
-        """Update the parameter segments inside rk's extent, each with its group's
-        hyper-parameters ([Note: op-ordered optimizers]: elementwise, so slices are exact)."""
+    def _optimizer_step(self, rk: Rank, u: int, g: np.ndarray, steps, used) -> None:
+        """Update the segments of used parameters inside rk's extent, each with its group's
+        hyper-parameters and its own step count ([Note: op-ordered optimizers]: elementwise,
+        so slices are exact; [Note: unused parameters]: the others are skipped)."""
         lay, cfg = self.spec.layouts[u], self.cfg
         start = self.extent(rk, u).start
         stop = start + rk.master[u].size
         for s in lay.slots:
             a, b = max(s.offset, start), min(s.offset + s.numel, stop)
-            if a >= b:
+            if a >= b or s.name not in used:
                 continue
             hp = cfg.groups[self.spec.group_of[s.name]]
             loc = slice(a - start, b - start)
             st = {x: rk.opt[u][x][loc] for x in optim.state_names(cfg.optimizer, hp)}
-            p, new = optim.step(cfg.optimizer, rk.master[u][loc], g[loc], st, hp, t)
+            p, new = optim.step(cfg.optimizer, rk.master[u][loc], g[loc], st, hp, steps[s.name])
             rk.master[u][loc] = p
             for x, arr in new.items():
                 rk.opt[u][x][loc] = arr
@@ -364,7 +389,12 @@ class Stage0:
             )
         scaler = None if state.scaler is None else scaler_update(state.scaler, True, cfg.scaler)
         self.state = TrainState(
-            master={}, opt={}, t=state.t, data_step=state.data_step + 1, scaler=scaler
+            master={},
+            opt={},
+            t=state.t,
+            data_step=state.data_step + 1,
+            scaler=scaler,
+            steps=state.steps,
         )
         return StepInfo(
             overflow=True, skipped=True, scale=scale, norm=None, clip_coef=None, reduced={}

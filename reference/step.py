@@ -15,11 +15,16 @@ The step, in order (docs/design.md §2):
   4. norm = global_norm over the layout's chunks (float64, reference/layout.py, always computed
      and returned). With clip_norm set: coef = s(clip_norm / (norm + 1e-6)); if coef < 1,
      g = g * coef.
-  5. t = t + 1; each parameter is updated by its group's optimizer (reference/optim.py).
+  5. t = t + 1; each *used* parameter p (below) advances its own count t_p = t_p + 1 and is
+     updated by its group's optimizer with t_p (reference/optim.py); the others are untouched.
   6. The working copy is the fp32 master rounded to the compute dtype (nearest even).
 Here s(x) means x computed in float64 and rounded once to float32.
-Every parameter of the spec is trainable and in `grads` of every micro-batch: one that a
-micro-batch did not use has a zero gradient (as DDP reduces it), and still gets its update.
+[Note: unused parameters] A micro-batch's `grads` may omit a parameter: it had no gradient
+there (backward left its .grad None). Where some micro-batch has one, the others count as
+zeros, as DDP reduces them. A parameter that no micro-batch of the step has is *unused*: the
+optimizer skips it exactly as torch.optim skips `grad is None` (no decay, no momentum or moment
+update, its own step count t_p does not advance; torch keeps state["step"] per parameter). Its
+zeros still enter R and the norm, which they do not change.
 Frozen parameters (requires_grad=False) are not in the spec: no gradient, master, optimizer state
 or place in the norm's chunks, never updated; they are held in the compute dtype, cast once from
 their start value (nearest even), and reach the step only through the g_j computed with them.
@@ -130,6 +135,10 @@ class ModelSpec:
     def numel(self) -> int:
         return sum(lay.numel for lay in self.layouts)
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {s.name: s.shape for lay in self.layouts for s in lay.slots}
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainState:
@@ -138,6 +147,12 @@ class TrainState:
     t: int = 0  # optimizer steps taken (skipped steps excluded)
     data_step: int = 0  # steps attempted (skipped steps included): seeds the data
     scaler: ScalerState | None = None  # fp16 only
+    steps: Mapping[str, int] | None = None  # t_p: each parameter's own optimizer steps
+    """[Note: unused parameters]; None means every parameter has taken all t steps."""
+
+    def step_of(self, name: str) -> int:
+        """t_p: the optimizer steps parameter `name` has taken."""
+        return self.t if self.steps is None else self.steps[name]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +178,7 @@ def init_state(master: Mapping[str, np.ndarray], spec: ModelSpec, cfg: StepConfi
         for n in spec.names
     }
     scaler = scaler_init(cfg.scaler) if cfg.precision == "fp16" else None
-    return TrainState(master=master, opt=opt, scaler=scaler)
+    return TrainState(master=master, opt=opt, scaler=scaler, steps=dict.fromkeys(spec.names, 0))
 
 
 def working_copy(state: TrainState, cfg: StepConfig) -> dict[str, np.ndarray]:
@@ -180,6 +195,24 @@ def norm_partials(g: Mapping[str, np.ndarray], spec: ModelSpec) -> list[np.ndarr
     return [chunk_sumsq(lay.flatten(g, 1, np.float32), lay.chunk) for lay in spec.layouts]
 
 
+def used_names(grads: Sequence[Grads], spec: ModelSpec) -> set[str]:
+    """The parameters some micro-batch has a gradient for ([Note: unused parameters]); a name
+    outside the spec is an error."""
+    known = set(spec.names)
+    for j, g in enumerate(grads):
+        extra = sorted(set(g) - known)
+        if extra:
+            raise ValueError(f"grads[{j}][{extra[0]!r}]: not a parameter of the model spec")
+    return {n for n in spec.names if any(n in g for g in grads)}
+
+
+def complete(g: Grads, spec: ModelSpec, dtype: str) -> dict[str, np.ndarray]:
+    """One micro-batch's gradients with every absent parameter as zeros (+0) of `dtype`."""
+    return {
+        n: g[n] if n in g else np.zeros(shape, DTYPES[dtype]) for n, shape in spec.shapes.items()
+    }
+
+
 def train_step(
     state: TrainState, grads: Sequence[Grads], spec: ModelSpec, cfg: StepConfig
 ) -> tuple[TrainState, StepInfo]:
@@ -189,6 +222,8 @@ def train_step(
         raise ValueError(
             f"grads: got {m} micro-batches, config says micro_batches={cfg.micro_batches}"
         )
+    used = used_names(grads, spec)
+    grads = [complete(g, spec, cfg.precision) for g in grads]
     scale = state.scaler.scale if state.scaler is not None else 1.0
     reduced = {
         n: reduce_microbatches([cast(g[n], cfg.reduction) for g in grads], cfg.world_size)
@@ -208,12 +243,18 @@ def train_step(
         g = {n: x * coef for n, x in g.items()}
 
     t = state.t + 1
-    master, opt = {}, {}
+    master, opt, steps = dict(state.master), dict(state.opt), {}
     for n in spec.names:
-        hp = cfg.groups[spec.group_of[n]]
-        master[n], opt[n] = optim.step(cfg.optimizer, state.master[n], g[n], state.opt[n], hp, t)
+        steps[n] = state.step_of(n) + (n in used)
+        if n in used:  # an unused parameter is skipped, as torch.optim skips grad None
+            hp = cfg.groups[spec.group_of[n]]
+            master[n], opt[n] = optim.step(
+                cfg.optimizer, state.master[n], g[n], state.opt[n], hp, steps[n]
+            )
     scaler = None if state.scaler is None else scaler_update(state.scaler, False, cfg.scaler)
-    new = TrainState(master=master, opt=opt, t=t, data_step=state.data_step + 1, scaler=scaler)
+    new = TrainState(
+        master=master, opt=opt, t=t, data_step=state.data_step + 1, scaler=scaler, steps=steps
+    )
     return new, StepInfo(
         overflow=False, skipped=False, scale=scale, norm=norm, clip_coef=coef, reduced=reduced
     )
@@ -241,6 +282,7 @@ def skip_step(state: TrainState, cfg: StepConfig, reduced, scale: float):
         t=state.t,
         data_step=state.data_step + 1,
         scaler=scaler,
+        steps=state.steps,
     )
     info = StepInfo(
         overflow=True, skipped=True, scale=scale, norm=None, clip_coef=None, reduced=reduced

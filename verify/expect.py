@@ -109,8 +109,53 @@ def real_per_shard(lay, n: int) -> list[int]:
     return [int(x) for x in mask.sum(axis=1)]
 
 
+def ran_units(spec, grads, n: int, rank: int) -> list[list[bool]]:
+    """Per unit, per micro-step of this step on `rank`: whether the unit ran (forward and
+    backward), read off the reference's micro-batch gradients: a unit ran where some
+    parameter of it has a gradient ([Note: unused parameters], reference/step.py)."""
+    k = len(grads) // n
+    return [
+        [any(s.name in grads[i * n + rank] for s in lay.slots) for i in range(k)]
+        for lay in spec.layouts
+    ]
+
+
+def stage3_forward_gathers(ran, before, overlap: bool) -> list[int]:
+    """param_fwd all-gathers of each non-root unit over one step's micro-steps (unit 0, the
+    root, is gathered by every forward and is counted apart). A unit that runs is gathered
+    once; with overlap, pre_forward(u) also prefetches the unit that followed u in the
+    previous micro-step's order (zero/stages/stage3.py), if it is sharded and no other
+    non-root unit is held: where that unit does not run now, the gather is spent for nothing.
+    `before`: which units ran in the micro-step before this step's first (None: none)."""
+    units, k = len(ran), len(ran[0]) if ran else 0
+    out = [0] * units
+    last = [u for u in range(1, units) if before and before[u]]
+    for i in range(k):
+        order = [u for u in range(1, units) if ran[u][i]]
+        held: set[int] = set()  # prefetched units that do not run: held to the micro-step's end
+        for u in order:
+            out[u] += 1
+            if overlap and u in last and last.index(u) + 1 < len(last):
+                nxt = last[last.index(u) + 1]
+                if nxt not in order and nxt not in held and not held:
+                    out[nxt] += 1
+                    held.add(nxt)
+        last = order
+    return out
+
+
 def expected_traffic(
-    config, spec, n: int, rank: int, *, forward: bool, skipped: bool = False, frozen=(), names=None
+    config,
+    spec,
+    n: int,
+    rank: int,
+    *,
+    forward: bool,
+    skipped: bool = False,
+    frozen=(),
+    names=None,
+    ran=None,
+    before=None,
 ) -> dict[str, tuple]:
     """Model-state collectives of one step on `rank`: {"op:phase": (calls, elements, padding)}.
 
@@ -133,9 +178,18 @@ def expected_traffic(
     gradient is not gathered in backward; this assumes every non-root unit's outputs do.
     names: the trainable units' names (None: unit 0 is the root, as in a model with a
     trainable root).
+    ran: ran_units(...) for a model whose units do not all run in every micro-step (then
+    stage 3 gathers a unit for its forward and backward only where it runs, plus the forward
+    prefetches of stage3_forward_gathers; `before` is ran's last micro-step of the step
+    before); None: every unit runs every micro-step. Both at once (a branch of frozen units,
+    or a root with nothing to train in a model with branches) are not modelled.
     """
     k, det = config.micro_batches // n, config.deterministic
     out: dict[str, list[int]] = {}
+    if ran is None:  # every unit runs, in one order: no prefetch is spent for nothing
+        ran, fwd = [[True] * k for _ in spec.layouts], [k] * len(spec.layouts)
+    else:
+        fwd = stage3_forward_gathers(ran, before, config.overlap)
 
     def add(key, calls, elements, padding):
         row = out.setdefault(key, [0, 0, 0])
@@ -163,10 +217,13 @@ def expected_traffic(
                 add("all_gather:param_update", 1, *ag)
         else:
             add(rs[0], *(k * x for x in rs[1:]))
-            if forward:
+            root = not i if names is None else not names[i]
+            if forward and root:  # the root: every forward, and held through backward
                 add("all_gather:param_fwd", k, k * ag[0], k * ag[1])
-                if i if names is None else names[i]:  # the root stays gathered in backward
-                    add("all_gather:param_bwd", k, k * ag[0], k * ag[1])
+            elif forward:
+                add("all_gather:param_fwd", fwd[i], fwd[i] * ag[0], fwd[i] * ag[1])
+                b = sum(ran[i])
+                add("all_gather:param_bwd", b, b * ag[0], b * ag[1])
     for name, lay in frozen:
         if config.stage != 3 or persistent(config, lay) or not forward:
             continue

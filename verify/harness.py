@@ -15,7 +15,8 @@ micro-batches; the engine's units and groups are compared with them, never used.
 After every step each rank compares, naming the step, the quantity and both values:
   reported  the step's loss (the mean of the reference side's own micro-batch losses, or of the
             injected ones, within loss_bound), the global norm, the skip decision, the loss
-            scale used and after the step, the optimizer step count and the data step;
+            scale used and after the step, the optimizer step count, each parameter's own step
+            count (unused parameters: reference/step.py) and the data step;
   traffic   the step's counted collectives (calls, elements, padding per op and phase) against
             verify.expect.expected_traffic (docs/design.md §2's volumes, unit by unit);
   state     its master extent, its optimizer-state extent and its working copy. Which extent a
@@ -54,6 +55,7 @@ from zero.forward import forward_rng
 from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches, mlp_microbatches
 from zero.train import train_steps
 
+from .branch import BranchMLP, branch_microbatches, skip_microbatches
 from .compare import bitwise_equal, max_abs_diff, max_ulp, to_numpy
 from .expect import (
     expected_extents,
@@ -61,6 +63,7 @@ from .expect import (
     expected_traffic,
     first_difference,
     frozen_layouts,
+    ran_units,
     reference_spec,
     reference_step_config,
     traffic_of_step,
@@ -114,6 +117,16 @@ MODELS = {  # build(device=None): on the CPU, or on the meta device (Cell.meta)
     "mlp-bn": (
         lambda device=None: NormMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
         mlp_microbatches,
+    ),
+    # a side branch that odd data steps skip: unused parameters (verify/branch.py); used by
+    # some ranks only on even steps ("mlp-branch", stages 0-2) or by all ("mlp-skip")
+    "mlp-branch": (
+        lambda device=None: BranchMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
+        branch_microbatches,
+    ),
+    "mlp-skip": (
+        lambda device=None: BranchMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
+        skip_microbatches,
     ),
     # no forward: injected gradients only (verify/inject.py)
     "params-even": (lambda: ParamModel("even"), None),
@@ -307,7 +320,9 @@ def microbatch_loss_and_grads(model, working, batch, dtype, scale, rng=None):
         _, loss = model(*args, **kwargs)
     value = float(loss.detach().float())
     backward_scaled(loss, scale)
-    return value, {name: to_numpy(p.grad).copy() for name, p in model.named_parameters()}
+    # a parameter backward left without a gradient is absent ([Note: unused parameters])
+    grads = {n: to_numpy(p.grad).copy() for n, p in model.named_parameters() if p.grad is not None}
+    return value, grads
 
 
 def loss_bound(losses) -> float:
@@ -553,6 +568,11 @@ def check_reported(step: int, eng, res, ref, info, losses, norm_ok) -> str:
     for what, ours, theirs in pairs:
         if ours != theirs:
             return f"step {step}: {what}: engine {ours!r}, reference {theirs!r}"
+    steps = eng.param_steps()  # [Note: unused parameters]: t_p of every parameter
+    for name in sorted(set(steps) | set(ref.master)):
+        ours, theirs = steps.get(name), ref.step_of(name) if name in ref.master else None
+        if ours != theirs:
+            return f"step {step}: step count of {name!r}: engine {ours!r}, reference {theirs!r}"
     if (res.norm is None) != (info.norm is None):
         return f"step {step}: global norm: engine {res.norm!r}, reference {info.norm!r}"
     if info.norm is not None:
@@ -617,7 +637,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
         if cell.injected
         else _Backward(cell, eng, ref_model, rcfg, device)
     )
-    res = None
+    res, before_ran = None, None
     for step in range(cell.steps):
         grads, losses = source.grads(step, ref)
         before = ref
@@ -629,6 +649,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
                 t=before.t,
                 data_step=before.data_step,
                 scaler=before.scaler,
+                steps=before.steps,
             )
         res = source.feed(step, grads, losses)
         verdict["skipped_steps"] += int(info.skipped)
@@ -656,9 +677,19 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
             verdict["reported"] = verdict["reported"] or why
             fail(why)
         traffic = traffic_of_step(eng.counter, eng.counter.step - 1)
+        ran = ran_units(spec, grads, n, rank)  # which units ran where: from the data alone
         traffic_want = expected_traffic(
-            ref_cfg, spec, n, rank, forward=not cell.injected, skipped=info.skipped, frozen=frozen
+            ref_cfg,
+            spec,
+            n,
+            rank,
+            forward=not cell.injected,
+            skipped=info.skipped,
+            frozen=frozen,
+            ran=ran,
+            before=before_ran,
         )
+        before_ran = [r[-1] for r in ran]
         why = first_difference(f"step {step}: traffic", traffic, traffic_want)
         if why and not verdict["traffic"]:
             verdict["traffic"] = why

@@ -19,7 +19,9 @@ and of fp32; γ_k = k·u/(1-k·u); verify/bounds.py):
      g = g0·coef:                    e_g = coef·e_g0 + |g0|·Δcoef + 2u·|g| + 2η
    then verify/bounds.optimizer_step_error propagates e_g through the optimizer's lines, charging
    each line the roundings of two implementations (torch's functional kernels vs the reference's
-   op order). The new master and every optimizer state must lie within the resulting bounds.
+   op order), at each parameter's own step count. A parameter that no micro-batch has a
+   gradient for is skipped by both ([Note: unused parameters]): its bound is 0, bits. The new
+   master and every optimizer state must lie within the resulting bounds.
    The working copy rounds both masters to the compute dtype: |fl(a) - fl(b)| <= (1+u_c)·|a-b|
    + 2·u_c·|b| + η, where η is the dtype's smallest subnormal (rounding near zero has an
    absolute error floor of η/2: 2^-25 in fp16, which a relative term cannot cover).
@@ -35,7 +37,7 @@ import math
 import numpy as np
 
 from reference.precision import UNIT_ROUNDOFF, cast, f32
-from reference.step import CLIP_EPS
+from reference.step import CLIP_EPS, used_names
 
 from .bounds import ETA, gamma, optimizer_step_error
 from .compare import to_numpy
@@ -82,7 +84,9 @@ def gradient_errors(spec, rcfg, before, info, grads):
     e_r, g0, e_g0 = {}, {}, {}
     u_r = UNIT_ROUNDOFF[rcfg.reduction]
     for name in spec.names:
-        abs_sum = sum(np.abs(np.asarray(g[name], np.float64)) for g in grads)
+        # a micro-batch without this parameter's gradient adds zeros ([Note: unused parameters])
+        zero = np.zeros(spec.shapes[name])
+        abs_sum = sum((np.abs(np.asarray(g[name], np.float64)) for g in grads if name in g), zero)
         e_r[name] = 2 * gamma(m - 1, u_r) * abs_sum
         abs_r = np.abs(np.asarray(info.reduced[name], np.float64))
         g0[name] = abs_r * c
@@ -114,7 +118,12 @@ def check_fast_step(
         low = max(norm - d_norm, 0.0) + CLIP_EPS
         d_coef = rcfg.clip_norm * d_norm / (low * (norm + CLIP_EPS)) + 2 * U32
     err_p, err_state = {}, {}
+    used = used_names(grads, spec)
     for name in spec.names:
+        if name not in used:  # skipped by both: the engine must leave it exactly as it was
+            err_p[name] = np.zeros(spec.shapes[name])
+            err_state[name] = {k: err_p[name] for k in before.opt[name]}
+            continue
         e_g = coef * e_g0[name] + g0[name] * d_coef + 2 * U32 * g0[name] * coef + 2 * ETA32
         hp = rcfg.groups[spec.group_of[name]]
         g_ref = (np.asarray(info.reduced[name], np.float32) * np.float32(c)).astype(np.float32)
@@ -123,7 +132,7 @@ def check_fast_step(
         err, _, _ = optimizer_step_error(
             rcfg.optimizer,
             hp,
-            before.t + 1,
+            before.step_of(name) + 1,
             before.master[name],
             g_ref,
             before.opt[name],

@@ -14,7 +14,8 @@ The product is 4·5·3·3·2·2·2·2·3·2·4 = 69,120 cells. The presets cover
             (AdamW), and zero_r_cells() (activation checkpointing, optimizer offload, both,
             and contiguous memory, at every stage, N = 2), and BRANCHES (clipping on some steps
             only at every stage, C_B pieces, fast mode with offload and with persistent units,
-            a loss scale below 1/M, the GPT). The CI preset: about a minute on 2 cores.
+            a loss scale below 1/M, the GPT), and UNUSED (a branch whole steps skip, one cell
+            per stage). The CI preset: about a minute on 2 cores.
   complete  every *4-tuple* of values (about 350 cells; so every triple and pair too), the
             slices stage × N × precision for each kind of injected gradients, for backward and
             in fast mode, the GPT at every stage × precision, TEETH and extras() (persistent
@@ -220,6 +221,17 @@ BRANCHES = (
 )  # fmt: skip
 VARIED_CLIP = frozenset(c.clip_norm for c in BRANCHES if c.clip_norm is not None)
 
+# Unused parameters (reference/step.py's [Note: unused parameters]), one cell per stage: a side
+# branch (verify/branch.py) used by some ranks on step 0, by none on step 1 (the optimizer
+# skips it; its step count falls behind t), again on step 2; at stage 3 the ranks agree.
+UNUSED = tuple(
+    _branch(stage=s, precision=p, optimizer=o, mode=mode, seed=6100 + s,
+            model="mlp-skip" if s == 3 else "mlp-branch")
+    for s, p, o, mode in ((0, "fp32", "adamw", "deterministic"),
+                          (1, "bf16", "sgd", "deterministic"),
+                          (2, "fp32", "adam", "fast"), (3, "bf16", "adamw", "deterministic"))
+)  # fmt: skip
+
 
 def clips_on_some_steps(c: Cell) -> bool:
     """A cell whose clip_norm was chosen to clip some steps and not others (BRANCHES)."""
@@ -281,6 +293,8 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     "fast_norm_misreported": lambda c: c.mode == "fast" and _optimizer_steps(c) >= 1,
     # the step count is compared after every step; needs a skipped step
     "t_advances_on_skip": lambda c: c.gradients == "nonfinite" or c.loss_scale is not None,
+    # a branch whole steps skip: the skipped parameters are compared (fast mode: bound 0)
+    "unused_updated": lambda c: c.model in ("mlp-branch", "mlp-skip"),
 }
 
 
@@ -382,6 +396,9 @@ BRANCH_PREDICATES: dict[str, Callable[[Cell], bool]] = {
         c.loss_scale is not None and c.loss_scale < 1 / c.micro_batches
     ),
     "GPT (tied parameters)": lambda c: c.model == "gpt",
+    "unused parameters (a branch whole steps skip)": lambda c: (
+        c.model in ("mlp-branch", "mlp-skip")
+    ),
     "reduction in the compute dtype": lambda c: c.reduce_dtype not in (None, "fp32"),
     "activation checkpointing": lambda c: c.checkpointing,
     "contiguous memory": lambda c: c.contiguous,
@@ -502,7 +519,7 @@ LISTED_FIELDS += ("meta",)
 def quick() -> tuple[list[Cell], list[dict]]:
     """The CI preset: (cells, invariance runs)."""
     cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3] + zero_r_cells()
-    extra = list(BRANCHES) + list(PLANTED_GAPS) + list(COVERAGE_CELLS)
+    extra = list(BRANCHES) + list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED)
     return cells + extra, invariance_runs(full=False)
 
 
@@ -559,5 +576,5 @@ def complete() -> tuple[list[Cell], list[dict]]:
         out += slice_cells(gradients=kind, accumulation=4 if kind == "random" else 1)
     out += slice_cells(mode="fast", sizes="even") + gpt_cells
     out += extras() + list(TEETH) + zero_r_cells((2, 3, 4)) + list(BRANCHES)
-    out += list(PLANTED_GAPS) + list(COVERAGE_CELLS)
+    out += list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED)
     return out, invariance_runs(full=True)

@@ -82,6 +82,8 @@ _TABLE = (
      "fast mode (norm bitwise against the pinned order)", "cells"),
     ("t_advances_on_skip", "a skipped step counts as an optimizer step",
      "a skipped step", "cells"),
+    ("unused_updated", "a parameter no micro-batch had a gradient for is updated with zeros",
+     "a model with a branch whole steps skip", "cells"),
     # the features: ZeRO-R, offload, prefetch, C_B, scaler, clipping, groups, data, model
     ("microbatch_rank_major", "rank r runs micro-batch r·K + k, not k·N + r",
      "deterministic, backward, N ≥ 2, M > N, fp32", "cells"),

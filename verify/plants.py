@@ -174,9 +174,9 @@ def plant_loss_m_over_n(p: Patch) -> None:
     original = ZeroEngine._exchange
 
     def exchange(self, *a, **kw):
-        overflow, bad, loss, partials = original(self, *a, **kw)
+        overflow, bad, loss, *rest = original(self, *a, **kw)
         k = self.config.micro_batches // self.world_size
-        return overflow, bad, loss * k, partials
+        return overflow, bad, loss * k, *rest
 
     p.setattr(ZeroEngine, "_exchange", exchange)
 
@@ -280,6 +280,18 @@ def plant_t_advances_on_skip(p: Patch) -> None:
         return res
 
     p.setattr(ZeroEngine, "step", step)
+
+
+def plant_unused_updated(p: Patch) -> None:
+    from zero import engine as engine_module
+    from zero import optim as zoptim
+
+    original = zoptim.live_runs
+
+    def every_run(runs, slots, lo, used, steps):  # the old rule: used or not, updated
+        return original(runs, slots, lo, [True] * len(used), steps)
+
+    p.setattr(engine_module, "live_runs", every_run)
 
 
 # -- the features: ZeRO-R, offload, prefetch, C_B, scaler, clipping, groups, data, model, files --

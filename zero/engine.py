@@ -11,7 +11,8 @@ steps taken, R the reduced gradient. A step is exactly reference/step.py's, comp
   1. every micro-step, each unit's gradients are reduced as its stage says (zero/stages/);
   2. overflow: any non-finite in R on any rank ([Note: overflow detection]);
   3. g = fp32(R) · s(1/(S·M)); the global norm from chunk partials; clipping;
-  4. the optimizer on this rank's extent (zero/optim.py), then the new working copy.
+  4. the optimizer on this rank's extent (zero/optim.py), skipping parameters that no rank had
+     a gradient for ([Note: unused parameters], reference/step.py), then the new working copy.
 
 [Note: overflow detection] The reference checks every micro-batch gradient and R. Once a
 non-finite value enters an IEEE sum, the sum stays non-finite (inf + x is inf or NaN; NaN
@@ -33,13 +34,13 @@ from reference.precision import f32, scaler_init, scaler_update
 from reference.step import clip_coefficient
 from reference.tree import global_norm
 
-from . import build, fullstate, introspect
+from . import build, control, fullstate, introspect
 from . import collectives as C
 from .config import ZeroConfig
 from .forward import backward_scaled, cast_inputs, forward_rng
 from .frozen import build_frozen_units
 from .materialize import StartValues
-from .optim import step_runs
+from .optim import live_runs, step_runs
 from .stages import STAGE_CLASSES, StageContext, stage_class
 from .stages.base import Clock
 from .stages.stage0 import Stage0
@@ -57,18 +58,6 @@ class StepResult:
     norm: float | None  # global gradient norm before clipping (None when skipped)
     skipped: bool  # overflow: nothing but the loss scale changed
     scale: float  # the loss scale S this step used
-
-
-def chunk_sumsq(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """reference.tree.chunk_sumsq in torch: float64 squares, pairwise halving per chunk. In
-    place on one float64 copy: the same elementwise additions as the reference, no temporaries."""
-    s = x.to(torch.float64, copy=True).view(-1, chunk)
-    s.mul_(s)
-    while s.shape[1] > 1:
-        h = s.shape[1] // 2
-        s[:, :h].add_(s[:, h:])
-        s = s[:, :h]
-    return s[:, 0].clone()
 
 
 class ZeroEngine(nn.Module):
@@ -155,9 +144,10 @@ class ZeroEngine(nn.Module):
         self.counter.step = 0
         self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
         self.t, self.data_step, self._losses = 0, 0, []  # _losses: this step's, as floats
+        self._next = 0  # [Note: one launch order]: units[::-1][_next] is launched next
         for u in self.units:
-            for _, p in u.params:
-                p.register_post_accumulate_grad_hook(self._hook(u))
+            for i, (_, p) in enumerate(u.params):
+                p.register_post_accumulate_grad_hook(self._hook(u, i))
         mods, every_unit = dict(self.module.named_modules()), [*self.units, *self.frozen_units]
         self.called = CalledCheck(list(dict.fromkeys(u.name for u in every_unit)), mods)
         for stage in self.stages.values():
@@ -179,14 +169,30 @@ class ZeroEngine(nn.Module):
         """The stage object that runs unit u (at stage 3: Persistent for persistent units)."""
         return self._stage_of[u.index]
 
-    def _hook(self, u: FlatUnit):
+    def _hook(self, u: FlatUnit, i: int):
         def post_accumulate(_param) -> None:
+            u.used[i] = True  # [Note: unused parameters]: it has a gradient this step
             u.ready += 1
             if u.ready == len(u.params):  # overlap only decides whether it runs asynchronously
-                u.fired = True
-                self.stage_of(u).post_backward(u)
+                self._launch_ready()
 
         return post_accumulate
+
+    def _launch_ready(self, everything: bool = False) -> None:
+        """[Note: one launch order] Every rank must launch the units' reductions in the same
+        order, or the collectives pair up wrongly (a hang, a crash, or, for units of one size,
+        silently wrong sums). Backward order is data-dependent where a unit (or one of its
+        parameters) gets no gradient on some ranks only, so units are launched in one fixed
+        order, the last unit first (backward order for blocks called in unit order): a ready
+        unit waits for those before it, and finalize_backward launches the rest, ready or
+        not (a unit without gradients reduces zeros, as DDP does)."""
+        order = self.units[::-1]
+        while self._next < len(order):
+            u = order[self._next]
+            if not everything and u.ready < len(u.params):
+                return
+            self._next += 1
+            self.stage_of(u).post_backward(u)
 
     def forward(self, *args, **kwargs):
         """The wrapped module's forward on micro-batch j = microstep·N + rank: floating inputs
@@ -205,21 +211,23 @@ class ZeroEngine(nn.Module):
         self._losses.append(float(loss.detach().float()))
         backward_scaled(loss, None if self.scaler is None else self.scaler.scale)
         self.finalize_backward()
-        self.called.check()
+        self.called.check({u.name for u in self.units if any(u.used)})
 
     def inject_gradients(self, grads: dict[str, torch.Tensor], loss: float = 0.0) -> None:
-        """One micro-batch's backward without autograd, for verification: `grads` maps every
-        parameter name to what backward would have left in its .grad (the compute dtype, of the
-        loss times the scaler's scale). Each unit then takes the path an autograd hook starts,
-        last unit first, so partitioning, reduction and the optimizer see inputs that no model
-        would produce (extremes, inf/NaN). At stage 3 no parameter is gathered: nothing reads
-        them."""
-        missing = [n for n in self.group_index if n not in grads]
-        if missing:
-            raise ValueError(f"grads: no gradient for parameter {missing[0]!r}")
+        """One micro-batch's backward without autograd, for verification: `grads` maps parameter
+        names to what backward would have left in their .grad (the compute dtype, of the loss
+        times the scaler's scale); a name left out had no gradient (its .grad None). Each unit
+        then takes the path an autograd hook starts, last unit first, so partitioning,
+        reduction and the optimizer see inputs that no model would produce (extremes, inf/NaN).
+        At stage 3 no parameter is gathered: nothing reads them."""
+        unknown = sorted(set(grads) - set(self.group_index))
+        if unknown:
+            raise ValueError(f"grads[{unknown[0]!r}]: no trainable parameter has that name")
         self._losses.append(float(loss))
         for u in reversed(self.units):
-            for name, p in u.params:
+            for i, (name, p) in enumerate(u.params):
+                if name not in grads:
+                    continue
                 g = grads[name]
                 if tuple(g.shape) != tuple(p.shape) or g.dtype != p.dtype:
                     raise ValueError(
@@ -227,18 +235,18 @@ class ZeroEngine(nn.Module):
                         f"needs shape {tuple(p.shape)} dtype {p.dtype}"
                     )
                 p.grad = g.to(p.device)
-            u.fired = True
-            self.stage_of(u).post_backward(u)
+                u.used[i] = True
+            u.ready = len(u.params)
+            self._launch_ready()
         self.finalize_backward()
 
     def finalize_backward(self) -> None:
-        for u in reversed(self.units):  # units with parameters that got no gradient
-            if not u.fired:
-                self.stage_of(u).post_backward(u)
+        self._launch_ready(everything=True)  # units with parameters that got no gradient
+        self._next = 0
         self.ctx.reductions.drain()
         for u in (*self.units, *self.frozen_units):  # frozen: stage 3 frees what is gathered
             self.stage_of(u).end_microstep(u)
-            u.ready, u.fired = 0, False
+            u.ready = 0
         for stage in self.stages.values():
             stage.end_backward()
         self.clock.microstep += 1
@@ -259,7 +267,7 @@ class ZeroEngine(nn.Module):
         inv = f32(1.0 / (scale * self.config.micro_batches))
         c = {h.device: torch.tensor(inv, device=h.device) for h in held}
         g = [h.float() * c[h.device] for h in held]
-        overflow, bad, loss, partials = self._exchange(held, g, inv)
+        overflow, bad, loss, partials, used = self._exchange(held, g, inv)
         norm = None
         if overflow:
             if self.scaler is None and self.config.nonfinite == "raise":
@@ -276,12 +284,14 @@ class ZeroEngine(nn.Module):
                 for x in g:
                     x.mul_(torch.tensor(coef, device=x.device))
             self.t += 1
-            for u, gu, runs in zip(self.units, g, self.runs, strict=True):
+            for u, gu, runs, use in zip(self.units, g, self.runs, used, strict=True):
+                lo = self.master_extent(u).start
+                live = live_runs(runs, u.part.layout.slots, lo, use, u.steps)
+                u.steps = [t + x for t, x in zip(u.steps, use, strict=True)]
                 step_runs(
                     self.config.optimizer,
                     self.config.groups,
-                    runs,
-                    self.t,
+                    live,
                     u.master,
                     gu,
                     u.opt,
@@ -299,45 +309,20 @@ class ZeroEngine(nn.Module):
         )
 
     def _exchange(self, held, g, inv: np.float32):
-        """[Note: one control exchange] Everything a step needs from the other ranks besides
-        R travels in one small all-gather of float64 values: this rank's loss sum and count, its
-        overflow flag, and the chunk partials of the part of g it alone holds (its shard; at
-        stage 0 the shard's extent of the whole). Chunks never straddle shards and shards are
-        in rank order, so rank-major order is the global chunk order (reference/layout.py).
-        The flag: g = fp32(R)·inv, and with inv ≤ 1 g is finite exactly where R is; the
-        squares of finite float32 values cannot overflow float64, so a non-finite partial
-        means a non-finite R ([Note: overflow detection]). With inv > 1 (a loss scale below
-        1/M) g could overflow where R did not, so R itself is checked.
-        Returns (overflow anywhere, on this rank, global mean loss, per-unit partials)."""
-        mine = [chunk_sumsq(self._own(u, x), self.config.chunk) for u, x in zip(self.units, g)]
-        partials = torch.cat(mine).to(self.device)  # host partials with offload_optimizer
-        if inv <= 1:
-            bad = not bool(torch.isfinite(partials).all())
-        else:
-            bad = any(not bool(torch.isfinite(h).all()) for h in held)
-        head = torch.tensor(
-            [sum(self._losses), len(self._losses), float(bad)],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        every = C.gather_control(
-            torch.cat([head, partials]), group=self.group, counter=self.counter, phase="step"
+        """[Note: one control exchange] (zero/control.py); this rank's losses are consumed."""
+        out = control.exchange(
+            self.units,
+            self._losses,
+            held,
+            g,
+            inv,
+            self.config.chunk,
+            self.device,
+            self.group,
+            self.counter,
         )
         self._losses = []
-        loss = float(every[:, 0].sum() / every[:, 1].sum())
-        overflow = bool(every[:, 2].max() > 0)
-        per_unit, at = [], len(head)
-        for u, x in zip(self.units, mine, strict=True):
-            per_unit.append(
-                every[:, at : at + x.numel()].reshape(-1)[: u.part.layout.num_chunks].cpu().numpy()
-            )
-            at += x.numel()
-        return overflow, bad, loss, per_unit
-
-    @staticmethod
-    def _own(u: FlatUnit, x: torch.Tensor) -> torch.Tensor:
-        """The part of a unit-sized or shard-sized buffer that this rank alone accounts for."""
-        return x[u.part.own] if x.numel() == u.part.padded_numel else x
+        return out
 
     # -- checkpoints (zero/checkpoint/) --------------------------------------------------------
 
@@ -391,8 +376,17 @@ class ZeroEngine(nn.Module):
         all-gather of the shards, counted as control traffic)."""
         return fullstate.gather_state(self)
 
-    def load_full_state(self, master, opt, *, t: int, data_step: int, scaler=None) -> None:
-        """Set every model state from full fp32 arrays by parameter name. No communication:
-        each rank takes its own extent. Verification runs fast mode in lock-step with it."""
+    def param_steps(self) -> dict[str, int]:
+        """t_p: the optimizer steps each parameter has taken ([Note: unused parameters])."""
+        return {n: t for u in self.units for (n, _), t in zip(u.params, u.steps, strict=True)}
+
+    def load_full_state(
+        self, master, opt, *, t: int, data_step: int, scaler=None, steps=None
+    ) -> None:
+        """Set every model state from full fp32 arrays by parameter name, and each
+        parameter's step count from `steps` (None: t). No communication: each rank takes its
+        own extent. Verification runs fast mode in lock-step with it."""
         fullstate.load_full_state(self, master, opt)
         self.t, self.data_step, self.scaler = t, data_step, scaler
+        for u in self.units:
+            u.steps = [t if steps is None else int(steps[n]) for n, _ in u.params]

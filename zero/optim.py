@@ -10,7 +10,8 @@ Fast mode hands the same shard to torch's own kernels (the fused Adam/AdamW on C
 whose bound against the reference is verify/bounds.optimizer_step_error.
 
 Padding elements are zeros with zero gradients and zero states; every optimizer here maps them
-to zeros again (0·x = 0, 0/eps = 0), so a run may include alignment gaps.
+to zeros again (0·x = 0, 0/eps = 0), so a run may include alignment gaps. Parameters that had
+no gradient in a step are left out of its runs ([Note: skipping unused parameters]).
 """
 
 from __future__ import annotations
@@ -143,20 +144,45 @@ def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> 
     )
 
 
+def live_runs(runs: list[Run], slots, lo: int, used, steps) -> list[tuple[Run, int]]:
+    """[Note: skipping unused parameters] The runs to update this step, each with t_p, the
+    step count after it, of the parameters it covers (reference/step.py's [Note: unused
+    parameters]). `slots` are the unit's parameter slots, `lo` the extent's first element in
+    the padded buffer, `used` and `steps` per slot. Each run is cut at the slot edges where
+    used or t_p change (a slot takes the gap after it); pieces of unused parameters are left
+    out. Every optimizer is elementwise, so cutting a run changes no bit. Fast path: every
+    parameter used and at one count, the runs as they are."""
+    if all(used) and len(set(steps)) <= 1:
+        return [(run, (steps[0] if steps else 0) + 1) for run in runs]
+    out: list[tuple[Run, int]] = []
+    for run in runs:
+        pieces = []  # (start, used, t_p), in order; each piece runs to the next one's start
+        for slot, use, t_p in zip(slots, used, steps, strict=True):
+            a, b = max(slot.offset - lo, run.start), min(slot.offset + slot.numel - lo, run.stop)
+            if a < b:
+                start = a if pieces else run.start  # a gap before the first slot joins it
+                if not pieces or pieces[-1][1:] != (use, t_p + 1):
+                    pieces.append((start, use, t_p + 1))
+        for i, (start, use, t_p) in enumerate(pieces):
+            stop = pieces[i + 1][0] if i + 1 < len(pieces) else run.stop
+            if use:
+                out.append((Run(start=start, stop=stop, group=run.group), t_p))
+    return out
+
+
 def step_runs(
     kind: str,
     groups: tuple[Hyper, ...],
-    runs: list[Run],
-    t: int,
+    runs: list[tuple[Run, int]],
     master: torch.Tensor,
     grad: torch.Tensor,
     states: dict[str, torch.Tensor],
     *,
     deterministic: bool,
 ) -> None:
-    """Update a flat master shard in place, one parameter-group run at a time."""
+    """Update a flat master shard in place, one (run, t_p) of live_runs at a time."""
     kernel = deterministic_step if deterministic else fast_step
-    for run in runs:
+    for run, t in runs:
         hp = groups[run.group]
         sl = slice(run.start, run.stop)
         st = {k: states[k][sl] for k in STATE_NAMES(kind, hp)}

@@ -70,15 +70,26 @@ class FlatUnit:
         self.stream = StreamingTree()  # deterministic mode: B_k partial sums of this step
         self.pending = None  # fast mode: the reduction launched after the last micro-batch
         self.ready = 0  # parameters whose gradient arrived in the current backward
-        self.fired = False  # post_backward already ran in the current backward
+        # [Note: unused parameters] (reference/step.py), per parameter in slot order: whether
+        # it had a gradient in some micro-batch of this step on this rank, and t_p, the
+        # optimizer steps it has taken (the same on every rank)
+        self.used = [False] * len(self.params)
+        self.steps = [0] * len(self.params)
 
     @property
     def numel(self) -> int:
         return self.part.layout.numel
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """This backward's gradients by parameter name (zeros for unused parameters)."""
-        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.params}
+        """This backward's gradients by parameter name (zeros for unused parameters). The zeros
+        are built from metadata alone: at stage 3 an unused unit is sharded, and reading its
+        parameters (zeros_like does) would raise."""
+        return {
+            n: p.grad
+            if p.grad is not None
+            else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            for n, p in self.params
+        }
 
     def real_in(self, lo: int, hi: int) -> int:
         """Non-padding elements of the padded flat buffer in [lo, hi)."""

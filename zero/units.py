@@ -32,29 +32,29 @@ def auto(model: nn.Module) -> list[str]:
 
 
 class CalledCheck:
-    """Watches which units' forward runs until the first backward ends, then refuses a unit
-    whose forward never ran: its hooks (stage 3's gather, the activation checkpoint) never
-    fired, so its parameters were used through its submodules or directly (docs/models.md)."""
+    """Watches which units' forward runs, and refuses a unit whose parameters got a gradient
+    in a backward although its forward never ran: its hooks (stage 3's gather, the activation
+    checkpoint) never fired, so its parameters were used through its submodules or directly
+    (docs/models.md). A unit is watched until its forward is seen once; a unit a backward
+    did not use at all (a branch that step skips) is simply not judged yet."""
 
     def __init__(self, names: list[str], modules: dict[str, nn.Module]):
         self.names, self.called = [n for n in names if n], set()
-        self.hooks = [
-            modules[n].register_forward_pre_hook(lambda _m, _a, n=n: self.called.add(n))
+        self.hooks = {
+            n: modules[n].register_forward_pre_hook(lambda _m, _a, n=n: self.called.add(n))
             for n in self.names
-        ]
+        }
 
-    def check(self) -> None:
-        """At the end of a backward: the first one checks and stops watching; later ones pass."""
-        if not self.hooks:
-            return
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
-        missing = [n for n in self.names if n not in self.called]
+    def check(self, used: set[str]) -> None:
+        """At the end of a backward; `used`: the units some of whose parameters had a
+        gradient in it."""
+        for n in [n for n in self.hooks if n in self.called]:
+            self.hooks.pop(n).remove()  # seen called: stop watching
+        missing = [n for n in self.names if n in self.hooks and n in used]
         if missing:
             raise ValueError(
-                f"units: the forward of unit {missing[0]!r} was never called in the first "
-                "micro-batch (its parameters were used through its submodules or directly); "
-                "a unit must be a module that is called: name the modules that are called, "
-                "or pass units='auto'"
+                f"units: the forward of unit {missing[0]!r} was never called, yet its "
+                "parameters got gradients (they were used through its submodules or "
+                "directly); a unit must be a module that is called: name the modules that are "
+                "called, or pass units='auto'"
             )

@@ -301,8 +301,10 @@ def test_pieces_keep_the_volume_and_cut_the_calls(stage, deterministic):
 def test_comm_buffers_stay_flat_as_the_model_grows(stage):
     """ZeRO-R's C_B: the reduction buffers a rank holds at once are capped (2 units in flight x
     Pieces.depth pieces x (fused + receive buffer) x C_B elements x 4 bytes: fp32 reduction),
-    whatever the model's size; without the cap they grow with the largest unit
-    (2 units x (arrival + receive buffer) x N·L x 4 bytes)."""
+    whatever the model's size; without the cap they grow with the largest unit: at least its
+    own (arrival + receive buffer) x N·L x 4 bytes, at most twice that (2 units in flight; how
+    many are in flight with the largest depends on the launch order, [Note: one launch
+    order] in zero/engine.py)."""
     n, cap = 2, 256
     capped, plain = [], []
     for hidden in (48, 160, 480):
@@ -311,5 +313,7 @@ def test_comm_buffers_stay_flat_as_the_model_grows(stage):
     bound = 2 * 2 * 2 * cap * 4
     assert [c[3] for c in capped] == [bound] * 3
     largest = [max(p[2]) for p in plain]
-    assert [p[3] for p in plain] == [2 * 2 * n * L * 4 for L in largest]
+    for p, L in zip(plain, largest, strict=True):
+        assert 2 * n * L * 4 <= p[3] <= 2 * 2 * n * L * 4, (p[3], L)
+    assert plain[-1][3] > 8 * bound  # grown far past the cap
     assert largest[-1] * n > 8 * cap  # the models really outgrow the cap

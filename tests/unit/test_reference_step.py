@@ -170,3 +170,83 @@ def test_wrong_number_of_microbatches():
 def test_group_index_out_of_range():
     with pytest.raises(ValueError, match=r"group_of\['b'\]=1: allowed are 0..0"):
         init_state(master(), SPEC, StepConfig())
+
+
+# -- [Note: unused parameters] ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_unused_parameter_is_skipped_as_torch_optim_skips_grad_none(kind):
+    """Steps where no micro-batch has a gradient for "h": the reference leaves it, its states
+    and its step count untouched; on its next use its own count (not t) drives the update. The
+    same trajectory with "h" updated as a lone parameter on exactly its used steps gives the
+    same bits, which is torch.optim's rule (state["step"] per parameter)."""
+    hps = (Hyper(lr=1e-2, weight_decay=0.1, momentum=0.9 if kind == "sgd" else 0.0),) * 2
+    cfg = StepConfig(optimizer=kind, groups=hps, micro_batches=2)
+    state = init_state(master(), SPEC, cfg)
+    alone = init_state({"h": state.master["h"]}, ModelSpec.build([[("h", (40,))]]), cfg)
+    used_h = [True, False, False, True, False, True]
+    for step, use in enumerate(used_h):
+        g = grads(2, "fp32", seed=10 + step)
+        if not use:
+            for x in g:
+                del x["h"]
+        before = state
+        state, info = train_step(state, g, SPEC, cfg)
+        assert state.t == step + 1
+        assert state.step_of("w") == step + 1  # used every step
+        assert state.step_of("h") == sum(used_h[: step + 1])
+        if use:
+            alone, _ = train_step(alone, [{"h": x["h"]} for x in g], alone_spec(), cfg)
+        else:  # nothing of "h" moved, not even by weight decay or momentum
+            assert np.array_equal(bits(state.master["h"]), bits(before.master["h"]))
+            for k, v in state.opt["h"].items():
+                assert np.array_equal(bits(v), bits(before.opt["h"][k])), k
+            assert np.array_equal(info.reduced["h"], np.zeros(40, np.float32))
+        assert np.array_equal(bits(state.master["h"]), bits(alone.master["h"])), step
+    # the old rule (a zero-gradient update on unused steps) moves "h": this test can fail
+    old = init_state(master(), SPEC, cfg)
+    for step in range(len(used_h)):
+        g = grads(2, "fp32", seed=10 + step)
+        if not used_h[step]:
+            for x in g:
+                x["h"] = np.zeros(40, np.float32)
+        old, _ = train_step(old, g, SPEC, cfg)
+    assert not np.array_equal(bits(old.master["h"]), bits(state.master["h"]))
+
+
+def alone_spec():
+    return ModelSpec.build([[("h", (40,))]])
+
+
+def test_partly_used_parameter_counts_zeros_where_absent():
+    """Absent in some micro-batches only: zeros there (as DDP), and a normal update."""
+    cfg = StepConfig(optimizer="adamw", groups=TWO, micro_batches=4, world_size=2)
+    g = grads(4, "fp32", seed=3)
+    partial = [dict(x) for x in g]
+    for j in (0, 3):
+        del partial[j]["h"]
+    zeros = [dict(x) for x in g]
+    for j in (0, 3):
+        zeros[j]["h"] = np.zeros(40, np.float32)
+    a, ia = train_step(init_state(master(), SPEC, cfg), partial, SPEC, cfg)
+    b, ib = train_step(init_state(master(), SPEC, cfg), zeros, SPEC, cfg)
+    assert same(a.master, b.master) and float(ia.norm) == float(ib.norm)
+    assert a.steps == b.steps == {"w": 1, "b": 1, "h": 1}
+
+
+def test_unknown_gradient_name_is_refused():
+    cfg = StepConfig(groups=TWO, micro_batches=1)
+    g = grads(1, "fp32")
+    g[0]["nope"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="'nope'"):
+        train_step(init_state(master(), SPEC, cfg), g, SPEC, cfg)
+
+
+def test_overflow_step_advances_no_parameter_count():
+    cfg = StepConfig(groups=TWO, precision="fp16", micro_batches=1)
+    state = init_state(master(), SPEC, cfg)
+    g = grads(1, "fp16")
+    g[0]["w"] = np.full((6, 5), np.inf, np.float16)
+    state, info = train_step(state, g, SPEC, cfg)
+    assert info.skipped and state.t == 0 and state.steps == {"w": 0, "b": 0, "h": 0}

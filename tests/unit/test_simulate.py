@@ -109,6 +109,55 @@ def test_world_size_invariance(
         assert_same(world, ref, cfg, spec)
 
 
+@settings(max_examples=max(40, settings.default.max_examples))
+@given(
+    sizes=sizes_strategy,
+    log_n=st.integers(0, 2),
+    stage=st.integers(0, 3),
+    precision=st.sampled_from(["fp32", "bf16"]),
+    optimizer=st.sampled_from(sorted(OPTIMIZERS)),
+    clip=st.sampled_from([None, 0.5]),
+    seed=st.integers(0, 2**32 - 1),
+    presence=st.lists(st.integers(0, 2**8 - 1), min_size=3, max_size=3),
+)
+def test_unused_parameters_equal_the_reference(
+    sizes, log_n, stage, precision, optimizer, clip, seed, presence
+):
+    """[Note: unused parameters] Micro-batches that omit parameters (some of them, or all of
+    them for a whole step): every stage at N = 1, 2, 4 equals the reference at N bit for bit,
+    and each parameter's own step count is the reference's."""
+    n = 2**log_n
+    m = 2 * n
+    spec, units = make_spec(sizes)
+    rng = np.random.default_rng(seed)
+    master = {name: rng.standard_normal(s).astype(np.float32) for u in units for name, s in u}
+    cfg = StepConfig(
+        optimizer=optimizer,
+        groups=OPTIMIZERS[optimizer],
+        precision=precision,
+        world_size=n,
+        micro_batches=m,
+        clip_norm=clip,
+    )
+    ref = init_state(master, spec, cfg)
+    world = World(master, spec, cfg, stage=stage, mode="deterministic")
+    names = spec.names
+    for step, bitsmask in enumerate(presence):
+        g = draw_grads(rng, units, m, precision)
+        for i, name in enumerate(names):
+            # per parameter, per step: absent everywhere, present everywhere, or a pattern
+            kind = (bitsmask >> (2 * (i % 4))) & 3
+            for j in range(m):
+                if kind == 0 or (kind == 3 and (j + i + step) % 3 == 0):
+                    del g[j][name]
+        ref, info = train_step(ref, g, spec, cfg)
+        sim_info = world.step(g)
+        assert float(sim_info.norm).hex() == float(info.norm).hex()
+        assert world.state.steps == ref.steps
+        assert world.state.t == ref.t == step + 1
+        assert_same(world, ref, cfg, spec)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_world_size_three_equals_reference_at_three(stage):
     spec, units = make_spec([[37, 5], [300], [1]])
@@ -164,9 +213,10 @@ def test_communication_volume_equals_the_table(mode, stage, n, k):
         assert elements == factor * (n - 1) * shard_total
         payload += elements - padding
     assert payload == factor * (n - 1) * spec.numel
-    # control traffic is kept apart: the overflow flag, plus norm partials at stages 1-3
+    # control traffic is kept apart: the overflow flag and one used-flag per parameter, plus
+    # norm partials at stages 1-3
     chunks = sum(L // 128 for L in world.shard)
-    control = (n - 1) * (1 + (chunks if stage > 0 else 0))
+    control = (n - 1) * (1 + len(spec.names) + (chunks if stage > 0 else 0))
     assert all(world.traffic(r, "control") == (control, 0) for r in range(n))
 
 

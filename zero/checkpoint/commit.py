@@ -122,7 +122,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
     for pname, p in engine.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(first[id(p)], []).append(pname)
         canonical[pname] = first[id(p)]
-    params = []
+    params, steps = [], engine.param_steps()
     for pname, p in engine.module.named_parameters():  # module order: torch.optim's order
         unit, offset = where[pname]
         entry = {
@@ -134,7 +134,9 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
             "offset": offset,
             "aliases": aliases[pname],
         }
-        if pname not in engine.group_index:
+        if pname in engine.group_index:
+            entry["step"] = steps[pname]  # t_p: since format version 2
+        else:
             entry["frozen"] = True
         params.append(entry)
     units = [
@@ -174,7 +176,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
                 sd_keys.append([full, f"buffer:{full}"])
     body = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION if frozen_units else 1,
+        "format_version": FORMAT_VERSION,
         "name": name,
         "sequence": sequence,
         "world_size": n,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..optim import TORCH_OPTIMIZERS, torch_kwargs
-from .format import _fsync_dir, _Reader, _write_durably, read_manifest, resolve
+from .format import _fsync_dir, _Reader, _write_durably, read_manifest, resolve, saved_steps
 
 # -- consolidation -------------------------------------------------------------------------------
 
@@ -42,8 +42,11 @@ def consolidate(directory) -> dict:
     Parameter i of the optimizer state is the i-th name of param_names flattened: group by
     group, each in the model's named_parameters() order. So for one group,
     `torch.optim.AdamW(model.parameters())` matches; for several, build each group's list in
-    module order. Every value is the fp32 master bit for bit; Adam's "step" is t as a float32
-    tensor (torch's own convention), SGD keeps "momentum_buffer" only when momentum != 0.
+    module order. Every value is the fp32 master bit for bit; Adam's "step" is the parameter's
+    own step count as a float32 tensor (torch's own convention; it falls behind t for a
+    parameter some steps left without a gradient, reference/step.py), SGD keeps
+    "momentum_buffer" only when momentum != 0. A parameter never stepped has no state, as in
+    torch.optim.
     Frozen parameters (requires_grad=False) are in "model" as the engine held them, in the
     compute dtype, upcast to fp32 (exact; with bf16 training that is the start value rounded to
     bf16), and nowhere in "optimizer" or "param_names": torch.optim over the trainable
@@ -53,7 +56,7 @@ def consolidate(directory) -> dict:
     m = read_manifest(step_dir)
     reader = _Reader(step_dir, m)
     units = m["units"]
-    kind, t = m["config"]["optimizer"], m["t"]
+    kind, steps = m["config"]["optimizer"], saved_steps(m)
     hypers = m["config"]["groups"]
 
     def value(p: dict, key: str) -> torch.Tensor:
@@ -81,11 +84,11 @@ def consolidate(directory) -> dict:
     for g, group_names in enumerate(names):
         indices.append(list(range(i, i + len(group_names))))
         for name in group_names:
-            p, entry = by_name[name], {}
-            if t >= 1 and kind == "sgd" and hypers[g]["momentum"]:
+            p, entry, t_p = by_name[name], {}, steps[name]
+            if t_p >= 1 and kind == "sgd" and hypers[g]["momentum"]:
                 entry["momentum_buffer"] = value(p, "momentum_buffer")
-            elif t >= 1 and kind != "sgd":
-                entry["step"] = torch.tensor(float(t), dtype=torch.float32)
+            elif t_p >= 1 and kind != "sgd":
+                entry["step"] = torch.tensor(float(t_p), dtype=torch.float32)
                 entry["exp_avg"] = value(p, "exp_avg")
                 entry["exp_avg_sq"] = value(p, "exp_avg_sq")
             if entry:

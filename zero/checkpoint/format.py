@@ -15,8 +15,8 @@ master where the stage keeps it whole (stage 0, persistent stage-3 units). The w
 not saved: it is the master rounded to the compute dtype, which is how the engine makes it.
 Frozen parameters have no master: their values are saved as held (the compute dtype), each
 rank its slice r; the manifest lists them under "frozen_units" and marks them in "params"
-("frozen": true, no group). Such a checkpoint has format_version 2 (code that reads only 1
-refuses it); one without frozen parameters is still written as version 1.
+("frozen": true, no group, no step count). Format version 2 (code that reads only 1 refuses
+it).
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ import torch.distributed as dist
 
 FORMAT = "zero-checkpoint"
 FORMAT_VERSION = 2
+"""1: the first format. 2 adds each trainable parameter's own optimizer step count
+(params[i]["step"], reference/step.py's [Note: unused parameters]) and frozen parameters (see the
+module docstring); a version-1 checkpoint loads with every count equal to t, which is what the
+engine that wrote it did, and has no frozen parameters."""
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"step-\d{8,}(-\d+)?")
@@ -59,6 +63,7 @@ class CheckpointInfo:
     directory: Path  # the step directory read
     data_step: int  # the data position: the next step to run (train_steps' start_step)
     t: int  # optimizer steps taken
+    steps: dict  # parameter name -> its own optimizer steps (t for every one before version 2)
     world_size: int  # N1
     stage: int  # the stage it was saved at
     extra: object  # the JSON value passed to save(extra=...)
@@ -198,6 +203,12 @@ def read_manifest(step_dir: Path) -> dict:
     if m["byteorder"] != sys.byteorder:
         raise CheckpointError(f"{path}: saved on a {m['byteorder']}-endian machine")
     return m
+
+
+def saved_steps(m: dict) -> dict[str, int]:
+    """Each parameter's optimizer step count t_p from a manifest; before format version 2
+    every parameter had taken all t steps."""
+    return {p["name"]: int(p.get("step", m["t"])) for p in m["params"] if not p.get("frozen")}
 
 
 class _Reader:

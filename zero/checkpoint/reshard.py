@@ -21,7 +21,15 @@ import torch
 
 from ..introspect import Introspect
 from .commit import _buffers
-from .format import CheckpointInfo, _agree, _check_idle, _Reader, read_manifest, resolve
+from .format import (
+    CheckpointInfo,
+    _agree,
+    _check_idle,
+    _Reader,
+    read_manifest,
+    resolve,
+    saved_steps,
+)
 
 # -- load ----------------------------------------------------------------------------------------
 
@@ -123,6 +131,9 @@ def _load_here(engine: Introspect, directory) -> CheckpointInfo:
                 )
             b.copy_(saved)
     engine.t, engine.data_step = m["t"], m["data_step"]
+    steps = saved_steps(m)
+    for u in engine.units:
+        u.steps = [steps[n] for n, _ in u.params]
     if engine.config.precision != "fp16":
         engine.scaler = None
     elif m["scaler"] is not None:
@@ -133,6 +144,7 @@ def _load_here(engine: Introspect, directory) -> CheckpointInfo:
         directory=step_dir,
         data_step=m["data_step"],
         t=m["t"],
+        steps=steps,
         world_size=m["world_size"],
         stage=m["stage"],
         extra=m["extra"],
