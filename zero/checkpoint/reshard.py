@@ -111,6 +111,7 @@ def _load_here(engine: Introspect, directory) -> CheckpointInfo:
                 )
             b.copy_(saved)
     engine.t, engine.data_step = m["t"], m["data_step"]
+    engine.checkpoint_run_id = m.get("run_id")  # [Note: run identity]; None before format 2
     if engine.config.precision != "fp16":
         engine.scaler = None
     elif m["scaler"] is not None:
