@@ -8,7 +8,7 @@ buffer has N·L elements. On disk, ROOT holds step directories and one pointer:
                                       elements [L1, 2·L1) of the fp32 master, then of each
                                       optimizer state, raw little-endian
     ROOT/step-00000012/r0001.bin      rank 1's RNG state (rank 0's file also holds the buffers)
-    ROOT/step-00000012/owner.json     the run that made the directory (format 2; [Note: run identity])
+    ROOT/step-00000012/owner.json     the run that made it (format 2; [Note: run identity])
 Every rank writes the same thing at every stage: its slice r of each unit, taken from the whole
 master where the stage keeps it whole (stage 0, persistent stage-3 units). The working copy is
 not saved: it is the master rounded to the compute dtype, which is how the engine makes it.
