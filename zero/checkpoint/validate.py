@@ -109,7 +109,10 @@ def _units(c: _Fields, m: dict, n: int, hypers: list[Hyper], kind: str, chunk: i
         }
         for key, value in want.items():
             if u.get(key) != value:
-                c.fail(f"{f}.{key}", f"{u.get(key)!r}, but its parameters' layout gives {value}")
+                c.fail(
+                    f"{f}.{key}",
+                    f"{u.get(key)!r}, but its parameters' layout at N = {n} gives {value}",
+                )
         states = [c.of(x, str, f"{f}.states") for x in c.of(u.get("states"), list, f"{f}.states")]
         kept = {x for p in names for x in state_names(kind, hypers[params[p]["group"]])}
         known = {x for x in states if x in OPTIMIZER_STATES}
