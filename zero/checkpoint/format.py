@@ -145,7 +145,7 @@ def read_regular(path: Path, *, size: int | None = None, limit: int | None = Non
                 f"{path}: a symbolic link; only regular files inside the checkpoint are read"
             ) from None
         raise CheckpointError(f"{path}: cannot be opened ({exc.strerror})") from None
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(
@@ -162,10 +162,12 @@ def read_regular(path: Path, *, size: int | None = None, limit: int | None = Non
         data = bytearray(n)
         view, got = memoryview(data), 0
         while got < n:
-            k = f.readinto(view[got:])
+            k = os.readv(fd, [view[got:]])
             if not k:
                 raise CheckpointError(f"{path}: ended after {got} of {n} bytes")
             got += k
+    finally:
+        os.close(fd)
     return data
 
 
@@ -214,10 +216,13 @@ def _broadcast(engine, obj):
 def _agree(engine, error: BaseException | None, what: str, on_failure=None) -> None:
     """Every rank learns whether some rank failed, so that none is left waiting in a later
     collective: the failing rank re-raises its own error, the others name it. If any rank
-    failed, on_failure() runs first (after the exchange, so every rank has stopped writing)."""
+    failed, on_failure() runs first on every rank (after the exchange, so every rank has stopped
+    writing), and a second exchange makes every rank wait for it."""
     every = _all_gather(engine, None if error is None else f"{type(error).__name__}: {error}")
     if on_failure is not None and any(msg is not None for msg in every):
         on_failure()
+        _all_gather(engine, None)  # the cleanup is done before any rank raises (and a
+        # launcher, seeing one rank fail, kills the others)
     if error is not None:
         raise error
     for r, msg in enumerate(every):
