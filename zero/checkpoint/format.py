@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .validate import Invalid, validate_manifest
+
 FORMAT = "zero-checkpoint"
 FORMAT_VERSION = 2
 """1: the first; 2: adds run_id to the manifest and owner.json to a step directory (additive: a
@@ -39,8 +41,6 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 OWNER = "owner.json"
 STEP_DIR = re.compile(r"step-\d{8,}(-\d+)?")
-FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
-"""A file a manifest may list: a plain name inside its step directory (no path, not hidden)."""
 POINTER_LIMIT = 4096
 """The most bytes `latest` may hold (one step directory's name)."""
 
@@ -286,8 +286,6 @@ def read_manifest(step_dir: Path) -> dict:
     """The manifest, checked: a regular file, our format, a version we read, its own checksum,
     and consistent with itself (zero/checkpoint/validate.py), so that nothing it describes is
     read out of bounds or with a wrong shape, dtype or optimizer state."""
-    from .validate import validate_manifest
-
     path = Path(step_dir) / MANIFEST
     try:
         m = json.loads(read_regular(path))
@@ -312,7 +310,12 @@ def read_manifest(step_dir: Path) -> dict:
         )
     if m.get("byteorder") != sys.byteorder:
         raise CheckpointError(f"{path}: byteorder: saved on a {m.get('byteorder')}-endian machine")
-    validate_manifest(path, m)
+    try:
+        validate_manifest(path, m)
+    except Invalid as exc:
+        raise CheckpointError(str(exc)) from None
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:  # a shape no check foresaw
+        raise CheckpointError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
     return m
 
 

@@ -7,20 +7,23 @@ So every record is checked for its type and range, and the records against each 
 file entry lies inside its file and its shape has its numel; each unit's layout is recomputed
 from its parameters' shapes (reference/layout.py) and must give the recorded offsets and sizes;
 each unit's optimizer states are those the optimizer kind keeps for its parameters' groups.
-Every error is a CheckpointError naming the manifest and the field. Fields this code does not
-know are left alone (a later format may add some).
+Every error names the manifest and the field (an Invalid, which format.py's read_manifest
+raises as a CheckpointError). Fields this code does not know are left alone (a later format may
+add some).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from reference.layout import unit_layout
 from reference.optim import Hyper, state_names
 from reference.precision import ScalerState
 
-from .format import FILE_NAME, CheckpointError
+FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
+"""A file a manifest may list: a plain name inside its step directory (no path, not hidden)."""
 
 DTYPE_BYTES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "complex64": 8, "complex128": 16,
@@ -32,6 +35,10 @@ OPTIMIZER_STATES = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
+class Invalid(Exception):
+    """A manifest that contradicts itself; the message names the manifest and the field."""
+
+
 class _Fields:
     """Type and range checks that raise naming the manifest and the field."""
 
@@ -39,7 +46,7 @@ class _Fields:
         self.path = path
 
     def fail(self, field: str, message: str):
-        raise CheckpointError(f"{self.path}: {field}: {message}")
+        raise Invalid(f"{self.path}: {field}: {message}")
 
     def int(self, value, field: str, low: int = 0) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -163,8 +170,8 @@ def _params(c: _Fields, m: dict, groups: int) -> None:
 
 
 def validate_manifest(path: Path, m: dict) -> None:
-    """Raise CheckpointError naming `path` and the field if manifest `m` (its checksum already
-    checked) contradicts itself; see the module docstring for what is checked."""
+    """Raise Invalid naming `path` and the field if manifest `m` (its checksum already checked)
+    contradicts itself; see the module docstring for what is checked."""
     c = _Fields(Path(path))
     n = c.int(m.get("world_size"), "world_size", 1)
     if m.get("stage") not in (0, 1, 2, 3) or isinstance(m.get("stage"), bool):
