@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -504,6 +505,14 @@ EDITS = {
         lambda m: m["params"][0].update(group=5),
         r"params\[0\]\.group: 5, expected 0\.\.1",
     ),
+    "overlapping entries": (
+        lambda m: entry(m, "u0001-r0001.bin", "exp_avg").__setitem__(0, 0),
+        r"files\['u0001-r0001\.bin'\]\.entries\['master'\]: starts at byte 0, expected \d+",
+    ),
+    "state_dict key": (
+        lambda m: m["state_dict_keys"][0].__setitem__(0, "renamed"),
+        r"state_dict_keys\[0\]: key 'renamed' is not a name of",
+    ),
     "state_dict source": (
         lambda m: m["state_dict_keys"][0].__setitem__(1, "nothing"),
         r"state_dict_keys\[0\]: source 'nothing' is neither a parameter",
@@ -520,6 +529,60 @@ def test_an_edited_manifest_is_refused_naming_the_file_and_the_field(saved, tmp_
     change, field = EDITS[what]
     edit(step_dir, change)
     refused_everywhere(root, rf"{step_dir / 'manifest.json'}: {field}")
+
+
+@pytest.mark.dist
+def test_a_shape_edited_within_its_alignment_is_refused(saved, tmp_path):
+    """A 48-element bias recorded as 1 element still fills its 128-element aligned slot, so
+    the layout holds; the saved values outside the recorded parameter are not zero (as the
+    optimizers keep every gap), which verify and consolidate check; load names the parameter."""
+    root, step_dir = copy_of(saved, tmp_path)
+    p = json.loads((step_dir / "manifest.json").read_text())["params"][1]
+    name, start = p["name"], p["offset"] + 1  # just after the one element now recorded
+    assert p["shape"] == [48]
+    edit(step_dir, lambda m: m["params"][1].update(shape=[1]))
+    pattern = rf"manifest\.json: units\[{p['unit']}\]: state 'master' is not zero in \[{start}, "
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.verify(root)
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.consolidate(root)
+    with pytest.raises(RankError, match=rf"parameter '{name}': checkpoint shape \(1,\), model"):
+        spawn(load_into, 2, str(root), timeout_s=60)
+
+
+def test_no_edit_of_a_manifest_escapes_as_another_error(saved, tmp_path):
+    """Any one field of the manifest set to any of a few hostile values (re-checksummed):
+    consolidate either refuses with a CheckpointError or succeeds; no other exception."""
+    root, step_dir = copy_of(saved, tmp_path)
+    orig = json.loads((step_dir / "manifest.json").read_text())
+
+    def paths(o, pre=()):
+        if pre and pre[0] not in ("checksum", "format", "format_version", "byteorder"):
+            yield pre
+        items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, list) else ()
+        for k, v in items:
+            yield from paths(v, (*pre, k))
+
+    every = list(paths(orig))
+    values = [None, -1, 1, 10**12, 2.5, "x", "../x", [], {}, [0, 1, "float32", [1]], True]
+    rng = random.Random(0)
+    refused = 0
+    for _ in range(300):
+        where, value = rng.choice(every), rng.choice(values)
+
+        def change(m, where=where, value=value):
+            d = m
+            for k in where[:-1]:
+                d = d[k]
+            d[where[-1]] = value
+
+        shutil.copy(saved / step_dir.name / "manifest.json", step_dir / "manifest.json")
+        edit(step_dir, change)
+        try:
+            checkpoint.consolidate(root)
+        except CheckpointError:
+            refused += 1
+    assert refused > 200, refused  # most such edits break something the checks see
 
 
 @pytest.mark.dist

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .validate import Invalid, validate_manifest
+from .validate import Invalid, check_gaps, validate_manifest
 
 FORMAT = "zero-checkpoint"
 FORMAT_VERSION = 2
@@ -389,12 +389,21 @@ class _Reader:
 
 
 def verify(directory) -> dict:
-    """Check a checkpoint without loading it: the manifest, and every file against its sha256.
-    Returns the manifest; raises CheckpointError naming the first bad file."""
+    """Check a checkpoint without loading it: the manifest, every file against its sha256, and
+    zeros outside every parameter (validate.py's check_gaps). Returns the manifest; raises
+    CheckpointError naming the first bad file or field."""
     step_dir = resolve(directory)
     m = read_manifest(step_dir)
     reader = _Reader(step_dir, m)
-    for name in sorted(m["files"]):
+    done: set[str] = set()
+    for u, spec in enumerate(m["units"]):  # a unit's files at a time: checksums, then gaps
+        try:
+            check_gaps(reader, u)
+        except Invalid as exc:
+            raise CheckpointError(str(exc)) from None
+        done.update(spec["files"])
+        reader.drop()
+    for name in sorted(set(m["files"]) - done):
         reader.file(name)
         reader.drop()
     return m

@@ -33,6 +33,8 @@ DTYPE_BYTES = {
 OPTIMIZER_STATES = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 """Every per-element state some optimizer kind keeps (reference/optim.py's state_names)."""
 OPTIMIZERS = ("sgd", "adam", "adamw")
+HYPER_FIELDS = ("lr", "weight_decay", "momentum", "dampening", "nesterov", "betas", "eps")
+"""The hyper-parameters every group records (format 1 on): consolidation reads each."""
 
 
 class Invalid(Exception):
@@ -75,6 +77,7 @@ def _files(c: _Fields, files: dict) -> None:
         if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha):
             c.fail(f"{f}.sha256", f"{sha[:80]!r} is not a sha256 hex digest")
         size = c.int(info.get("bytes"), f"{f}.bytes")
+        spans = []
         for key, entry in c.of(info.get("entries"), dict, f"{f}.entries").items():
             e = f"{f}.entries[{key!r}]"
             if not isinstance(entry, list) or len(entry) != 4:
@@ -89,6 +92,14 @@ def _files(c: _Fields, files: dict) -> None:
             end = offset + numel * DTYPE_BYTES[dtype]
             if end > size:
                 c.fail(e, f"bytes [{offset}, {end}) lie beyond the file's {size} bytes")
+            spans.append((offset, end, key))
+        pos = 0  # the writer packs entries back to back: no overlap, no gap, nothing after
+        for offset, end, key in sorted(spans):
+            if offset != pos:
+                c.fail(f"{f}.entries[{key!r}]", f"starts at byte {offset}, expected {pos}")
+            pos = end
+        if pos != size:
+            c.fail(f"{f}.bytes", f"{size}, but its entries end at byte {pos}")
 
 
 def _units(c: _Fields, m: dict, n: int, hypers: list[Hyper], kind: str, chunk: int) -> None:
@@ -160,6 +171,8 @@ def _params(c: _Fields, m: dict, groups: int) -> None:
             c.fail(f"{f}.name", f"{name!r} appears twice")
         seen.add(name)
         c.shape(p.get("shape"), f"{f}.shape")
+        if p.get("dtype") not in DTYPE_BYTES:
+            c.fail(f"{f}.dtype", f"unknown dtype {str(p.get('dtype'))[:40]!r}")
         if p.get("group") not in range(groups) or isinstance(p.get("group"), bool):
             c.fail(f"{f}.group", f"{p.get('group')!r}, expected 0..{groups - 1}")
         if p.get("unit") not in range(len(units)) or isinstance(p.get("unit"), bool):
@@ -194,6 +207,14 @@ def validate_manifest(path: Path, m: dict) -> None:
             if "betas" in g:  # a list in JSON
                 g["betas"] = tuple(g["betas"])
             hypers.append(Hyper(**g))
+            missing = [k for k in HYPER_FIELDS if k not in g]
+            if missing:
+                raise ValueError(f"missing {missing}")
+            for key, v in g.items():
+                if key != "betas" and isinstance(v, bool) != (key == "nesterov"):
+                    raise TypeError(f"{key}={v!r}")
+                if key != "betas" and not isinstance(v, (int, float)):
+                    raise TypeError(f"{key}={str(v)[:40]}")
         except (TypeError, ValueError) as exc:
             c.fail(f"config.groups[{i}]", f"not a parameter group's hyper-parameters ({exc})")
     if not hypers:
@@ -209,7 +230,7 @@ def validate_manifest(path: Path, m: dict) -> None:
     rng = c.of(c.of(m.get("rng"), dict, "rng").get("files"), list, "rng.files")
     if len(rng) != n or any(name not in m["files"] for name in rng):
         c.fail("rng.files", f"{str(rng)[:120]}: expected {n} files listed in files")
-    names = {p["name"] for p in m["params"]}
+    aliases = {p["name"]: p.get("aliases", [p["name"]]) for p in m["params"]}
     buffers = m["files"][rng[0]]["entries"]
     for i, pair in enumerate(c.of(m.get("state_dict_keys"), list, "state_dict_keys")):
         if (
@@ -218,9 +239,38 @@ def validate_manifest(path: Path, m: dict) -> None:
             or not all(isinstance(x, str) for x in pair)
         ):
             c.fail(f"state_dict_keys[{i}]", f"{str(pair)[:80]}, expected [key, source]")
-        src = pair[1]
-        if src not in names and not (src.startswith("buffer:") and src in buffers):
+        key, src = pair
+        if src not in aliases and not (src.startswith("buffer:") and src in buffers):
             c.fail(
                 f"state_dict_keys[{i}]",
                 f"source {src[:80]!r} is neither a parameter in params nor a buffer in {rng[0]}",
             )
+        if key not in aliases.get(src, []) and src != f"buffer:{key}":
+            c.fail(f"state_dict_keys[{i}]", f"key {key[:80]!r} is not a name of {src[:80]!r}")
+
+
+def check_gaps(reader, unit: int) -> None:
+    """Every element of unit `unit`'s saved buffers outside its parameters' slots is zero, as
+    every optimizer keeps it (docs/checkpoints.md). This is what reveals a parameter's shape
+    edited within its alignment (a bias of 48 elements recorded as 1 still fills 128)."""
+    m, c = reader.m, _Fields(Path(reader.dir) / "manifest.json")
+    spec = m["units"][unit]
+    params = {p["name"]: p for p in m["params"]}
+    slots = sorted(
+        (params[x]["offset"], params[x]["offset"] + math.prod(params[x]["shape"]))
+        for x in spec["params"]
+    )
+    gaps, pos = [], 0
+    for lo, hi in slots:
+        if lo > pos:
+            gaps.append((pos, lo))
+        pos = max(pos, hi)
+    gaps.append((pos, spec["padded_numel"]))
+    for key in spec["states"]:
+        for lo, hi in gaps:
+            if lo < hi and reader.range(unit, key, lo, hi).count_nonzero():
+                c.fail(
+                    f"units[{unit}]",
+                    f"state {key!r} is not zero in [{lo}, {hi}), outside every parameter: the "
+                    "recorded shapes do not describe the saved values",
+                )
