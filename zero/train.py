@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -339,8 +340,15 @@ def resume_point(cfg: TrainConfig) -> Path | None:
 def _claim(cfg: TrainConfig) -> Path:
     """Before any work: lock OUT, check what --resume would load. Returns the lock's path."""
     held = lock.acquire(cfg.out)
+    latest = Path(cfg.out) / "ckpt" / "latest"
     try:
-        if resume_point(cfg) is None and (Path(cfg.out) / "ckpt" / "latest").exists():
+        resuming = resume_point(cfg) is not None
+        if os.path.lexists(latest) and (latest.is_symlink() or not latest.is_file()):
+            raise ValueError(  # else the run would fail at its first checkpoint, work lost
+                f"out={cfg.out!r}: {latest} is not a regular file, so no checkpoint could be "
+                "committed there; remove it, or give another --out"
+            )
+        if not resuming and latest.exists():
             print(
                 f"note: {Path(cfg.out) / 'ckpt'} holds an earlier run's checkpoints; they are "
                 "kept (a run prunes only its own), and `latest` will name this run's",

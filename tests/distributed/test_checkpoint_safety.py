@@ -94,6 +94,10 @@ def test_resume_without_a_valid_checkpoint_refuses_and_removes_nothing(
         with pytest.raises(ValueError, match=rf"^resume\w*=True: no valid checkpoint .*{why}"):
             train(out, text, "--steps", "4", flag)
         assert tree(out) == before  # nothing trained, written or removed
+    if damage == "latest a directory":  # a fresh run could never commit there: refused too
+        with pytest.raises(ValueError, match=r"latest is not a regular file, so no checkpoint"):
+            train(out, text, "--steps", "4")
+        assert tree(out) == before
     if damage != "latest missing":
         return
     # the CLI: exit status 2, one line naming the directory
