@@ -15,6 +15,9 @@ writes OUT/train_log.json (a zero.results record, atomically) and OUT/loss_curve
 the loss history to OUT/ckpt/history.jsonl (zero/history.py).
 `--resume` continues from OUT/ckpt/latest up to `--steps` in total; in deterministic mode
 (the default) the result is bitwise that of an uninterrupted run, at any stage and world size.
+Without a valid checkpoint there, `--resume` is refused (nothing runs, nothing is removed);
+`--resume-if-present` starts afresh when OUT/ckpt is absent or empty. One run at a time per
+OUT: OUT/run.lock (zero/checkpoint/lock.py) refuses a second one before it does any work.
 
 Launching (the loop is the same in every case; only the process group differs):
   * one process:
@@ -39,6 +42,7 @@ import argparse
 import hashlib
 import io
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -50,7 +54,8 @@ import torch.distributed as dist
 
 from reference.optim import Hyper
 
-from . import cli
+from . import checkpoint, cli
+from .checkpoint import lock
 from .config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from .data import VOCAB_SIZE, Corpus, load_corpus
 from .engine import StepResult, ZeroEngine
@@ -182,7 +187,9 @@ class TrainConfig:
     log_every: int = 10
     """Gather the per-rank memory and print a plain log line every this many steps."""
     resume: bool = False
-    """Continue from OUT/ckpt/latest (a fresh start when there is none)."""
+    """Continue from OUT/ckpt/latest; without a valid checkpoint there, refused (nothing runs)."""
+    resume_if_present: bool = False
+    """As resume when OUT/ckpt holds anything, else a fresh start (absent or empty OUT/ckpt)."""
     timeout_s: float = 3600.0
     """Local ranks: the whole run's limit; every run: a collective's limit before it raises."""
     zero: ZeroConfig = ZERO_DEFAULT
@@ -227,6 +234,11 @@ class TrainConfig:
         need(isinstance(self.out, str) and self.out != "", "out", "a folder path")
         need(isinstance(self.resume, bool), "resume", "True or False")
         need(isinstance(self.zero, ZeroConfig), "zero", "a ZeroConfig")
+        need(
+            not (self.resume and self.resume_if_present),
+            "resume_if_present",
+            "False together with resume=True (choose one)",
+        )
 
     def zero_config(self, world_size: int) -> ZeroConfig:
         gpt, _ = MODELS[self.model]
@@ -330,6 +342,50 @@ def plot_losses(history: dict, path: Path, *, title: str) -> None:
     write_atomic(path, buf.getvalue())
 
 
+def resume_point(cfg: TrainConfig) -> Path | None:
+    """The step directory the run continues from, None for a fresh start. With --resume (or
+    --resume-if-present and a non-empty OUT/ckpt) a checkpoint that is missing, incomplete or
+    invalid is a ValueError naming the directory and what is wrong: never a silent restart."""
+    ckpt = Path(cfg.out) / "ckpt"
+    if not cfg.resume and not cfg.resume_if_present:
+        return None
+    if cfg.resume_if_present and (not ckpt.is_dir() or not any(ckpt.iterdir())):
+        return None
+    field = "resume" if cfg.resume else "resume_if_present"
+    try:
+        step_dir = checkpoint.resolve(ckpt)
+        checkpoint.read_manifest(step_dir)
+    except checkpoint.CheckpointError as exc:
+        raise ValueError(
+            f"{field}=True: no valid checkpoint to continue from in {ckpt} ({exc}); nothing was "
+            "run or removed (without --resume a run starts afresh and keeps these files)"
+        ) from None
+    return step_dir
+
+
+def _claim(cfg: TrainConfig) -> Path:
+    """Before any work: lock OUT, check what --resume would load. Returns the lock's path."""
+    held = lock.acquire(cfg.out)
+    latest = Path(cfg.out) / "ckpt" / "latest"
+    try:
+        resuming = resume_point(cfg) is not None
+        if os.path.lexists(latest) and (latest.is_symlink() or not latest.is_file()):
+            raise ValueError(  # else the run would fail at its first checkpoint, work lost
+                f"out={cfg.out!r}: {latest} is not a regular file, so no checkpoint could be "
+                "committed there; remove it, or give another --out"
+            )
+        if not resuming and latest.exists():
+            print(
+                f"note: {Path(cfg.out) / 'ckpt'} holds an earlier run's checkpoints; they are "
+                "kept (a run prunes only its own), and `latest` will name this run's",
+                file=sys.stderr,
+            )
+    except BaseException:
+        lock.release(held)
+        raise
+    return held
+
+
 def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, device=None):
     """One rank's whole run; rank 0 returns the log record (the others None)."""
     device = torch.device("cpu") if device is None else device
@@ -342,8 +398,9 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     # file; a checkpoint holds a constant-size mark of it, not the history itself
     log = HistoryLog(ckpt / HISTORY_FILE) if lead else None
     history: dict = {"train": [], "val": []}
-    if cfg.resume and (ckpt / "latest").is_file():
-        extra = engine.load(ckpt).extra
+    step_dir = resume_point(cfg)  # checked before the ranks started (_claim)
+    if step_dir is not None:
+        extra = engine.load(step_dir).extra  # the history's mark travels with the checkpoint
         if lead:
             history = log.restore(extra)
     elif lead:
@@ -493,15 +550,32 @@ def main(argv=None) -> dict | None:
                 f"micro_batches={cfg.micro_batches} is not allowed: expected a "
                 f"positive multiple of the launched world size {world}"
             )
+        held = None
         try:
+            error = None
+            if rank == 0:  # one lock per run: the first rank's
+                try:
+                    held = _claim(cfg)
+                except ValueError as exc:
+                    error = str(exc)
+            box = [error]
+            dist.broadcast_object_list(box, src=0)  # every rank stops if rank 0 was refused
+            if box[0] is not None:
+                raise ValueError(box[0])
             return run_rank(
                 rank, world, cfg, load_corpus(cfg.data, val_fraction=cfg.val_fraction), device
             )
         finally:
+            if held is not None:
+                lock.release(held)
             dist.destroy_process_group()
     cfg = replace(cfg, nproc=cfg.nproc or 2)  # validates micro_batches against it
-    corpus = load_corpus(cfg.data, val_fraction=cfg.val_fraction)  # once; forked ranks share it
-    return spawn(run_rank, cfg.nproc, cfg, corpus, timeout_s=cfg.timeout_s)[0]
+    held = _claim(cfg)
+    try:
+        corpus = load_corpus(cfg.data, val_fraction=cfg.val_fraction)  # forked ranks share it
+        return spawn(run_rank, cfg.nproc, cfg, corpus, timeout_s=cfg.timeout_s)[0]
+    finally:
+        lock.release(held)
 
 
 if __name__ == "__main__":

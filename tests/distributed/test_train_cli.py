@@ -86,7 +86,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, text):
     data = ["--data", str(text), "--nproc", "2"]
     run(tmp_path / "a", *data, "--stage", "1", "--steps", "2")
     resumed = run(tmp_path / "a", *data, "--stage", "3", "--steps", "4", "--resume")
-    whole = run(tmp_path / "b", *data, "--stage", "2", "--steps", "4", "--resume")  # no ckpt yet
+    whole = run(tmp_path / "b", *data, "--stage", "2", "--steps", "4", "--resume-if-present")
     r, w = resumed["result"], whole["result"]
     assert r["final_master_sha256"] == w["final_master_sha256"]
     assert [h["step"] for h in r["history"]["train"]] == [1, 2, 3, 4]

@@ -6,8 +6,9 @@
     python -m zero.checkpoint verify ROOT                 # every checksum, nothing loaded
 
 Legend: N1 the world size at save, N2 at load. Modules: format.py (the on-disk format, verified
-reads), commit.py (save: [Note: atomic commit]), reshard.py (load: [Note: resharding by
-layout]), consolidate.py, cli.py. They read an engine only through zero/introspect.py's
+reads), validate.py (a manifest against itself), commit.py (save: [Note: atomic commit],
+[Note: run identity]), reshard.py (load: [Note: resharding by layout]), consolidate.py, cli.py,
+lock.py (one run per output directory). They read an engine only through zero/introspect.py's
 Introspect, never a stage.
 """
 

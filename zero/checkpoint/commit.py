@@ -8,19 +8,30 @@ exists, so the live checkpoint is never written into); 2. every rank writes its 
 fsync, rename) and fsyncs the directory, then all ranks exchange their checksums, which is the
 barrier; 3. rank 0 writes manifest.json the same way and fsyncs the directory; 4. rank 0 switches
 `latest` (temp file, fsync, os.replace, fsync ROOT). A directory without a manifest is an
-interrupted save and is ignored; only after step 4 does rank 0 prune: interrupted saves always,
-and committed ones beyond `keep_last`. A crash at any point leaves `latest` naming a complete,
-verifiable checkpoint.
+interrupted save and is ignored; only after step 4 does rank 0 prune ([Note: run identity]).
+A crash at any point leaves `latest` naming a complete, verifiable checkpoint. A save that
+fails (a full disk, say) removes its own files before every rank raises: the temp file on the
+rank that failed, the step directory on rank 0 once every rank has stopped writing into it.
+
+[Note: run identity] Each engine's checkpoints carry a run id (the manifest's run_id; the
+step directory's owner.json from its creation): a random id made at the engine's first save,
+or the one of the checkpoint it loaded, so a resumed run is the same run. Pruning removes only
+this run's own: committed checkpoints beyond `keep_last` and its interrupted saves. Another
+run's checkpoints, a save in progress elsewhere, and whatever it cannot read are left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
+import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -31,7 +42,10 @@ from .format import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
+    OWNER,
+    POINTER_LIMIT,
     STEP_DIR,
+    CheckpointError,
     _agree,
     _all_gather,
     _broadcast,
@@ -41,6 +55,8 @@ from .format import (
     _tensor_file,
     _write_durably,
     notify_written,
+    read_manifest_quietly,
+    read_regular,
 )
 
 # -- save ----------------------------------------------------------------------------------------
@@ -107,7 +123,7 @@ def _config_record(cfg) -> dict:
     }
 
 
-def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
+def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str) -> dict:
     n = engine.world_size
     where = {}
     for u in engine.units:
@@ -179,6 +195,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
         "format_version": FORMAT_VERSION,
         "name": name,
         "sequence": sequence,
+        "run_id": run_id,
         "world_size": n,
         "stage": engine.config.stage,
         "t": engine.t,
@@ -199,51 +216,90 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int) -> dict:
     return {**body, "checksum": hashlib.sha256(_canonical(body)).hexdigest()}
 
 
+def _step_dirs(root: Path) -> list[Path]:
+    """Step directories directly under root: real directories (never through a link)."""
+    out = []
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        if STEP_DIR.fullmatch(d.name) and not d.is_symlink() and d.is_dir():
+            out.append(d)
+    return out
+
+
 def _sequence_after(root: Path) -> int:
     """One more than the newest committed sequence number under root."""
     seqs = [-1]
-    for d in root.iterdir() if root.is_dir() else ():
-        if STEP_DIR.fullmatch(d.name) and (d / MANIFEST).is_file():
-            try:
-                seqs.append(int(json.loads((d / MANIFEST).read_text())["sequence"]))
-            except (ValueError, KeyError, TypeError):
-                pass
+    for d in _step_dirs(root):
+        m = read_manifest_quietly(d)
+        if m is not None:
+            seqs.append(m["sequence"])
     return max(seqs) + 1
 
 
-def _fresh_step_dir(root: Path, data_step: int) -> str:
+def _fresh_step_dir(root: Path, data_step: int, run_id: str) -> str:
     base = f"step-{data_step:08d}"
     name, k = base, 0
-    while (root / name).exists():  # never write into an existing (maybe the live) directory
-        k += 1
-        name = f"{base}-{k}"
-    (root / name).mkdir()
+    while True:  # never write into an existing (maybe the live) directory
+        try:
+            (root / name).mkdir()
+            break
+        except FileExistsError:
+            k += 1
+            name = f"{base}-{k}"
+    owner = {"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname()}
+    _write_durably(root / name / OWNER, [json.dumps(owner).encode()])
     _fsync_dir(root)
     return name
 
 
-def _prune(root: Path, current: str, keep_last: int | None) -> list[str]:
+def _owner(d: Path) -> str | None:
+    """The run id in a step directory's owner.json, None if it has none that reads."""
+    try:
+        return json.loads(read_regular(d / OWNER, limit=POINTER_LIMIT))["run_id"]
+    except (OSError, CheckpointError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remove(d: Path) -> None:
+    """Remove a step directory, its manifest first: a crash midway leaves an interrupted save,
+    never a manifest whose files are gone."""
+    with contextlib.suppress(FileNotFoundError):
+        (d / MANIFEST).unlink()
+        _fsync_dir(d)
+    shutil.rmtree(d)
+
+
+def _prune(root: Path, current: str, keep_last: int | None, run_id: str) -> list[str]:
+    """Remove this run's interrupted saves, and its committed checkpoints beyond keep_last;
+    nothing else ([Note: run identity])."""
     committed, removed = [], []
-    for d in root.iterdir():
-        if d.name == current or not d.is_dir() or not STEP_DIR.fullmatch(d.name):
+    for d in _step_dirs(root):
+        if d.name == current:
             continue
-        if not (d / MANIFEST).is_file():  # an interrupted save
-            shutil.rmtree(d)
-            removed.append(d.name)
+        if not os.path.lexists(d / MANIFEST):
+            if _owner(d) == run_id:  # this run's interrupted save
+                _remove(d)
+                removed.append(d.name)
             continue
-        try:
-            seq = int(json.loads((d / MANIFEST).read_text())["sequence"])
-        except (ValueError, KeyError, TypeError):
-            seq = -1  # unreadable: the oldest
-        committed.append((seq, d))
+        m = read_manifest_quietly(d)
+        if m is not None and m.get("run_id") == run_id:
+            committed.append((m["sequence"], d))
     if keep_last is not None:
         committed.sort()
         for _, d in committed[: max(0, len(committed) - (keep_last - 1))]:
-            shutil.rmtree(d)
+            _remove(d)
             removed.append(d.name)
     if removed:
         _fsync_dir(root)
     return removed
+
+
+def _run_id(engine) -> str:
+    """This engine's run ([Note: run identity]): rank 0's fresh id at the first save."""
+    run_id = getattr(engine, "checkpoint_run_id", None)
+    if run_id is None:
+        run_id = _broadcast(engine, uuid.uuid4().hex if engine.rank == 0 else None)
+        engine.checkpoint_run_id = run_id
+    return run_id
 
 
 def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=None) -> Path:
@@ -263,36 +319,47 @@ def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=N
         raise ValueError(f"extra={extra!r}: must be JSON-serialisable ({exc})") from None
     _check_idle(engine, "save")
     root = Path(directory)
+    run_id = _run_id(engine)
     name, error = None, None
     if engine.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            name = _fresh_step_dir(root, engine.data_step)
+            name = _fresh_step_dir(root, engine.data_step, run_id)
         except OSError as exc:
             error = exc
     name = _broadcast(engine, name)
     _agree(engine, error, f"save to {root}")
     step_dir = root / name
+
+    def abandon():  # rank 0, once every rank has stopped writing into step_dir
+        if engine.rank == 0:
+            with contextlib.suppress(OSError):
+                _remove(step_dir)
+                _fsync_dir(root)
+
     files, error = None, None
     try:
         files = _write_rank_files(engine, step_dir)
     except Exception as exc:  # reported to every rank below, so none waits forever
         error = exc
     every = _all_gather(engine, files)  # the barrier: every rank's files are durable
-    _agree(engine, error, f"save to {step_dir}")
-    error = None
+    _agree(engine, error, f"save to {step_dir}", on_failure=abandon)
+    error, committed = None, False
     if engine.rank == 0:
         try:
             all_files = {k: v for f in every for k, v in f.items()}
-            manifest = _manifest(engine, name, all_files, extra, _sequence_after(root))
+            manifest = _manifest(engine, name, all_files, extra, _sequence_after(root), run_id)
             _write_durably(step_dir / MANIFEST, [json.dumps(manifest, indent=1).encode()])
             _fsync_dir(step_dir)
             notify_written(step_dir / MANIFEST)
             _write_durably(root / LATEST, [f"{name}\n".encode()])
+            committed = True  # the rename is done: `latest` names step_dir
             _fsync_dir(root)
             notify_written(root / LATEST)
-            _prune(root, name, keep_last)
+            _prune(root, name, keep_last, run_id)
         except Exception as exc:
             error = exc
+            if not committed:  # `latest` still names the previous checkpoint
+                abandon()
     _agree(engine, error, f"commit of {step_dir}")
     return step_dir

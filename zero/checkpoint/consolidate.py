@@ -13,7 +13,16 @@ from pathlib import Path
 import torch
 
 from ..optim import TORCH_OPTIMIZERS, torch_kwargs
-from .format import _fsync_dir, _Reader, _write_durably, read_manifest, resolve, saved_steps
+from .format import (
+    CheckpointError,
+    _fsync_dir,
+    _Reader,
+    _write_durably,
+    read_manifest,
+    resolve,
+    saved_steps,
+)
+from .validate import Invalid, check_gaps
 
 # -- consolidation -------------------------------------------------------------------------------
 
@@ -56,6 +65,11 @@ def consolidate(directory) -> dict:
     m = read_manifest(step_dir)
     reader = _Reader(step_dir, m)
     units = m["units"]
+    try:  # no model to check the shapes against: the saved values must fit them
+        for u in range(len(units)):
+            check_gaps(reader, u)
+    except Invalid as exc:
+        raise CheckpointError(str(exc)) from None
     kind, steps = m["config"]["optimizer"], saved_steps(m)
     hypers = m["config"]["groups"]
 

@@ -10,6 +10,7 @@ buffer has N·L elements. On disk, ROOT holds step directories and one pointer:
     ROOT/step-00000012/r0001.bin      rank 1's RNG state (rank 0's file also holds the buffers)
     ROOT/step-00000012/f0000-r0001.bin  rank 1's shard of frozen buffer 0 (zero/frozen.py) at N1:
                                       [L1, 2·L1) of the padded buffer, in the compute dtype
+    ROOT/step-00000012/owner.json     the run that made it (format 2; [Note: run identity])
 Every rank writes the same thing at every stage: its slice r of each unit, taken from the whole
 master where the stage keeps it whole (stage 0, persistent stage-3 units). The working copy is
 not saved: it is the master rounded to the compute dtype, which is how the engine makes it.
@@ -21,26 +22,36 @@ it).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
+import stat
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from .validate import Invalid, check_gaps, validate_manifest
+
 FORMAT = "zero-checkpoint"
 FORMAT_VERSION = 2
 """1: the first format. 2 adds each trainable parameter's own optimizer step count
-(params[i]["step"], reference/step.py's [Note: unused parameters]) and frozen parameters (see the
-module docstring); a version-1 checkpoint loads with every count equal to t, which is what the
-engine that wrote it did, and has no frozen parameters."""
+(params[i]["step"], reference/step.py's [Note: unused parameters]), frozen parameters (see the
+module docstring), run_id in the manifest and owner.json in a step directory. All additive: a
+version-1 checkpoint loads with every count equal to t (what the engine that wrote it did), has
+no frozen parameters, and is never pruned (it has no run_id)."""
 MANIFEST = "manifest.json"
 LATEST = "latest"
+OWNER = "owner.json"
 STEP_DIR = re.compile(r"step-\d{8,}(-\d+)?")
+POINTER_LIMIT = 4096
+"""The most bytes `latest` may hold (one step directory's name)."""
 
 
 def notify_written(path: Path) -> None:
@@ -80,19 +91,94 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_all(f, chunk) -> None:
+    """One chunk into an open file. A function of its own so that a test can make it fail as a
+    full disk would (tests/distributed/test_checkpoint_safety.py)."""
+    f.write(chunk)
+
+
 def _write_durably(path: Path, chunks) -> tuple[str, int]:
-    """Write chunks (buffers) to path via a temp file, fsync, rename; returns (sha256, bytes)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write chunks (buffers) to path via a temp file, fsync, rename; returns (sha256, bytes).
+
+    The temp file is made by mkstemp in the target directory: a random name, created
+    exclusively (O_CREAT | O_EXCL | O_NOFOLLOW), so a planted file or link is never written
+    through; os.replace then swaps the name itself (a link at `path` is replaced, not followed).
+    On any failure the temp file is removed: a failed write leaves nothing behind.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     digest, size = hashlib.sha256(), 0
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-            digest.update(chunk)
-            size += memoryview(chunk).nbytes
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp makes 0600; others may read checkpoints
+            for chunk in chunks:
+                _write_all(f, chunk)
+                digest.update(chunk)
+                size += memoryview(chunk).nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return digest.hexdigest(), size
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular(path: Path, *, size: int | None = None, limit: int | None = None) -> bytearray:
+    """The bytes of a regular file, exactly `size` of them (a file of another size is refused
+    before any byte is read) or at most `limit`. Never through a symbolic link, never blocking
+    on a FIFO or a device: opened O_NOFOLLOW | O_NONBLOCK, then fstat'ed. FileNotFoundError
+    passes through; anything else is a CheckpointError naming the file."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"{path}: a symbolic link; only regular files inside the checkpoint are read"
+            ) from None
+        raise CheckpointError(f"{path}: cannot be opened ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(
+                f"{path}: {_kind(st.st_mode)}, not a regular file; only regular files inside "
+                "the checkpoint are read"
+            )
+        if size is not None and st.st_size != size:
+            raise CheckpointError(
+                f"{path}: {st.st_size} bytes on disk, the manifest records {size} bytes"
+            )
+        if limit is not None and st.st_size > limit:
+            raise CheckpointError(f"{path}: {st.st_size} bytes, more than the {limit} allowed")
+        n = st.st_size if size is None else size
+        data = bytearray(n)
+        view, got = memoryview(data), 0
+        while got < n:
+            k = os.readv(fd, [view[got:]])
+            if not k:
+                raise CheckpointError(f"{path}: ended after {got} of {n} bytes")
+            got += k
+    finally:
+        os.close(fd)
+    return data
 
 
 def _raw(t: torch.Tensor):
@@ -137,10 +223,16 @@ def _broadcast(engine, obj):
     return box[0]
 
 
-def _agree(engine, error: BaseException | None, what: str) -> None:
+def _agree(engine, error: BaseException | None, what: str, on_failure=None) -> None:
     """Every rank learns whether some rank failed, so that none is left waiting in a later
-    collective: the failing rank re-raises its own error, the others name it."""
+    collective: the failing rank re-raises its own error, the others name it. If any rank
+    failed, on_failure() runs first on every rank (after the exchange, so every rank has stopped
+    writing), and a second exchange makes every rank wait for it."""
     every = _all_gather(engine, None if error is None else f"{type(error).__name__}: {error}")
+    if on_failure is not None and any(msg is not None for msg in every):
+        on_failure()
+        _all_gather(engine, None)  # the cleanup is done before any rank raises (and a
+        # launcher, seeing one rank fail, kills the others)
     if error is not None:
         raise error
     for r, msg in enumerate(every):
@@ -163,24 +255,50 @@ def _check_idle(engine, what: str) -> None:
 
 def resolve(directory) -> Path:
     """The step directory to read: `directory` itself if it holds a manifest, else the one its
-    `latest` pointer names."""
+    `latest` pointer names, which must be a step directory inside it (a plain name such as
+    step-00000012, a real directory, holding a manifest). Raises CheckpointError naming the
+    directory and what is missing or wrong."""
     d = Path(directory)
-    if (d / MANIFEST).is_file():
+    if os.path.lexists(d / MANIFEST):
         return d
     pointer = d / LATEST
-    if not pointer.is_file():
-        raise CheckpointError(f"{d}: neither a step directory ({MANIFEST}) nor a root ({LATEST})")
-    step_dir = d / pointer.read_text().strip()
-    if not (step_dir / MANIFEST).is_file():
+    if not os.path.lexists(pointer):
+        if not d.is_dir():
+            raise CheckpointError(f"{d}: no such directory (no checkpoint there)")
+        raise CheckpointError(
+            f"{d}: neither a step directory (no {MANIFEST}) nor a checkpoint root (no {LATEST})"
+        )
+    try:
+        text = read_regular(pointer, limit=POINTER_LIMIT)
+    except FileNotFoundError:
+        raise CheckpointError(f"{pointer}: vanished while being read") from None
+    name = text.decode("utf-8", errors="replace").strip()
+    if not STEP_DIR.fullmatch(name):
+        raise CheckpointError(
+            f"{pointer} names {name[:100]!r}, which is not a step directory inside {d} "
+            "(expected a name such as step-00000012)"
+        )
+    step_dir = d / name
+    try:
+        mode = os.lstat(step_dir).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{pointer} names {step_dir}, which does not exist") from None
+    if not stat.S_ISDIR(mode):
+        raise CheckpointError(
+            f"{pointer} names {step_dir}, which is {_kind(mode)}, not a step directory"
+        )
+    if not os.path.lexists(step_dir / MANIFEST):
         raise CheckpointError(f"{pointer} names {step_dir}, which has no {MANIFEST}")
     return step_dir
 
 
 def read_manifest(step_dir: Path) -> dict:
-    """The manifest, checked: our format, a version we read, its own checksum."""
+    """The manifest, checked: a regular file, our format, a version we read, its own checksum,
+    and consistent with itself (zero/checkpoint/validate.py), so that nothing it describes is
+    read out of bounds or with a wrong shape, dtype or optimizer state."""
     path = Path(step_dir) / MANIFEST
     try:
-        m = json.loads(path.read_text())
+        m = json.loads(read_regular(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (the save did not complete)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -188,7 +306,7 @@ def read_manifest(step_dir: Path) -> dict:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} manifest")
     version = m.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format_version {version!r} is newer than this code reads (up to "
             f"{FORMAT_VERSION}); load it with the version of zero that wrote it, or a newer one"
@@ -200,8 +318,14 @@ def read_manifest(step_dir: Path) -> dict:
             f"{path}: checksum mismatch (sha256 of its contents {got}, "
             f"recorded {m.get('checksum')})"
         )
-    if m["byteorder"] != sys.byteorder:
-        raise CheckpointError(f"{path}: saved on a {m['byteorder']}-endian machine")
+    if m.get("byteorder") != sys.byteorder:
+        raise CheckpointError(f"{path}: byteorder: saved on a {m.get('byteorder')}-endian machine")
+    try:
+        validate_manifest(path, m)
+    except Invalid as exc:
+        raise CheckpointError(str(exc)) from None
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:  # a shape no check foresaw
+        raise CheckpointError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
     return m
 
 
@@ -209,6 +333,15 @@ def saved_steps(m: dict) -> dict[str, int]:
     """Each parameter's optimizer step count t_p from a manifest; before format version 2
     every parameter had taken all t steps."""
     return {p["name"]: int(p.get("step", m["t"])) for p in m["params"] if not p.get("frozen")}
+
+
+def read_manifest_quietly(step_dir: Path) -> dict | None:
+    """The manifest if it reads and validates, else None (for pruning and numbering, which
+    leave alone whatever they cannot read)."""
+    try:
+        return read_manifest(step_dir)
+    except (CheckpointError, OSError):
+        return None
 
 
 class _Reader:
@@ -224,9 +357,8 @@ class _Reader:
             path = self.dir / name
             if info is None:
                 raise CheckpointError(f"{path}: not listed in {self.dir / MANIFEST}")
-            try:
-                with open(path, "rb") as f:
-                    data = bytearray(f.read())
+            try:  # a regular file of exactly the recorded size, or nothing is read
+                data = read_regular(path, size=info["bytes"])
             except FileNotFoundError:
                 raise CheckpointError(
                     f"missing shard file {path} (the manifest lists it: {info['bytes']} bytes)"
@@ -242,7 +374,10 @@ class _Reader:
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
         data = self.file(name)
-        offset, numel, dtype, shape = self.m["files"][name]["entries"][key]
+        entry = self.m["files"][name]["entries"].get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.dir / MANIFEST}: files[{name!r}] has no entry {key!r}")
+        offset, numel, dtype, shape = entry
         dt = getattr(torch, dtype)
         if numel == 0:
             return torch.empty(shape, dtype=dt)
@@ -273,12 +408,21 @@ class _Reader:
 
 
 def verify(directory) -> dict:
-    """Check a checkpoint without loading it: the manifest, and every file against its sha256.
-    Returns the manifest; raises CheckpointError naming the first bad file."""
+    """Check a checkpoint without loading it: the manifest, every file against its sha256, and
+    zeros outside every parameter (validate.py's check_gaps). Returns the manifest; raises
+    CheckpointError naming the first bad file or field."""
     step_dir = resolve(directory)
     m = read_manifest(step_dir)
     reader = _Reader(step_dir, m)
-    for name in sorted(m["files"]):
+    done: set[str] = set()
+    for u, spec in enumerate(m["units"]):  # a unit's files at a time: checksums, then gaps
+        try:
+            check_gaps(reader, u)
+        except Invalid as exc:
+            raise CheckpointError(str(exc)) from None
+        done.update(spec["files"])
+        reader.drop()
+    for name in sorted(set(m["files"]) - done):
         reader.file(name)
         reader.drop()
     return m

@@ -134,6 +134,7 @@ def _load_here(engine: Introspect, directory) -> CheckpointInfo:
     steps = saved_steps(m)
     for u in engine.units:
         u.steps = [steps[n] for n, _ in u.params]
+    engine.checkpoint_run_id = m.get("run_id")  # [Note: run identity]; None before format 2
     if engine.config.precision != "fp16":
         engine.scaler = None
     elif m["scaler"] is not None:

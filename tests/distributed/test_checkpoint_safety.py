@@ -1,0 +1,623 @@
+"""Checkpoints and runs that never lose work (zero/checkpoint/, zero/train.py): --resume refuses
+instead of restarting, one run per output directory, a failed save cleans up after itself,
+pruning touches only this run's checkpoints, temp files are made safely, only regular files
+inside the root are read (bounded by the manifest), and an edited manifest is refused by field.
+
+A full disk is simulated: zero/checkpoint/format.py's _write_all is replaced by one that writes
+half a chunk and raises ENOSPC (a small real file system needs root to mount). Tests with a
+file that could block a reader today (a FIFO) carry a short timeout, so that a regression fails
+instead of hanging.
+"""
+
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from verify.resume import ResumeCase, build, compare_states, microbatches, run_rank, state_of
+from zero import checkpoint
+from zero.checkpoint import CheckpointError, lock
+from zero.checkpoint import format as fmt
+from zero.launch import RankError, get_pool, spawn
+from zero.train import main, train_steps
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[2]
+CASE = ResumeCase(n1=2, s1=2, n2=2, s2=2, precision="bf16", optimizer="adamw")
+FAST = ["--model", "tiny", "--eval-every", "0", "--log-every", "100", "--eval-batches", "1"]
+
+
+def tree(root: Path) -> dict:
+    """Every path under root with its size and mtime: what 'nothing changed' compares."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(b"\n".join(p.read_bytes() for p in sorted((REPO / "zero").glob("*.py"))))
+    return path
+
+
+def train(out: Path, text: Path, *args: str) -> dict:
+    return main([*FAST, "--data", str(text), "--nproc", "1", "--out", str(out), *args])
+
+
+# -- --resume never restarts silently, never deletes ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, text) -> Path:
+    """A finished two-step run with a checkpoint after each step (OUT/ckpt: 2 step dirs)."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    train(out, text, "--steps", "2", "--ckpt-every", "1")
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("damage", ["latest missing", "latest a directory", "latest outside"])
+def test_resume_without_a_valid_checkpoint_refuses_and_removes_nothing(
+    trained, text, tmp_path, damage
+):
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    ckpt = out / "ckpt"
+    (ckpt / "latest").unlink()
+    if damage == "latest a directory":
+        (ckpt / "latest").mkdir()
+    elif damage == "latest outside":  # a complete checkpoint, but outside the root
+        shutil.copytree(ckpt / "step-00000002", tmp_path / "elsewhere" / "step-00000002")
+        (ckpt / "latest").write_text("../../elsewhere/step-00000002\n")
+    before = tree(out)
+    why = {
+        "latest missing": r"no latest",
+        "latest a directory": r"latest: a directory, not a regular file",
+        "latest outside": r"latest names '\.\./\.\./elsewhere/step-00000002', which is not a step",
+    }[damage]
+    for flag in ("--resume", "--resume-if-present"):
+        with pytest.raises(ValueError, match=rf"^resume\w*=True: no valid checkpoint .*{why}"):
+            train(out, text, "--steps", "4", flag)
+        assert tree(out) == before  # nothing trained, written or removed
+    if damage == "latest a directory":  # a fresh run could never commit there: refused too
+        with pytest.raises(ValueError, match=r"latest is not a regular file, so no checkpoint"):
+            train(out, text, "--steps", "4")
+        assert tree(out) == before
+    if damage != "latest missing":
+        return
+    # the CLI: exit status 2, one line naming the directory
+    done = subprocess.run(
+        [sys.executable, "-m", "zero.train", *FAST, "--out", str(out), "--resume"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert str(ckpt) in done.stderr and tree(out) == before
+
+
+@pytest.mark.dist
+def test_resume_if_present_starts_afresh_only_on_an_empty_directory(tmp_path, text, capsys):
+    out = tmp_path / "run"
+    (out / "ckpt").mkdir(parents=True)
+    log = train(out, text, "--steps", "1", "--resume-if-present")
+    assert [h["step"] for h in log["result"]["history"]["train"]] == [1]
+    with pytest.raises(SystemExit) as exc:
+        train(out, text, "--resume", "--resume-if-present")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "resume_if_present=True is not allowed" in err, err
+
+
+# -- one run per output directory ----------------------------------------------------------------
+
+
+@pytest.mark.dist
+def test_a_second_run_on_the_same_out_is_refused_before_any_work(tmp_path, text):
+    """A run holds OUT/run.lock while it runs: a second job on the same OUT exits 2 at once,
+    naming the holder; the first, interrupted later (Ctrl-C), releases the lock and leaves a
+    checkpoint that verifies."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "zero.train", *FAST, "--data", str(text), "--nproc", "1",
+         "--steps", "100000", "--ckpt-every", "1", "--out", str(out)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "ckpt" / "latest").exists():  # running, and checkpointing
+            assert first.poll() is None, "the first run ended early"
+            assert time.monotonic() < deadline, "the first run did not start checkpointing"
+            time.sleep(0.2)
+        holder = json.loads((out / "run.lock").read_text())
+        assert holder["pid"] == first.pid
+        second = subprocess.run(
+            [sys.executable, "-m", "zero.train", *FAST, "--data", str(text), "--nproc", "1",
+             "--steps", "30", "--ckpt-every", "1", "--out", str(out)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr
+        assert f"out={str(out)!r} is in use: another run holds {out / 'run.lock'}" in second.stderr
+        assert f"pid {first.pid}" in second.stderr and len(second.stderr.splitlines()) == 1
+        assert first.poll() is None  # still training, untouched by the second job
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert not (out / "run.lock").exists()  # released at exit
+    checkpoint.verify(out / "ckpt")
+
+
+@pytest.mark.dist
+def test_a_held_or_stale_lock_is_named_and_a_finished_run_releases_it(tmp_path, text):
+    out = tmp_path / "run"
+    held = lock.acquire(out)  # this process: alive
+    with pytest.raises(ValueError, match=rf"pid {os.getpid()} on .*; wait for it to end"):
+        train(out, text, "--steps", "1")
+    assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # no work was done
+    lock.release(held)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / "run.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    with pytest.raises(ValueError, match=rf"stale lock: pid {dead.pid} .*remove .*run\.lock"):
+        train(out, text, "--steps", "1")
+    (out / "run.lock").unlink()
+    train(out, text, "--steps", "1")
+    assert not (out / "run.lock").exists()
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match=r"^out='.*' is not writable: cannot create"):
+        train(tmp_path / "a-file" / "run", text)
+
+
+# -- a failed save removes its own partial files ----------------------------------------------
+
+
+def full_disk(rank_to_fail, when):
+    """A _write_all that, on rank `rank_to_fail` once when() is true, writes half a chunk and
+    then raises ENOSPC, as a full disk does."""
+
+    def write(f, chunk):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == rank_to_fail and when(chunk):
+            f.write(memoryview(chunk)[: len(memoryview(chunk)) // 2])
+            f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        f.write(chunk)
+
+    return write
+
+
+def is_manifest(chunk) -> bool:
+    return isinstance(chunk, bytes) and chunk.startswith(b'{\n "format"')
+
+
+def save_on_a_full_disk(rank, n, root, victim, what):
+    """A good checkpoint after step 1; the save after step 2 meets a full disk on `victim`
+    (at its shard files, or at the manifest); the error every rank raised is returned."""
+    torch.set_num_threads(1)
+    model, eng = build(CASE, CASE.s1)
+    data = microbatches(CASE, model)
+    train_steps(eng, data, 1)
+    eng.save(root, keep_last=2)
+    train_steps(eng, data, 1, start_step=1)
+    when = is_manifest if what == "manifest" else (lambda chunk: not isinstance(chunk, bytes))
+    original = fmt._write_all
+    fmt._write_all = full_disk(victim, when)
+    try:
+        eng.save(root, keep_last=2)
+    except Exception as exc:  # every rank must raise
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        fmt._write_all = original
+    return None
+
+
+def load_and_save(rank, n, root):
+    torch.set_num_threads(1)
+    _, eng = build(CASE, CASE.s2, seed=1)
+    eng.load(root)
+    state = state_of(eng)
+    eng.save(root, keep_last=2)
+    return state
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("victim, what", [(1, "shards"), (0, "shards"), (0, "manifest")])
+def test_a_save_on_a_full_disk_removes_its_partial_files(tmp_path, victim, what):
+    """Every rank raises, naming the full disk; the failed save's directory and temp files are
+    gone on every rank; `latest` names the previous checkpoint, which verifies and loads
+    bitwise, and the next save in place succeeds."""
+    root = tmp_path / "ck"
+    errors = get_pool(2).run(save_on_a_full_disk, str(root), victim, what)
+    assert all(e is not None and "No space left on device" in e for e in errors), errors
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001"]
+    assert not [p for p in root.rglob(".*")], "temp files left behind"
+    checkpoint.verify(root)
+    want = get_pool(2).run(run_rank, CASE, CASE.s1, 1)[0]["state"]
+    got = get_pool(2).run(load_and_save, str(root))[0]
+    assert compare_states(want, got) == ""
+    assert checkpoint.resolve(root).name == "step-00000001-1"
+
+
+@pytest.mark.dist
+def test_zero_train_on_a_full_disk_then_resume_in_place(tmp_path, text, monkeypatch):
+    """zero.train meets a full disk at its second checkpoint: the run fails naming it, only the
+    first checkpoint is left, and `--resume` in the same OUT finishes the run with the bits of
+    an uninterrupted one."""
+    out = tmp_path / "run"
+    first_done = out / "ckpt" / "step-00000001" / "manifest.json"
+    monkeypatch.setattr(
+        fmt, "_write_all", full_disk(1, lambda c: first_done.exists() and not is_manifest(c))
+    )
+    args = ["--nproc", "2", "--steps", "3", "--ckpt-every", "1"]
+    with pytest.raises(RankError, match="No space left on device"):
+        main([*FAST, "--data", str(text), "--out", str(out), *args])
+    monkeypatch.undo()
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step-00000001"]
+    assert not (out / "run.lock").exists()
+    resumed = main([*FAST, "--data", str(text), "--out", str(out), *args, "--resume"])
+    whole = main([*FAST, "--data", str(text), "--out", str(tmp_path / "whole"), *args])
+    assert resumed["result"]["final_master_sha256"] == whole["result"]["final_master_sha256"]
+
+
+# -- pruning touches only this run's complete checkpoints --------------------------------------
+
+
+def two_runs(rank, n, root):
+    """Run A saves twice; run B (a fresh engine: another run) saves three times, keep_last=2;
+    then run C resumes A's latest and saves with keep_last=1. Returns the names after each."""
+    torch.set_num_threads(1)
+    seen = []
+    for label, saves, keep in (("A", 2, None), ("B", 3, 2)):
+        model, eng = build(CASE, 1)
+        data = microbatches(CASE, model)
+        for step in range(saves):
+            train_steps(eng, data, 1, start_step=step)
+            eng.save(root, keep_last=keep)
+        seen.append(sorted(p.name for p in Path(root).iterdir()))
+        if label == "A":
+            a_latest = checkpoint.resolve(root)
+    _, eng = build(CASE, 1)
+    eng.load(a_latest)  # continues run A
+    eng.save(root, keep_last=1)
+    seen.append(sorted(p.name for p in Path(root).iterdir()))
+    return seen
+
+
+@pytest.mark.dist
+def test_pruning_removes_only_this_runs_checkpoints(tmp_path):
+    root = tmp_path / "ck"
+    root.mkdir()
+    other = root / "step-00000099"  # another job's save in progress: no manifest yet
+    other.mkdir()
+    (other / "owner.json").write_text(json.dumps({"run_id": "another"}))
+    (other / "u0000-r0000.bin").write_bytes(b"partial")
+    (root / "notes.txt").write_text("mine")
+    after_a, after_b, after_c = get_pool(2).run(two_runs, str(root))[0]
+    foreign = ["notes.txt", "step-00000099"]
+    assert after_a == ["latest", *foreign[:1], "step-00000001", "step-00000002", foreign[1]]
+    # B kept its own last two and left A's two, the other job's save and the note alone
+    assert after_b == [
+        "latest", "notes.txt", "step-00000001", "step-00000002", "step-00000002-1",
+        "step-00000003", "step-00000099",
+    ]  # fmt: skip
+    # C (run A resumed) keeps its new one only, of run A's; B's two remain
+    assert after_c == [
+        "latest", "notes.txt", "step-00000002-1", "step-00000002-2", "step-00000003",
+        "step-00000099",
+    ]  # fmt: skip
+    assert (other / "u0000-r0000.bin").read_bytes() == b"partial"
+
+
+# -- temp files and the pointer ------------------------------------------------------------------
+
+
+def save_past_planted_links(rank, n, root, victim):
+    """A link planted at the name the old writer used for the pointer's temp file
+    (.latest.tmp-PID), and `latest` itself a link: a save must write through neither."""
+    torch.set_num_threads(1)
+    _, eng = build(CASE, 1)
+    eng.save(root)
+    (Path(root) / f".latest.tmp-{os.getpid()}").symlink_to(victim)
+    os.unlink(Path(root) / "latest")
+    (Path(root) / "latest").symlink_to(victim)
+    eng.save(root)
+    return checkpoint.resolve(root).name
+
+
+@pytest.mark.dist
+def test_temp_files_are_made_safely_and_links_are_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    root = tmp_path / "ck"
+    name = get_pool(1).run(save_past_planted_links, str(root), str(victim))[0]
+    assert victim.read_text() == "precious"
+    assert name == "step-00000000-1" and not (root / "latest").is_symlink()
+    checkpoint.verify(root)
+
+
+# -- only regular files inside the root, bounded by the manifest ---------------------------------
+
+
+def small_save(rank, n, root):
+    torch.set_num_threads(1)
+    model, eng = build(CASE, 1)
+    train_steps(eng, microbatches(CASE, model), 1)
+    eng.save(root)
+
+
+def load_into(rank, n, root, stage=1):
+    torch.set_num_threads(1)
+    _, eng = build(CASE, stage, seed=1)
+    return eng.load(root).data_step
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("saved") / "ck"
+    get_pool(2).run(small_save, str(root))
+    return root
+
+
+def copy_of(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
+    root = tmp_path / "ck"
+    shutil.copytree(saved, root, symlinks=True)
+    return root, checkpoint.resolve(root)
+
+
+def refused_everywhere(root: Path, pattern: str) -> None:
+    """verify, consolidate, the CLI and a load at N = 2 all refuse, matching `pattern`."""
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.verify(root)
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.consolidate(root)
+    assert checkpoint.main(["verify", str(root)]) == 1
+    with pytest.raises(RankError, match=pattern):
+        spawn(load_into, 2, str(root), timeout_s=60)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_fifo_shard_is_refused_without_blocking(saved, tmp_path):
+    root, step_dir = copy_of(saved, tmp_path)
+    (step_dir / "u0001-r0001.bin").unlink()
+    os.mkfifo(step_dir / "u0001-r0001.bin")
+    refused_everywhere(root, r"u0001-r0001\.bin: a FIFO, not a regular file")
+
+
+@pytest.mark.dist
+def test_links_and_wrong_sizes_are_refused_before_reading(saved, tmp_path):
+    root, step_dir = copy_of(saved, tmp_path)
+    shard = step_dir / "u0001-r0001.bin"
+    outside = tmp_path / "copy.bin"
+    shutil.copy(shard, outside)  # the very same bytes, but outside the checkpoint
+    shard.unlink()
+    shard.symlink_to(outside)
+    refused_everywhere(root, r"u0001-r0001\.bin: a symbolic link; only regular files")
+    shard.unlink()
+    shard.symlink_to("/dev/zero")  # read until memory ran out, before
+    with pytest.raises(CheckpointError, match=r"u0001-r0001\.bin: a symbolic link"):
+        checkpoint.verify(root)
+    shard.unlink()
+    data = outside.read_bytes()
+    shard.write_bytes(data + b"\0" * 8)
+    with pytest.raises(CheckpointError, match=rf"{len(data) + 8} bytes on disk, the manifest "):
+        checkpoint.verify(root)
+    shard.write_bytes(data)
+    checkpoint.verify(root)  # the files themselves were fine
+    latest = root / "latest"
+    latest.unlink()
+    latest.symlink_to(root / "latest-target")
+    (root / "latest-target").write_text(f"{step_dir.name}\n")
+    with pytest.raises(CheckpointError, match=r"latest: a symbolic link"):
+        checkpoint.resolve(root)
+
+
+@pytest.mark.dist
+def test_an_incomplete_step_directory_is_ignored_by_resume(saved, tmp_path):
+    """A newer step directory without a manifest (a save that never finished) is not read:
+    `latest` is, and the next save of another run leaves that directory alone."""
+    root, step_dir = copy_of(saved, tmp_path)
+    partial = root / "step-00000005"
+    partial.mkdir()
+    (partial / "u0000-r0000.bin").write_bytes(b"\0" * 16)
+    assert checkpoint.resolve(root) == step_dir
+    assert get_pool(2).run(load_into, str(root)) == [1, 1]
+    assert (partial / "u0000-r0000.bin").exists()
+
+
+# -- edited manifests: validated against themselves and against the model --------------------
+
+
+def edit(step_dir: Path, change) -> None:
+    """Edit the manifest and re-checksum it, as a hostile or careless hand would."""
+    path = step_dir / "manifest.json"
+    m = json.loads(path.read_text())
+    change(m)
+    body = {k: v for k, v in m.items() if k != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    m["checksum"] = hashlib.sha256(canonical).hexdigest()
+    path.write_text(json.dumps(m, indent=1))
+
+
+def set_in(keys, value):
+    def change(m):
+        d = m
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+
+    return change
+
+
+def entry(m, name, key):
+    return m["files"][name]["entries"][key]
+
+
+EDITS = {
+    "shape (1, 1)": (
+        lambda m: m["params"][0].update(shape=[1, 1]),
+        r"params\[1\] \('layers\.0\.bias'\): offset 768, but the unit's parameters' shapes lay",
+    ),
+    "sgd for adamw": (
+        set_in(["config", "optimizer"], "sgd"),
+        r"units\[0\]\.states: \['master', 'exp_avg', 'exp_avg_sq'\], but optimizer 'sgd' keeps",
+    ),
+    "adam moments dropped": (
+        lambda m: m["units"][1].update(states=["master"]),
+        r"units\[1\]\.states: \['master'\], but optimizer 'adamw' keeps",
+    ),
+    "offset out of range": (
+        lambda m: entry(m, "u0001-r0001.bin", "exp_avg").__setitem__(0, 10**9),
+        r"files\['u0001-r0001\.bin'\]\.entries\['exp_avg'\]: bytes \[1000000000, ",
+    ),
+    "unknown dtype": (
+        lambda m: entry(m, "r0000.bin", "rng:torch_cpu").__setitem__(2, "float128"),
+        r"files\['r0000\.bin'\]\.entries\['rng:torch_cpu'\]: unknown dtype 'float128'",
+    ),
+    "shape against numel": (
+        lambda m: entry(m, "r0001.bin", "rng:torch_cpu").__setitem__(3, [7]),
+        r"files\['r0001\.bin'\]\.entries\['rng:torch_cpu'\]: shape \[7\] has 7 elements",
+    ),
+    "a path for a file name": (
+        lambda m: m["files"].__setitem__("../../victim.bin", m["files"]["r0001.bin"]),
+        r"files\['\.\./\.\./victim\.bin'\]: not a plain file name",
+    ),
+    "unit files": (
+        lambda m: m["units"][0]["files"].__setitem__(1, "r0001.bin"),
+        r"files\['r0001\.bin'\]\.entries\['master'\]: None, expected \d+ float32 elements",
+    ),
+    "world size": (
+        set_in(["world_size"], 3),
+        r"units\[0\]\.shard_numel: 256, but its parameters' layout at N = 3 gives 128",
+    ),
+    "group": (
+        lambda m: m["params"][0].update(group=5),
+        r"params\[0\]\.group: 5, expected 0\.\.1",
+    ),
+    "overlapping entries": (
+        lambda m: entry(m, "u0001-r0001.bin", "exp_avg").__setitem__(0, 0),
+        r"files\['u0001-r0001\.bin'\]\.entries\['master'\]: starts at byte 0, expected \d+",
+    ),
+    "state_dict key": (
+        lambda m: m["state_dict_keys"][0].__setitem__(0, "renamed"),
+        r"state_dict_keys\[0\]: key 'renamed' is not a name of",
+    ),
+    "state_dict source": (
+        lambda m: m["state_dict_keys"][0].__setitem__(1, "nothing"),
+        r"state_dict_keys\[0\]: source 'nothing' is neither a parameter",
+    ),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("what", list(EDITS))
+def test_an_edited_manifest_is_refused_naming_the_file_and_the_field(saved, tmp_path, what):
+    """Each edit, re-checksummed, is refused by verify, consolidate, the CLI and load, with
+    the manifest's path and the field in the message."""
+    root, step_dir = copy_of(saved, tmp_path)
+    change, field = EDITS[what]
+    edit(step_dir, change)
+    refused_everywhere(root, rf"{step_dir / 'manifest.json'}: {field}")
+
+
+@pytest.mark.dist
+def test_a_shape_edited_within_its_alignment_is_refused(saved, tmp_path):
+    """A 48-element bias recorded as 1 element still fills its 128-element aligned slot, so
+    the layout holds; the saved values outside the recorded parameter are not zero (as the
+    optimizers keep every gap), which verify and consolidate check; load names the parameter."""
+    root, step_dir = copy_of(saved, tmp_path)
+    p = json.loads((step_dir / "manifest.json").read_text())["params"][1]
+    name, start = p["name"], p["offset"] + 1  # just after the one element now recorded
+    assert p["shape"] == [48]
+    edit(step_dir, lambda m: m["params"][1].update(shape=[1]))
+    pattern = rf"manifest\.json: units\[{p['unit']}\]: state 'master' is not zero in \[{start}, "
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.verify(root)
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.consolidate(root)
+    with pytest.raises(RankError, match=rf"parameter '{name}': checkpoint shape \(1,\), model"):
+        spawn(load_into, 2, str(root), timeout_s=60)
+
+
+def test_no_edit_of_a_manifest_escapes_as_another_error(saved, tmp_path):
+    """Any one field of the manifest set to any of a few hostile values (re-checksummed):
+    consolidate either refuses with a CheckpointError or succeeds; no other exception."""
+    root, step_dir = copy_of(saved, tmp_path)
+    orig = json.loads((step_dir / "manifest.json").read_text())
+
+    def paths(o, pre=()):
+        if pre and pre[0] not in ("checksum", "format", "format_version", "byteorder"):
+            yield pre
+        items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, list) else ()
+        for k, v in items:
+            yield from paths(v, (*pre, k))
+
+    every = list(paths(orig))
+    values = [None, -1, 1, 10**12, 2.5, "x", "../x", [], {}, [0, 1, "float32", [1]], True]
+    rng = random.Random(0)
+    refused = 0
+    for _ in range(300):
+        where, value = rng.choice(every), rng.choice(values)
+
+        def change(m, where=where, value=value):
+            d = m
+            for k in where[:-1]:
+                d = d[k]
+            d[where[-1]] = value
+
+        shutil.copy(saved / step_dir.name / "manifest.json", step_dir / "manifest.json")
+        edit(step_dir, change)
+        try:
+            checkpoint.consolidate(root)
+        except CheckpointError:
+            refused += 1
+    assert refused > 200, refused  # most such edits break something the checks see
+
+
+@pytest.mark.dist
+def test_a_self_consistent_edit_is_refused_against_the_model(saved, tmp_path):
+    """Swapping a weight's shape (same numel, so the layout still holds) passes the manifest's
+    own checks; loading it into the model is refused, naming the parameter and both shapes."""
+    root, step_dir = copy_of(saved, tmp_path)
+    edit(step_dir, lambda m: m["params"][0].update(shape=m["params"][0]["shape"][::-1]))
+    checkpoint.verify(root)
+    with pytest.raises(RankError, match=r"'layers\.0\.weight': checkpoint shape \(16, 48\), mod"):
+        spawn(load_into, 2, str(root), timeout_s=60)
+
+
+# -- format compatibility ------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+def test_a_version_1_checkpoint_loads_and_is_never_pruned(saved, tmp_path):
+    """Format 1 (no run_id, no owner.json) verifies, consolidates and loads as before; a run
+    that resumes from it keeps it when pruning (it cannot be proved to be this run's)."""
+    root, step_dir = copy_of(saved, tmp_path)
+    (step_dir / "owner.json").unlink()
+
+    def to_v1(m):
+        del m["run_id"]
+        m["format_version"] = 1
+
+    edit(step_dir, to_v1)
+    checkpoint.verify(root)
+    assert checkpoint.consolidate(root)["meta"]["format_version"] == 1
+    assert get_pool(2).run(load_and_save, str(root))[0]["data_step"] == 1
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001", "step-00000001-1"]
