@@ -102,35 +102,68 @@ def _files(c: _Fields, files: dict) -> None:
             c.fail(f"{f}.bytes", f"{size}, but its entries end at byte {pos}")
 
 
+def _layout(c: _Fields, m: dict, section: str, i: int, n: int, chunk: int) -> tuple[list, dict]:
+    """A unit of `section` ("units" or "frozen_units"): its parameter names, each one of this
+    unit in params (frozen exactly when the section is), and its layout recomputed from their
+    shapes, which must give the recorded offsets and sizes. Returns (names, sizes)."""
+    params = {p["name"]: p for p in m["params"]}
+    frozen = section == "frozen_units"
+    f = f"{section}[{i}]"
+    u = c.of(m[section][i], dict, f)
+    names = [c.of(x, str, f"{f}.params") for x in c.of(u.get("params"), list, f"{f}.params")]
+    for x in names:
+        if x not in params or params[x]["unit"] != i or bool(params[x].get("frozen")) != frozen:
+            c.fail(f"{f}.params", f"{x!r} is not a parameter of this unit in params")
+    lay = unit_layout([(x, tuple(params[x]["shape"])) for x in names], chunk=chunk)
+    for s in lay.slots:
+        if params[s.name]["offset"] != s.offset:
+            c.fail(
+                f"params[{list(params).index(s.name)}] ({s.name!r})",
+                f"offset {params[s.name]['offset']}, but the unit's parameters' shapes lay "
+                f"it out at {s.offset}",
+            )
+    want = {
+        "layout_numel": lay.layout_numel,
+        "shard_numel": lay.shard_numel(n),
+        "padded_numel": lay.padded_numel(n),
+    }
+    for key, value in want.items():
+        if u.get(key) != value:
+            c.fail(
+                f"{f}.{key}",
+                f"{u.get(key)!r}, but its parameters' layout at N = {n} gives {value}",
+            )
+    return names, want
+
+
+def _frozen_units(c: _Fields, m: dict, n: int, chunk: int) -> None:
+    """Frozen buffers (format 2): each rank's file holds its shard, in the unit's dtype."""
+    files = m["files"]
+    for j, u in enumerate(c.of(m.get("frozen_units", []), list, "frozen_units")):
+        f = f"frozen_units[{j}]"
+        _, want = _layout(c, m, "frozen_units", j, n, chunk)
+        dtype = u.get("dtype")
+        if dtype not in DTYPE_BYTES:
+            c.fail(f"{f}.dtype", f"unknown dtype {str(dtype)[:40]!r}")
+        unit_files = c.of(u.get("files"), list, f"{f}.files")
+        if len(unit_files) != n:
+            c.fail(f"{f}.files", f"{len(unit_files)} files, world_size is {n}")
+        for name in unit_files:
+            entry = files.get(name, {}).get("entries", {}).get("frozen")
+            if entry is None or entry[1:3] != [want["shard_numel"], dtype]:
+                c.fail(
+                    f"files[{str(name)[:80]!r}].entries['frozen']",
+                    f"{entry}, expected {want['shard_numel']} {dtype} elements "
+                    f"(frozen unit {j}'s shard)",
+                )
+
+
 def _units(c: _Fields, m: dict, n: int, hypers: list[Hyper], kind: str, chunk: int) -> None:
     files = m["files"]
     params = {p["name"]: p for p in m["params"]}
     for i, u in enumerate(c.of(m.get("units"), list, "units")):
         f = f"units[{i}]"
-        c.of(u, dict, f)
-        names = [c.of(x, str, f"{f}.params") for x in c.of(u.get("params"), list, f"{f}.params")]
-        for x in names:
-            if x not in params or params[x]["unit"] != i:
-                c.fail(f"{f}.params", f"{x!r} is not a parameter of this unit in params")
-        lay = unit_layout([(x, tuple(params[x]["shape"])) for x in names], chunk=chunk)
-        for s in lay.slots:
-            if params[s.name]["offset"] != s.offset:
-                c.fail(
-                    f"params[{list(params).index(s.name)}] ({s.name!r})",
-                    f"offset {params[s.name]['offset']}, but the unit's parameters' shapes lay "
-                    f"it out at {s.offset}",
-                )
-        want = {
-            "layout_numel": lay.layout_numel,
-            "shard_numel": lay.shard_numel(n),
-            "padded_numel": lay.padded_numel(n),
-        }
-        for key, value in want.items():
-            if u.get(key) != value:
-                c.fail(
-                    f"{f}.{key}",
-                    f"{u.get(key)!r}, but its parameters' layout at N = {n} gives {value}",
-                )
+        names, want = _layout(c, m, "units", i, n, chunk)
         states = [c.of(x, str, f"{f}.states") for x in c.of(u.get("states"), list, f"{f}.states")]
         kept = {x for p in names for x in state_names(kind, hypers[params[p]["group"]])}
         known = {x for x in states if x in OPTIMIZER_STATES}
@@ -154,10 +187,11 @@ def _units(c: _Fields, m: dict, n: int, hypers: list[Hyper], kind: str, chunk: i
                         f"{entry}, expected {want['shard_numel']} float32 elements "
                         f"(unit {i}'s shard)",
                     )
-    listed = {x for u in m["units"] for x in u["params"]}
+    listed = {x for key in ("units", "frozen_units") for u in m.get(key, []) for x in u["params"]}
     for i, p in enumerate(m["params"]):
         if p["name"] not in listed:
-            c.fail(f"params[{i}].unit", f"{p['name']!r} is not in units[{p['unit']}].params")
+            key = "frozen_units" if p.get("frozen") else "units"
+            c.fail(f"params[{i}].unit", f"{p['name']!r} is not in {key}[{p['unit']}].params")
 
 
 def _params(c: _Fields, m: dict, groups: int) -> None:
@@ -173,10 +207,21 @@ def _params(c: _Fields, m: dict, groups: int) -> None:
         c.shape(p.get("shape"), f"{f}.shape")
         if p.get("dtype") not in DTYPE_BYTES:
             c.fail(f"{f}.dtype", f"unknown dtype {str(p.get('dtype'))[:40]!r}")
-        if p.get("group") not in range(groups) or isinstance(p.get("group"), bool):
-            c.fail(f"{f}.group", f"{p.get('group')!r}, expected 0..{groups - 1}")
-        if p.get("unit") not in range(len(units)) or isinstance(p.get("unit"), bool):
-            c.fail(f"{f}.unit", f"{p.get('unit')!r}, expected 0..{len(units) - 1}")
+        frozen = p.get("frozen", False)
+        if frozen is not True and frozen is not False:
+            c.fail(f"{f}.frozen", f"{frozen!r}, expected true or false")
+        if frozen:  # format 2: no group, no step count, a unit of frozen_units
+            if p.get("group") is not None or "step" in p:
+                c.fail(f, "a frozen parameter has no group and no step count")
+            count = len(c.of(m.get("frozen_units", []), list, "frozen_units"))
+        else:
+            if p.get("group") not in range(groups) or isinstance(p.get("group"), bool):
+                c.fail(f"{f}.group", f"{p.get('group')!r}, expected 0..{groups - 1}")
+            if "step" in p and c.int(p["step"], f"{f}.step") > m["t"]:
+                c.fail(f"{f}.step", f"{p['step']}, more optimizer steps than t = {m['t']}")
+            count = len(units)
+        if p.get("unit") not in range(count) or isinstance(p.get("unit"), bool):
+            c.fail(f"{f}.unit", f"{p.get('unit')!r}, expected 0..{count - 1}")
         c.int(p.get("offset"), f"{f}.offset")
         for a in c.of(p.get("aliases", []), list, f"{f}.aliases"):
             c.of(a, str, f"{f}.aliases")
@@ -227,6 +272,7 @@ def validate_manifest(path: Path, m: dict) -> None:
     _files(c, m.get("files"))
     _params(c, m, len(hypers))
     _units(c, m, n, hypers, kind, chunk)
+    _frozen_units(c, m, n, chunk)
     rng = c.of(c.of(m.get("rng"), dict, "rng").get("files"), list, "rng.files")
     if len(rng) != n or any(name not in m["files"] for name in rng):
         c.fail("rng.files", f"{str(rng)[:120]}: expected {n} files listed in files")
