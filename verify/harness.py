@@ -46,7 +46,7 @@ import torch
 
 from reference import init_state, train_step, working_copy
 from reference.optim import Hyper
-from reference.precision import DTYPES, ScalerConfig, f32
+from reference.precision import DTYPES, ScalerConfig, cast, f32
 from reference.tree import chunk_sumsq, global_norm
 from zero import collectives
 from zero.config import TORCH_DTYPES, ZeroConfig, decay_matrices_only
@@ -98,6 +98,15 @@ class NormMLP(MLP):
         return x, loss
 
 
+def frozen_mlp(device=None) -> MLP:
+    """The MLP with its middle layer frozen (requires_grad=False): the frozen parameters of
+    docs/design.md §2 (a buffer of their own per unit, gathered at stage 3 in forward and, as
+    the layer before it trains, in backward; no gradient, master or optimizer state)."""
+    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3), device=device)
+    model.layers[1].requires_grad_(False)
+    return model
+
+
 MODELS = {  # build(device=None): on the CPU, or on the meta device (Cell.meta)
     "mlp": (
         lambda device=None: MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3), device=device),
@@ -114,6 +123,7 @@ MODELS = {  # build(device=None): on the CPU, or on the meta device (Cell.meta)
         ),
         gpt_microbatches,
     ),
+    "mlp-frozen": (frozen_mlp, mlp_microbatches),
     "mlp-bn": (
         lambda device=None: NormMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
         mlp_microbatches,
@@ -191,6 +201,9 @@ class Cell:
     """The engine's model is built on the meta device and materialised unit by unit with the
     models' counter-based initial values (ZeroEngine's init_seed); the reference side starts
     from the same model built on the CPU."""
+    init: str = "auto"
+    """With meta: ZeroEngine's init rule. "own" runs each unit's reset_parameters under its
+    unit seed; the reference side recomputes those values itself (own_init)."""
     loss_scale: float | None = None
     """fp16: the loss scaler's first scale (and its floor, where below 1); None: the default
     2^16. Below 1/M the engine checks R itself for overflow ([Note: overflow detection])."""
@@ -210,6 +223,8 @@ class Cell:
             raise ValueError("checkpointing=True: recomputation needs a forward, not injection")
         if self.model == "mlp-bn" and (self.precision != "fp32" or self.meta):
             raise ValueError("model='mlp-bn': fp32 and a CPU-built model only (see NormMLP)")
+        if self.init not in ("auto", "own") or (self.init == "own" and not self.meta):
+            raise ValueError(f"init={self.init!r}: 'auto', or 'own' with meta=True")
         if self.units == "auto" and self.model != "gpt":
             raise ValueError(f"units='auto' with model={self.model!r}: only the GPT's blocks")
         if (self.gradients == "drawn") != (self.draw is not None):
@@ -293,6 +308,56 @@ def cell_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def own_init(model, units, seed: int) -> None:
+    """The values ZeroEngine(init="own") gives a model built on the meta device, recomputed in
+    place on a CPU-built copy without the engine (docs/models.md, Meta-device models): for each
+    unit (the root "" holding what no named unit holds), the modules of the unit, children
+    before parents as module.apply visits them, run reset_parameters() under torch's RNG seeded
+    from zero.materialize.unit_seed(seed, unit)."""
+    from zero.materialize import unit_seed
+
+    def post_order(prefix, m):
+        for name, child in m.named_children():
+            yield from post_order(f"{prefix}.{name}" if prefix else name, child)
+        yield prefix, m
+
+    def of(name: str) -> str:
+        return next((u for u in units if name == u or name.startswith(u + ".")), "")
+
+    order = list(post_order("", model))
+    with torch.no_grad():
+        for unit in ("", *units):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(unit_seed(seed, unit))
+                for name, m in order:
+                    if of(name) == unit and callable(getattr(m, "reset_parameters", None)):
+                        m.reset_parameters()
+
+
+def frozen_working(model, precision: str) -> dict[str, np.ndarray]:
+    """The frozen parameters' values as forward reads them: each start value cast once to the
+    compute dtype (nearest even), never updated (docs/design.md §2)."""
+    return {
+        k: cast(p.detach().float().cpu().numpy(), precision)
+        for k, p in model.named_parameters()
+        if not p.requires_grad
+    }
+
+
+def frozen_unchanged(eng: ZeroEngine, model, want: dict[str, np.ndarray]) -> str:
+    """'' when every frozen parameter still holds its cast start value, bit for bit (read inside
+    gathered_params: a collective at stage 3, so every rank calls it), else the first that
+    does not."""
+    if not want:
+        return ""
+    with eng.gathered_params():
+        have = {k: to_numpy(p.detach().clone()) for k, p in model.named_parameters() if k in want}
+    for k, v in want.items():
+        if not bitwise_equal(have[k], v):
+            return f"frozen parameter {k}: changed from its start value in the compute dtype"
+    return ""
 
 
 def microbatch_grads(model, working, batch, dtype, scale) -> dict[str, np.ndarray]:
@@ -496,6 +561,7 @@ class _Backward:
     def __init__(self, cell: Cell, eng: ZeroEngine, ref_model, rcfg, device):
         self.cell, self.eng, self.ref_model, self.rcfg = cell, eng, ref_model, rcfg
         self.data, self.device = MODELS[cell.model][1], device
+        self.frozen = frozen_working(ref_model, cell.precision)
 
     def grads(self, step: int, ref):
         batches = self.data(
@@ -507,7 +573,7 @@ class _Backward:
         )
         self.batches = [tuple(x.to(self.device) for x in b) for b in batches]
         scale = None if ref.scaler is None else ref.scaler.scale
-        work = working_copy(ref, self.rcfg)
+        work = {**self.frozen, **working_copy(ref, self.rcfg)}
         dtype = TORCH_DTYPES[self.cell.precision]
         seed = self.cell.zero_config(()).dropout_seed  # the engine's config, from the cell
         pairs = [
@@ -601,8 +667,10 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     build = MODELS[cell.model][0]
     device = cell_device()
     model = build()
-    init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     cfg, ref_cfg = cell.zero_config(model.unit_names()), reference_config(cell, model)
+    if cell.init == "own":
+        own_init(model, ref_cfg.units, seed=0)
+    init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     spec = reference_spec(model, ref_cfg)  # before the engine wraps the model
     frozen = frozen_layouts(model, ref_cfg)
     rcfg = reference_step_config(ref_cfg, cell.world_size)
@@ -610,7 +678,8 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     with warnings.catch_warnings():  # 'huge' cells are one root unit on purpose
         warnings.filterwarnings("ignore", message="stage 3 with units=", category=UserWarning)
         if cell.meta:  # the same initial values, never materialised whole
-            eng = ZeroEngine(build(device="meta"), cfg, device=device, init_seed=0)
+            init_rule = "own" if cell.init == "own" else "auto"
+            eng = ZeroEngine(build(device="meta"), cfg, device=device, init_seed=0, init=init_rule)
         else:
             eng = ZeroEngine(model.to(device), cfg)
     ref_model = None if cell.injected else build().to(device)
@@ -717,6 +786,10 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     if why:
         verdict["memory"] = why
         fail(why)
+    if ref_model is not None:  # frozen parameters: the cast start values, never updated
+        why = frozen_unchanged(eng, eng.module, frozen_working(ref_model, cell.precision))
+        if why:
+            fail(why)
     if cell.mode == "fast":
         worst = max(verdict["ratios"].values(), default=0.0)
         verdict["passed"] = verdict["first"] == "" and worst <= 1.0

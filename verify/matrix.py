@@ -230,6 +230,17 @@ UNUSED = tuple(
     for s, p, o, mode in ((0, "fp32", "adamw", "deterministic"),
                           (1, "bf16", "sgd", "deterministic"),
                           (2, "fp32", "adam", "fast"), (3, "bf16", "adamw", "deterministic"))
+) + (  # one unit holding used and unused parameters: the optimizer's runs cut inside a unit
+    _branch(stage=1, precision="fp32", optimizer="adam", model="mlp-branch", units="huge",
+            seed=6104),
+)  # fmt: skip
+
+# Frozen parameters (docs/design.md §2): the MLP's middle layer frozen, at stage 3 (its own
+# sharded buffer, gathered in forward and backward) and at stage 1 in fast mode.
+FROZEN = tuple(
+    _branch(stage=s, precision=p, optimizer="adamw", mode=mode, seed=6200 + s, model="mlp-frozen",
+            meta=meta)
+    for s, p, mode, meta in ((3, "bf16", "deterministic", True), (1, "fp32", "fast", False))
 )  # fmt: skip
 
 
@@ -295,6 +306,7 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     "t_advances_on_skip": lambda c: c.gradients == "nonfinite" or c.loss_scale is not None,
     # a branch whole steps skip: the skipped parameters are compared (fast mode: bound 0)
     "unused_updated": lambda c: c.model in ("mlp-branch", "mlp-skip"),
+    "frozen_drift": lambda c: c.model == "mlp-frozen",
 }
 
 
@@ -497,6 +509,9 @@ COVERAGE_CELLS = (
     # a model built on the meta device, materialised unit by unit from init_seed: the same
     # bits as the CPU-built model the reference starts from
     _branch(stage=3, precision="fp32", optimizer="adam", meta=True, steps=2, seed=7001),
+    # the model's own initialisation on meta (reset_parameters per unit under its seed)
+    _branch(stage=2, precision="bf16", optimizer="adamw", meta=True, init="own", steps=2,
+            seed=7004),
     # a model with buffers (BatchNorm statistics), broadcast from rank 0 before every forward
     _branch(stage=2, precision="fp32", optimizer="sgd", model="mlp-bn", steps=2, seed=7003),
     # fast mode + offload at stage 2: the running sum of reduced shards kept on the host
@@ -507,19 +522,22 @@ BRANCH_PREDICATES.update(
     {
         "units='auto' (the engine's detection)": lambda c: c.units == "auto",
         "model built on the meta device": lambda c: c.meta,
+        "meta model with its own initialisation (init='own')": lambda c: c.init == "own",
         "buffers (BatchNorm), broadcast before forward": lambda c: c.model == "mlp-bn",
+        "frozen parameters (requires_grad=False)": lambda c: c.model == "mlp-frozen",
         "fast mode + offload, stage >= 2 (host running sum)": lambda c: (
             c.mode == "fast" and c.offload and c.stage >= 2 and c.accumulation > 1
         ),
     }
 )
-LISTED_FIELDS += ("meta",)
+LISTED_FIELDS += ("meta", "init")
 
 
 def quick() -> tuple[list[Cell], list[dict]]:
     """The CI preset: (cells, invariance runs)."""
     cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3] + zero_r_cells()
     extra = list(BRANCHES) + list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED)
+    extra += list(FROZEN)
     return cells + extra, invariance_runs(full=False)
 
 
@@ -576,5 +594,5 @@ def complete() -> tuple[list[Cell], list[dict]]:
         out += slice_cells(gradients=kind, accumulation=4 if kind == "random" else 1)
     out += slice_cells(mode="fast", sizes="even") + gpt_cells
     out += extras() + list(TEETH) + zero_r_cells((2, 3, 4)) + list(BRANCHES)
-    out += list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED)
+    out += list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED) + list(FROZEN)
     return out, invariance_runs(full=True)

@@ -114,6 +114,22 @@ def _tokens(step: int, j: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
+LORA_CLIP = 0.064
+"""The LoRA family's clip_norm: the plain loop's norms of its first four steps are 0.0655,
+0.0610, 0.0618, 0.0699 (only the 2,048 adapter elements have gradients), so steps 0 and 3 clip
+and 1 and 2 do not."""
+
+
+def _lora():
+    """The project's GPT with rank-2 LoRA adapters (zero/lora.py): every base weight frozen,
+    only the adapters train (frozen parameters: docs/design.md §2)."""
+    from zero.lora import add_lora
+
+    model = MODELS["gpt"][0]()
+    add_lora(model, 2)
+    return model
+
+
 FAMILIES: dict[str, Family] = {
     "mlp": _ours("mlp", clip_norm=1.5),
     "gpt": _ours("gpt", clip_norm=0.7),
@@ -124,6 +140,7 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(
         build=lambda: _hf("llama"), batch=_tokens, clip_norm=0.8, requires=("transformers",)
     ),
+    "lora": Family(build=_lora, batch=_ours("gpt", clip_norm=0.0).batch, clip_norm=LORA_CLIP),
 }
 
 
@@ -210,7 +227,9 @@ class Plain:
         family = FAMILIES[cell.family]
         self.cell, self.batch = cell, family.batch
         self.model = family.build()  # fp32: the master the optimizer steps
-        self.named = list(self.model.named_parameters())  # a tied parameter once
+        # a tied parameter once; frozen ones are no optimizer's business (torch.optim over the
+        # trainable parameters), and their bf16 copy is cast once, as the engine's
+        self.named = [(k, p) for k, p in self.model.named_parameters() if p.requires_grad]
         bf16 = cell.precision == "bf16"
         self.work = copy.deepcopy(self.model).to(torch.bfloat16) if bf16 else self.model
         self.work_named = dict(self.work.named_parameters())

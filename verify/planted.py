@@ -84,6 +84,8 @@ _TABLE = (
      "a skipped step", "cells"),
     ("unused_updated", "a parameter no micro-batch had a gradient for is updated with zeros",
      "a model with a branch whole steps skip", "cells"),
+    ("frozen_drift", "a frozen parameter moves by one ULP per step",
+     "a model with frozen parameters", "cells"),
     # the features: ZeRO-R, offload, prefetch, C_B, scaler, clipping, groups, data, model
     ("microbatch_rank_major", "rank r runs micro-batch r·K + k, not k·N + r",
      "deterministic, backward, N ≥ 2, M > N, fp32", "cells"),

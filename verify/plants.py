@@ -294,6 +294,21 @@ def plant_unused_updated(p: Patch) -> None:
     p.setattr(engine_module, "live_runs", every_run)
 
 
+def plant_frozen_drift(p: Patch) -> None:
+    from zero.engine import ZeroEngine
+
+    original = ZeroEngine.step
+
+    def step(self):  # a stray update: one ULP on the first element this rank holds
+        res = original(self)
+        for u in self.frozen_units:
+            resident, _ = self.working_extent(u)
+            resident.view(torch.int16 if resident.element_size() == 2 else torch.int32)[0] += 1
+        return res
+
+    p.setattr(ZeroEngine, "step", step)
+
+
 # -- the features: ZeRO-R, offload, prefetch, C_B, scaler, clipping, groups, data, model, files --
 
 

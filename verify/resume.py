@@ -17,8 +17,13 @@ Launched plainly only: each world size runs on a local pool of gloo ranks (zero.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -214,11 +219,20 @@ def consolidated_step(case: ResumeCase, directory, saved: dict, after: dict) -> 
                        data_step=meta["data_step"], scaler=scaler)  # fmt: skip
     ref_model, scale = make(), None if scaler is None else scaler.scale
     data, work = microbatches(case, ref_model), working_copy(state, rcfg)
+    frozen = {k for k, p in ref_model.named_parameters() if not p.requires_grad}
+    work |= {k: cast(ck["model"][k].numpy(), case.precision) for k in frozen}  # exact: upcast
     dtype = TORCH_DTYPES[case.precision]
-    grads = [
-        microbatch_grads(ref_model, work, data(state.data_step, j), dtype, scale)
-        for j in range(case.micro_batches)
-    ]
+    # one thread, as every rank runs (docs/design.md §2): this runs in the launching process,
+    # where BatchNorm's CPU reductions would otherwise split the batch over more threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grads = [
+            microbatch_grads(ref_model, work, data(state.data_step, j), dtype, scale)
+            for j in range(case.micro_batches)
+        ]
+    finally:
+        torch.set_num_threads(threads)
     new, info = train_step(state, grads, spec, rcfg)
     if new.t != after["t"]:
         return fail(f"next step: t {after['t']}, the reference {new.t}")
@@ -259,6 +273,97 @@ def consolidated_step(case: ResumeCase, directory, saved: dict, after: dict) -> 
     return out
 
 
+def _rechecksum(m: dict) -> dict:
+    """An edited manifest given a valid checksum again: a deliberate edit, not an accident."""
+    from zero.checkpoint.format import _canonical
+
+    body = {k: v for k, v in m.items() if k != "checksum"}
+    return {**body, "checksum": hashlib.sha256(_canonical(body)).hexdigest()}
+
+
+def _damages(step: Path) -> list[tuple[str, Callable[[Path], Path], str]]:
+    """(what, damage(copy of the root) -> the file it damaged, what the error must name)."""
+    shard = sorted(p.name for p in step.glob("u*-r*.bin"))[0]
+
+    def flip(root):
+        f = root / step.name / shard
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 1
+        f.write_bytes(bytes(data))
+        return f
+
+    def truncate(root):
+        f = root / step.name / shard
+        f.write_bytes(f.read_bytes()[:-1])
+        return f
+
+    def symlink(root):
+        f = root / step.name / shard
+        f.unlink()
+        f.symlink_to(root / step.name / "manifest.json")
+        return f
+
+    def fifo(root):
+        f = root / step.name / shard
+        f.unlink()
+        os.mkfifo(f)
+        return f
+
+    def edit(key_path, value):
+        def damage(root):
+            f = root / step.name / "manifest.json"
+            m = json.loads(f.read_text())
+            target = m
+            for k in key_path[:-1]:
+                target = target[k]
+            target[key_path[-1]] = value
+            f.write_text(json.dumps(_rechecksum(m)))
+            return f
+
+        return damage
+
+    def outside(root):
+        (root / "latest").write_text("../elsewhere")
+        return root / "latest"
+
+    return [
+        ("a byte flipped in a shard", flip, "checksum mismatch"),
+        ("a shard one byte short", truncate, ""),
+        ("a shard replaced by a symlink", symlink, ""),
+        ("a shard replaced by a FIFO", fifo, ""),
+        ("a parameter's shape edited, re-checksummed", edit(("params", 0, "shape"), [1, 1]), ""),
+        ("a unit's states edited, re-checksummed", edit(("units", 0, "states"), ["master"]), ""),
+        ("an unknown optimizer, re-checksummed", edit(("config", "optimizer"), "lamb"), ""),
+        ("latest naming a path outside the root", outside, ""),
+    ]
+
+
+def check_refusals(directory: Path) -> str:
+    """[Note: refused checkpoints] Each damage of _damages, made to a copy of the saved
+    checkpoint, must make zero.checkpoint.verify raise a CheckpointError that names the damaged
+    file (and never hang or read past the recorded sizes). '' or the first that was not."""
+    from zero.checkpoint import CheckpointError, resolve
+    from zero.checkpoint import verify as verify_checkpoint
+
+    step = resolve(directory)
+    for what, damage, says in _damages(step):
+        with tempfile.TemporaryDirectory(prefix="zero-damaged-") as tmp:
+            root = Path(tmp)
+            shutil.copytree(step, root / step.name, symlinks=True)
+            (root / "latest").write_text(step.name)
+            bad = damage(root)
+            try:
+                verify_checkpoint(root)
+            except CheckpointError as exc:
+                if bad.name not in str(exc) or says not in str(exc):
+                    return f"{what}: the error does not name {bad.name}: {exc}"
+                continue
+            except Exception as exc:  # noqa: BLE001 - anything else is not a clear refusal
+                return f"{what}: {type(exc).__name__} instead of a CheckpointError: {exc}"
+            return f"{what}: accepted"
+    return ""
+
+
 def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
     """The saved checkpoint in this process, without an engine or a process group: pruned to
     KEEP_LAST step directories, every checksum verified (zero.checkpoint.verify), and its
@@ -273,6 +378,9 @@ def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
     if len(steps) != min(KEEP_LAST, case.steps_before) or resolve(directory).name != steps[-1]:
         return f"checkpoints kept: {steps}, latest {resolve(directory).name}"
     verify_checkpoint(directory)
+    refused = check_refusals(directory)
+    if refused:
+        return f"damaged checkpoint: {refused}"
     c = torch.load(consolidate_to(directory, directory / "consolidated.pt"), weights_only=True)
     model, _ = MODELS[case.model]
     model = model()
@@ -364,7 +472,10 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
     # loaded on every rank, consolidated beside the parameters
     buffers = [
         ResumeCase(n1=2, s1=1, n2=1, s2=2, precision="fp32", optimizer="sgd", model="mlp-bn",
-                   micro_batches=m)
+                   micro_batches=m),
+        # frozen parameters: saved as held (bf16), resharded, consolidated upcast to fp32
+        ResumeCase(n1=2, s1=3, n2=1, s2=0, precision="bf16", optimizer="adamw",
+                   model="mlp-frozen", micro_batches=m),
     ] if {1, 2} <= set(sizes) else []  # fmt: skip
     if quick:
         return quick_cases + buffers

@@ -229,20 +229,6 @@ def all_gather(
     return Pending(work, lambda: out, rec, (shard,))
 
 
-def any_flag(
-    flag: bool, *, group, counter: CommCounter, device=None, phase: str = "overflow"
-) -> bool:
-    """Control: True on every rank if any rank passed True (one-element all-reduce MAX).
-    device: where the backend wants its tensors (CUDA for NCCL)."""
-    n = dist.get_world_size(group)
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    rec = _record(counter, "all_reduce_max", n - 1, 0, t, phase=phase, kind="control", unit=None)
-    if n > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    rec.end = time.perf_counter()
-    return bool(t.item())
-
-
 def gather_control(
     values: torch.Tensor, *, group, counter: CommCounter, phase: str, unit=None
 ) -> torch.Tensor:

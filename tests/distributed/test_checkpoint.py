@@ -470,6 +470,34 @@ def test_the_resume_tables_consolidation_check_sees_a_flipped_bit(tmp_path):
     assert "checkpoints kept" in check_saved(case, tmp_path, saved)
 
 
+@pytest.mark.dist
+def test_the_resume_tables_damage_check_sees_a_checkpoint_reader_that_accepts(
+    tmp_path, monkeypatch
+):
+    """verify/resume.py's check_refusals ([Note: refused checkpoints]) passes on the real
+    reader, and names the damage when a reader stops checking: sha256 skipped, then the
+    manifest's validation skipped."""
+    from verify.resume import check_refusals
+    from zero.checkpoint import format as fmt
+
+    case = ResumeCase(n1=2, s1=3, n2=1, s2=0, optimizer="adamw", steps_before=1)
+    get_pool(2).run(run_rank, case, 3, 1, str(tmp_path))
+    assert check_refusals(tmp_path) == ""
+    with monkeypatch.context() as mp:  # a reader that trusts every file as it is
+        mp.setattr(fmt._Reader, "file", _trusting_file)
+        assert check_refusals(tmp_path) != ""
+    with monkeypatch.context() as mp:
+        mp.setattr(fmt, "validate_manifest", lambda path, m: None)
+        assert "re-checksummed: accepted" in check_refusals(tmp_path)
+
+
+def _trusting_file(self, name: str) -> bytearray:
+    """zero.checkpoint.format._Reader.file without its checks (type, size, sha256)."""
+    if name not in self.cache:
+        self.cache[name] = bytearray((self.dir / name).read_bytes())
+    return self.cache[name]
+
+
 def train_and_die(rank, n, root, total, every, kill_rank, kill_after):
     """Save every `every` steps; rank kill_rank SIGKILLs itself after step kill_after."""
     model, eng = build(FAULT_CASE, FAULT_CASE.s1)
