@@ -132,3 +132,19 @@ def replace_working(u: FlatUnit) -> torch.Tensor:
             p.data = views[name]
     u.working = new
     return new
+
+
+class OnBackward(torch.autograd.Function):
+    """Identity in forward; in backward, before the gradients flow on past the marked tensors,
+    it calls fn(unit). Stage 3 gathers a unit this way before the unit's own backward
+    (Stage3.pre_backward on its outputs), and frees a frozen unit after it (on its inputs)."""
+
+    @staticmethod
+    def forward(ctx, fn, unit, *tensors):
+        ctx.fn, ctx.unit = fn, unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fn(ctx.unit)
+        return (None, None, *grads)

@@ -16,24 +16,12 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-
-class _PostBackward(torch.autograd.Function):
-    """Identity in forward; in backward, after the unit's own backward, frees the unit."""
-
-    @staticmethod
-    def forward(ctx, stage, unit, *tensors):
-        ctx.stage, ctx.unit = stage, unit
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.stage.release(ctx.unit)
-        return (None, None, *grads)
+from .base import OnBackward
 
 
 def mark_inputs(stage, u):
     """A forward pre-hook (with_kwargs=True) for frozen unit u's module: the inputs that need a
-    gradient pass _PostBackward, so stage.release(u) runs after u's backward."""
+    gradient pass OnBackward (zero/stages/base.py), so stage.release(u) runs after u's backward."""
 
     def hook(_m, args, kwargs):
         if not torch.is_grad_enabled():
@@ -42,7 +30,7 @@ def mark_inputs(stage, u):
         idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
         if not idx:
             return None
-        marked = _PostBackward.apply(stage, u, *(flat[i] for i in idx))
+        marked = OnBackward.apply(stage.release, u, *(flat[i] for i in idx))
         for i, t in zip(idx, marked, strict=True):
             flat[i] = t
         return pytree.tree_unflatten(flat, spec)

@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..unit import FlatUnit
-from .base import StageContext, replace_working
+from .base import OnBackward, StageContext, replace_working
 from .frozen import mark_inputs
 from .stage0 import Stage0
 from .stage2 import Stage2
@@ -93,20 +93,6 @@ class Stage3Parameter(nn.Parameter):
                         )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-
-
-class _PreBackward(torch.autograd.Function):
-    """Identity in forward; in backward it gathers the unit before the unit's own backward."""
-
-    @staticmethod
-    def forward(ctx, stage, unit, *tensors):
-        ctx.stage, ctx.unit = stage, unit
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.stage.pre_backward(ctx.unit)
-        return (None, None, *grads)
 
 
 class Persistent(Stage0):
@@ -251,7 +237,7 @@ class Stage3(Stage2):
             root.register_forward_pre_hook(lambda _m, _a, u=root_unit: self.gather(u, "param_fwd"))
 
     def release(self, u: FlatUnit) -> None:
-        """A frozen unit's backward is over (zero/stages/frozen.py's _PostBackward)."""
+        """A frozen unit's backward is over (zero/stages/frozen.py's mark_inputs)."""
         if u.state is PartitionState.GATHERED:
             self.transition(u, PartitionState.SHARDED)
 
@@ -269,7 +255,7 @@ class Stage3(Stage2):
         idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
         if not idx:
             return output
-        marked = _PreBackward.apply(self, u, *(flat[i] for i in idx))
+        marked = OnBackward.apply(self.pre_backward, u, *(flat[i] for i in idx))
         for i, t in zip(idx, marked, strict=True):
             flat[i] = t
         return pytree.tree_unflatten(flat, spec)

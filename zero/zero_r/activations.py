@@ -10,11 +10,12 @@ input, b·s·h elements, and recomputes the rest in backward, one block at a tim
 forward (an instance attribute), so that module hooks, parameter names and state_dict keys stay
 as they were; recomputation calls the original forward directly, so no module hook runs twice.
 
-[Note: recomputation at stage 3] At stage 3 a unit is sharded between its forward and its
-backward. Its outputs carry the _PreBackward marker (zero/stages/stage3.py), which sits *after* the
-checkpointed region in the graph, so its backward (the unit's all-gather) runs before any node
-of the region, and the first saved tensor the region unpacks triggers the recomputation on
-gathered parameters. So recomputation needs no gather of its own: 2 all-gathers per unit per
+[Note: recomputation at stage 3] At stage 3 a unit is sharded between its forward and its backward.
+Its outputs carry the OnBackward marker of Stage3.pre_backward (zero/stages/), which sits *after*
+the checkpointed region in the graph, so its backward (the unit's all-gather) runs before any node
+of the region, and the first saved tensor the region unpacks triggers the recomputation on gathered
+parameters.
+So recomputation needs no gather of its own: 2 all-gathers per unit per
 micro-step, as without checkpointing. Prefetch is unaffected: backward prefetches the unit
 before this one in forward order, which the recomputation does not touch. The parameters'
 version counters are preserved across gathers ([Note: re-gathering under saved views]); the
