@@ -155,13 +155,19 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str)
         else:
             entry["frozen"] = True
         params.append(entry)
-    units = [
-        {
+
+    def layout(u) -> dict:  # what validate.py recomputes from the parameters' shapes
+        return {
             "name": u.name,
             "params": [s.name for s in u.part.layout.slots],
             "layout_numel": u.part.layout.layout_numel,
             "shard_numel": u.part.shard_numel,
             "padded_numel": u.part.padded_numel,
+        }
+
+    units = [
+        layout(u)
+        | {
             "master_whole": engine.master_extent(u) != u.part.own,
             "states": ["master", *sorted(u.opt)],
             "files": [f"u{u.index:04d}-r{r:04d}.bin" for r in range(n)],
@@ -169,12 +175,8 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str)
         for u in engine.units
     ]
     frozen_units = [
-        {
-            "name": u.name,
-            "params": [s.name for s in u.part.layout.slots],
-            "layout_numel": u.part.layout.layout_numel,
-            "shard_numel": u.part.shard_numel,
-            "padded_numel": u.part.padded_numel,
+        layout(u)
+        | {
             "dtype": str(u.working.dtype).removeprefix("torch."),
             "files": [f"f{j:04d}-r{r:04d}.bin" for r in range(n)],
         }
