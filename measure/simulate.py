@@ -209,8 +209,11 @@ def simulate_rank(
     from zero.models import GPT
 
     cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size, shape=shape)
-    probe = MemoryProbe(device=device)
+    # the meta model before the baseline: it holds no tensor memory, but building the first one
+    # costs a process tens of MB of one-time setup that is no engine's (the rank's count used
+    # to build one before the baseline too)
     model = GPT(cfg, device="meta")
+    probe = MemoryProbe(device=device)
     zcfg = ZeroConfig(
         stage=stage,
         precision="bf16",

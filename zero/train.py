@@ -349,7 +349,9 @@ def resume_point(cfg: TrainConfig) -> Path | None:
     ckpt = Path(cfg.out) / "ckpt"
     if not cfg.resume and not cfg.resume_if_present:
         return None
-    if cfg.resume_if_present and (not ckpt.is_dir() or not any(ckpt.iterdir())):
+    # the loss history (zero/history.py) is no checkpoint: rank 0 may have started it already
+    saved = [p for p in ckpt.iterdir() if p.name != HISTORY_FILE] if ckpt.is_dir() else []
+    if cfg.resume_if_present and not saved:
         return None
     field = "resume" if cfg.resume else "resume_if_present"
     try:
