@@ -148,3 +148,18 @@ class OnBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.fn(ctx.unit)
         return (None, None, *grads)
+
+    @staticmethod
+    def mark(fn, unit, tree):
+        """`tree` (any nest of inputs or outputs) with every tensor that needs a gradient
+        passed through OnBackward(fn, unit); None when none does (nothing to mark)."""
+        import torch.utils._pytree as pytree
+
+        flat, spec = pytree.tree_flatten(tree)
+        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not idx:
+            return None
+        marked = OnBackward.apply(fn, unit, *(flat[i] for i in idx))
+        for i, t in zip(idx, marked, strict=True):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, spec)

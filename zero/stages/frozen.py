@@ -14,7 +14,6 @@ micro-step, where every unit still gathered is freed (Stage3.end_microstep).
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as pytree
 
 from .base import OnBackward
 
@@ -26,13 +25,6 @@ def mark_inputs(stage, u):
     def hook(_m, args, kwargs):
         if not torch.is_grad_enabled():
             return None
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
-        if not idx:
-            return None
-        marked = OnBackward.apply(stage.release, u, *(flat[i] for i in idx))
-        for i, t in zip(idx, marked, strict=True):
-            flat[i] = t
-        return pytree.tree_unflatten(flat, spec)
+        return OnBackward.mark(stage.release, u, (args, kwargs))
 
     return hook

@@ -34,7 +34,6 @@ import enum
 import itertools
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from ..unit import FlatUnit
@@ -251,14 +250,8 @@ class Stage3(Stage2):
         self.transition(u, PartitionState.SHARDED)
         if not torch.is_grad_enabled():
             return output
-        flat, spec = pytree.tree_flatten(output)
-        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
-        if not idx:
-            return output
-        marked = OnBackward.apply(self.pre_backward, u, *(flat[i] for i in idx))
-        for i, t in zip(idx, marked, strict=True):
-            flat[i] = t
-        return pytree.tree_unflatten(flat, spec)
+        marked = OnBackward.mark(self.pre_backward, u, output)
+        return output if marked is None else marked
 
     def pre_backward(self, u: FlatUnit) -> None:
         self.gather(u, "param_bwd")
