@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from reference.tree import tree_sum
 
+from .watchdog import guard
+
 # torch 2.13 renamed the flat collectives; 2.6-2.11 only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -49,6 +51,7 @@ class CommRecord:
     step: int
     start: float  # time.perf_counter() at launch
     end: float | None = None  # at completion (wait)
+    seq: int | None = None  # its number among the engine's collectives (zero/watchdog.py)
 
 
 KEEP_STEPS = 8
@@ -76,6 +79,7 @@ class CommCounter:
         self.keep_steps = keep_steps
         self.dropped_below: int | None = None  # records of steps below this one are gone
         self._step = step
+        self.watch = None  # the engine's zero.watchdog.Watch: fingerprints every record
 
     @property
     def step(self) -> int:
@@ -92,6 +96,8 @@ class CommCounter:
 
     def add(self, **kw) -> CommRecord:
         rec = CommRecord(step=self.step, start=time.perf_counter(), **kw)
+        if self.watch is not None:
+            self.watch.on_launch(rec)
         self.records.append(rec)
         row = self.totals.setdefault((rec.kind, rec.op, rec.phase), [0, 0, 0, 0])
         row[0] += 1
@@ -136,14 +142,18 @@ class CommCounter:
 class Pending:
     """A launched collective; wait() completes it and returns its result."""
 
-    def __init__(self, work, finish: Callable[[], torch.Tensor], record: CommRecord, keep=()):
+    def __init__(
+        self, work, finish: Callable[[], torch.Tensor], record: CommRecord, keep=(), group=None
+    ):
         self._work, self._finish, self._record, self._result = work, finish, record, None
         self._keep = keep  # inputs an asynchronous collective still reads; released on wait
+        self._group = group
 
     def wait(self) -> torch.Tensor:
         if self._record.end is None:
             if self._work is not None:
-                self._work.wait()
+                with guard(self._record, self._group):  # a failure names whom to blame
+                    self._work.wait()
             self._result = self._finish()
             self._record.end = time.perf_counter()
             self._keep = ()
@@ -157,8 +167,9 @@ def _record(counter: CommCounter, op: str, elements: int, padding: int, like, **
     )
 
 
-def _launch(fn, *args, group, async_op, **kwargs):
-    work = fn(*args, group=group, async_op=async_op, **kwargs)
+def _launch(fn, *args, group, async_op, rec, **kwargs):
+    with guard(rec, group):
+        work = fn(*args, group=group, async_op=async_op, **kwargs)
     return work if async_op else None
 
 
@@ -176,8 +187,9 @@ def reduce_scatter_tree(
     if n == 1:
         return Pending(None, lambda: flat.clone(), rec)
     recv = torch.empty_like(flat)
-    work = _launch(dist.all_to_all_single, recv, flat, group=group, async_op=async_op)
-    return Pending(work, lambda: tree_sum(list(recv.view(n, shard).unbind(0))), rec, (flat,))
+    work = _launch(dist.all_to_all_single, recv, flat, group=group, async_op=async_op, rec=rec)
+    finish = lambda: tree_sum(list(recv.view(n, shard).unbind(0)))  # noqa: E731
+    return Pending(work, finish, rec, (flat,), group)
 
 
 def reduce_scatter_fast(
@@ -190,8 +202,8 @@ def reduce_scatter_fast(
     out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
     if n == 1:
         return Pending(None, lambda: out.copy_(flat), rec)
-    work = _launch(_reduce_scatter_flat, out, flat, group=group, async_op=async_op)
-    return Pending(work, lambda: out, rec, (flat,))
+    work = _launch(_reduce_scatter_flat, out, flat, group=group, async_op=async_op, rec=rec)
+    return Pending(work, lambda: out, rec, (flat,), group)
 
 
 def all_reduce_sum(
@@ -203,8 +215,8 @@ def all_reduce_sum(
     rec = _record(counter, "all_reduce", 2 * (n - 1) * shard, padding, flat, **tag)
     if n == 1:
         return Pending(None, lambda: flat, rec)
-    work = _launch(dist.all_reduce, flat, group=group, async_op=async_op)
-    return Pending(work, lambda: flat, rec)
+    work = _launch(dist.all_reduce, flat, group=group, async_op=async_op, rec=rec)
+    return Pending(work, lambda: flat, rec, (), group)
 
 
 def all_gather(
@@ -225,8 +237,8 @@ def all_gather(
     rec = _record(counter, "all_gather", (n - 1) * shard.numel(), padding, shard, **tag)
     if n == 1:
         return Pending(None, lambda: out.copy_(shard), rec)
-    work = _launch(_all_gather_flat, out, shard, group=group, async_op=async_op)
-    return Pending(work, lambda: out, rec, (shard,))
+    work = _launch(_all_gather_flat, out, shard, group=group, async_op=async_op, rec=rec)
+    return Pending(work, lambda: out, rec, (shard,), group)
 
 
 def gather_control(
@@ -242,7 +254,8 @@ def gather_control(
     if n == 1:
         out[0].copy_(values)
     else:
-        _all_gather_flat(out.view(-1), values.reshape(-1).contiguous(), group=group)
+        with guard(rec, group):
+            _all_gather_flat(out.view(-1), values.reshape(-1).contiguous(), group=group)
     rec.end = time.perf_counter()
     return out
 
@@ -262,7 +275,8 @@ def broadcast_control(tensors, *, group, counter: CommCounter, phase: str = "buf
             counter, "broadcast", elements, 0, flat, phase=phase, kind="control", unit=None
         )
         if n > 1:
-            dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+            with guard(rec, group):
+                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
             at = 0
             with torch.no_grad():
                 for t in ts:

@@ -20,6 +20,7 @@ from reference.step import StepConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STAGES = (0, 1, 2, 3)
+WATCHDOG_MODES = ("calls", "collectives", "off")
 MAX_CHUNK = 2**24
 """The largest clipping chunk: 16 Mi elements, 64 MiB of fp32 per chunk. A unit is padded to
 whole chunks on every rank, so a chunk far above any unit only wastes memory (2**40 would ask
@@ -118,12 +119,23 @@ class ZeroConfig:
     micro-batch index j) and restored afterwards (zero/forward.py), so dropout (any draw inside
     forward) is the same at every world size, rank and stage, as docs/design.md §2 asks. None:
     forward draws from the process's own RNG stream, which differs per rank."""
+    watchdog: str = "calls"
+    """How closely ranks check that they issue the same collectives ([Note: collective
+    fingerprints], zero/watchdog.py). 'calls': before each forward, backward, step, save and load
+    the ranks all-gather five integers (the call, the data step and micro-step, the count and a
+    hash of every collective so far), so a rank making another call, or having issued other
+    collectives, is named at once instead of hanging or aborting a peer. 'collectives': the same
+    before every collective (twice the calls: for finding a divergence inside a call, such as a
+    unit run on one rank only). 'off': no checks; heartbeats still name a stopped or dead rank
+    when a collective fails."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
             raise ValueError(f"stage={self.stage!r}: allowed are {STAGES}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic={self.deterministic!r}: must be True or False")
+        if self.watchdog not in WATCHDOG_MODES:
+            raise ValueError(f"watchdog={self.watchdog!r}: allowed are {WATCHDOG_MODES}")
         for name, low in (("persist_below", 0), ("micro_batches", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:

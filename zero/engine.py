@@ -46,6 +46,7 @@ from .stages.base import Clock
 from .stages.stage0 import Stage0
 from .unit import FlatUnit
 from .units import CalledCheck
+from .watchdog import Watch
 from .zero_r.activations import checkpoint_units
 from .zero_r.buckets import bucketing
 from .zero_r.contiguous import CheckpointArena
@@ -76,6 +77,9 @@ class ZeroEngine(nn.Module):
         n = self.world_size
         build.check_config(config, n)
         self.counter = C.CommCounter(step=-1)  # construction's checks are "step -1"
+        self.fake = dist.get_backend(self.group) == "fake"  # a simulated rank: no real peers
+        k = config.micro_batches // n
+        self.watch = Watch(self.group, per_step=k, mode=config.watchdog, counter=self.counter)
         self.step_config = config.step_config(n)
         first = next(module.parameters()).device  # control tensors too (NCCL: CUDA only)
         meta = first.type == "meta"
@@ -88,7 +92,6 @@ class ZeroEngine(nn.Module):
         values_of = StartValues(module, config.units, seed=init_seed, init=init, device=device)
         values_of = values_of.per_unit(every)
         self.group_index = build.group_index(config, named)
-        self.fake = dist.get_backend(self.group) == "fake"  # a simulated rank: no real peers
         if not self.fake:
             build.check_ranks_agree(config, every, self.group_index, engine_like=self)
         parts = build.partitions(config, named, self.group_index, world_size=n, rank=self.rank)
@@ -197,6 +200,7 @@ class ZeroEngine(nn.Module):
     def forward(self, *args, **kwargs):
         """The wrapped module's forward on micro-batch j = microstep·N + rank: floating inputs
         cast to the compute dtype, torch's RNG seeded per micro-batch (zero/forward.py)."""
+        self.at("forward" if torch.is_grad_enabled() else "eval")
         if self.activation_arena is not None and torch.is_grad_enabled():
             self.activation_arena.begin()  # [Note: checkpoint generations]
         if self.config.broadcast_buffers and self.buffers:  # DDP's broadcast_buffers
@@ -208,6 +212,7 @@ class ZeroEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (mean over its samples), then finalize_backward."""
+        self.at("backward")
         self._losses.append(float(loss.detach().float()))
         backward_scaled(loss, None if self.scaler is None else self.scaler.scale)
         self.finalize_backward()
@@ -223,6 +228,7 @@ class ZeroEngine(nn.Module):
         unknown = sorted(set(grads) - set(self.group_index))
         if unknown:
             raise ValueError(f"grads[{unknown[0]!r}]: no trainable parameter has that name")
+        self.at("backward")
         self._losses.append(float(loss))
         for u in reversed(self.units):
             for i, (name, p) in enumerate(u.params):
@@ -251,9 +257,14 @@ class ZeroEngine(nn.Module):
             stage.end_backward()
         self.clock.microstep += 1
 
+    def at(self, call: str) -> None:
+        """Every rank makes this call together ([Note: collective fingerprints])."""
+        self.watch.boundary(call, step=self.data_step, micro=self.microstep)
+
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        self.at("step")
         k = self.config.micro_batches // self.world_size
         if self.microstep != k:
             raise RuntimeError(
@@ -343,6 +354,7 @@ class ZeroEngine(nn.Module):
     def gathered_params(self):
         """Context manager: the module's full working parameters are readable inside (stage 3
         all-gathers every unit and frees them on exit; stages 0-2 hold them anyway)."""
+        self.at("gather")
         return self.impl.gathered()
 
     def master_extent(self, u: FlatUnit) -> slice:

@@ -51,6 +51,8 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
+from . import beacon, watchdog
+
 BACKENDS = ("gloo", "nccl")
 
 _STOP = b"stop"
@@ -200,6 +202,7 @@ def _child_setup(rank: int, world_size: int, store_dir: str, backend: str, timeo
         pass  # refused once inter-op work has started (possibly in the parent); harmless
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    os.environ[beacon.DIR_VAR] = store_dir  # heartbeats (zero/beacon.py) go beside the store
     store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
     dist.init_process_group(
         backend,
@@ -266,8 +269,9 @@ def _spawn_child(fn, rank, world_size, args, store_dir, backend, timeout_s, conn
     conn.close()
     if message[0] == "ok":
         try:
-            # Nobody leaves while a peer may still be reading its last collective's data.
-            dist.barrier()
+            # Nobody leaves while a peer may still be reading its last collective's data; and a
+            # rank that returns while others still train is named by them (zero/watchdog.py).
+            watchdog.leave("its rank function returned")
         except Exception:
             pass
     _leave()
@@ -311,11 +315,14 @@ def _start(ctx, target, world_size: int, make_args) -> tuple[list, list[Connecti
     return procs, [parent_end for parent_end, _ in pipes]
 
 
-def _silent_exit(proc) -> str:
-    return f"the process exited (code {proc.exitcode}) without reporting"
+def _silent_exit(proc, rank: int) -> str:
+    how = f"code {proc.exitcode}"
+    if proc.exitcode is not None and proc.exitcode < 0:
+        how = f"signal {-proc.exitcode}"
+    return watchdog.blame_line([rank], f"its process exited ({how}) without reporting")
 
 
-def _collect(procs, conns, ranks, timeout_s: float, *, what: str) -> list:
+def _collect(procs, conns, ranks, timeout_s: float | None, *, what: str) -> list:
     """Wait for one message from each of ``ranks``; return the payloads in rank order.
 
     Raises RankError on the first error (or on a rank that died without a word) and TimeoutError
@@ -323,12 +330,12 @@ def _collect(procs, conns, ranks, timeout_s: float, *, what: str) -> list:
     """
     results: dict[int, object] = {}
     pending = set(ranks)
-    deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     by_conn = {conns[r]: r for r in ranks}
     by_sentinel = {procs[r].sentinel: r for r in ranks}
     while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
             raise TimeoutError(
                 f"{what}: ranks {sorted(pending)} of {len(procs)} did not report within "
                 f"{timeout_s:g} s; all ranks were killed"
@@ -346,11 +353,11 @@ def _collect(procs, conns, ranks, timeout_s: float, *, what: str) -> list:
                     status, payload = conn.recv()
                 except EOFError:
                     proc.join(1.0)  # closed its end: it is exiting; learn the code
-                    status, payload = "error", _silent_exit(proc)
+                    status, payload = "error", _silent_exit(proc, rank)
                 except Exception:  # a result that does not unpickle here
                     status, payload = "error", traceback.format_exc()
             elif not proc.is_alive():
-                status, payload = "error", _silent_exit(proc)
+                status, payload = "error", _silent_exit(proc, rank)
             else:
                 continue
             pending.discard(rank)
@@ -379,16 +386,30 @@ def _stop(procs, *, grace_s: float) -> None:
             p.join()
 
 
-def spawn(fn, world_size: int, *args, timeout_s: float = 120, backend: str = "gloo") -> list:
+def spawn(
+    fn,
+    world_size: int,
+    *args,
+    timeout_s: float = 120,
+    backend: str = "gloo",
+    deadline_s: float | str | None = "timeout_s",
+) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; return the results.
 
-    Each rank joins one process group (gloo by default; collectives time out after
-    ``timeout_s``), runs ``fn`` once, sends its return value (which must pickle) to the parent,
-    and leaves. ``fn`` itself is not pickled: a lambda or closure is fine. Results come back in
-    rank order. Raises RankError if a rank raises, TimeoutError if some rank has not finished
-    within ``timeout_s`` of the start; the other ranks are killed in both cases.
+    Each rank joins one process group (gloo by default; each collective times out after
+    ``timeout_s``, and the watchdog then names the rank to blame: zero/watchdog.py), runs ``fn``
+    once, sends its return value (which must pickle) to the parent, and leaves. ``fn`` itself
+    is not pickled: a lambda or closure is fine. Results come back in rank order. Raises
+    RankError if a rank raises, TimeoutError if some rank has not finished within
+    ``deadline_s`` of the start (by default ``timeout_s``; None: no deadline, for a training
+    run whose length the collective timeout must not bound); the other ranks are killed in both
+    cases.
     """
     _check(world_size, timeout_s, backend)
+    if deadline_s == "timeout_s":
+        deadline_s = timeout_s
+    elif deadline_s is not None:
+        check_timeout(deadline_s, "deadline_s")
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="zero-spawn-") as store_dir:
         procs, conns = _start(
@@ -399,7 +420,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 120, backend: str = "gl
         )
         ok = False
         try:
-            results = _collect(procs, conns, range(world_size), timeout_s, what="spawn")
+            results = _collect(procs, conns, range(world_size), deadline_s, what="spawn")
             ok = True
         finally:
             _stop(procs, grace_s=_GRACE_S if ok else 0.0)

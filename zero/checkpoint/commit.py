@@ -319,6 +319,7 @@ def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=N
         json.dumps(extra)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"extra={extra!r}: must be JSON-serialisable ({exc})") from None
+    engine.at("save")  # every rank saves together ([Note: collective fingerprints])
     _check_idle(engine, "save")
     root = Path(directory)
     run_id = _run_id(engine)

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..watchdog import guard
 from .validate import Invalid, check_gaps, validate_manifest
 
 FORMAT = "zero-checkpoint"
@@ -210,7 +211,8 @@ def _all_gather(engine, obj) -> list:
     if engine.world_size == 1:
         return [obj]
     out: list = [None] * engine.world_size
-    dist.all_gather_object(out, obj, group=engine.group)
+    with guard(None, engine.group):  # a failure names whom to blame (zero/watchdog.py)
+        dist.all_gather_object(out, obj, group=engine.group)
     return out
 
 
@@ -219,7 +221,8 @@ def _broadcast(engine, obj):
         return obj
     box = [obj]
     src = dist.get_global_rank(engine.group, 0)
-    dist.broadcast_object_list(box, src=src, group=engine.group)
+    with guard(None, engine.group):
+        dist.broadcast_object_list(box, src=src, group=engine.group)
     return box[0]
 
 

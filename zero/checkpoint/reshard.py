@@ -162,6 +162,7 @@ def load(engine: Introspect, directory) -> CheckpointInfo:
     The RNG state is restored only at the world size it was saved at (docs/design.md §2: randomness
     comes from (seed, data step, micro-batch), never from the rank, so nothing depends on it).
     """
+    engine.at("load")  # every rank loads together ([Note: collective fingerprints])
     _check_idle(engine, "load")
     info, error = None, None
     try:

@@ -1,0 +1,149 @@
+"""zero.watchdog: a rank that diverges, stalls, dies or leaves is named by every rank.
+
+Each test starts a fresh local world with a short collective timeout and plants one fault on one
+rank: the error that comes back must name that rank (`zero.watchdog.blamed`), never a victim,
+and arrive within the timeout plus the heartbeat survey. On the code before the watchdog each of
+these either hung until the timeout naming no rank, or ended with the victim's SIGABRT.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.helpers.engine_tools import mlp_engine, one_step
+from zero.config import ZeroConfig
+from zero.engine import ZeroEngine
+from zero.launch import RankError, spawn
+from zero.models import MLP, MLPConfig, mlp_microbatches
+from zero.watchdog import blamed
+
+TIMEOUT_S = 6.0  # the process group's per-collective timeout in these worlds
+
+
+def _batches(model, n, step):
+    return mlp_microbatches(model.cfg, seed=0, data_step=step, count=2 * n, batch_size=4)
+
+
+def diverge(rank, n, fault, bad, stage):
+    """Two clean steps, then rank `bad` does `fault` in step 2 while the others train on."""
+    model, eng = mlp_engine(stage, n, 2)
+    for step in range(2):
+        one_step(eng, model, rank, n, 2, step)
+    batches = _batches(model, n, 2)
+    mine = [batches[i * n + rank] for i in range(2)]
+    if rank == bad and fault == "early_exit":
+        return "left"
+    if rank == bad and fault == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if rank == bad and fault == "die":
+        os._exit(9)
+    if rank == bad and fault == "save_alone":
+        eng.save(os.environ["WD_OUT"])
+    extra = rank == bad and fault == "extra_backward"
+    for x in [*mine, mine[0]] if extra else mine:
+        _, loss = eng(*x)
+        eng.backward(loss)
+    if not (rank == bad and fault == "skip_step"):
+        eng.step()
+    for x in _batches(model, n, 3)[rank::n]:
+        _, loss = eng(*x)
+        eng.backward(loss)
+    eng.step()
+    return "done"
+
+
+def run_fault(fault, n, bad, stage, tmp_path):
+    os.environ["WD_OUT"] = str(tmp_path / "ckpt")
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(diverge, n, fault, bad, stage, timeout_s=TIMEOUT_S, deadline_s=60)
+    return str(info.value), time.monotonic() - t0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("fault", ["extra_backward", "skip_step"])
+def test_a_call_the_step_does_not_allow_is_named_at_once(fault, stage, tmp_path):
+    text, took = run_fault(fault, 2, 1, stage, tmp_path)
+    assert blamed(text) == {1}, text
+    assert took < TIMEOUT_S, f"named at the boundary, not after a timeout: {took:.1f} s"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_rank_that_leaves_early_is_named(stage, tmp_path):
+    text, took = run_fault("early_exit", 2, 1, stage, tmp_path)
+    assert blamed(text) == {1}, text
+    assert "left" in text
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("n, want", [(3, {1}), (2, {0, 1})])
+def test_a_save_by_one_rank_alone(n, want, tmp_path):
+    """With a majority the odd rank is blamed; at N = 2 neither side is the majority, so both
+    are named, each with the call it made."""
+    text, took = run_fault("save_alone", n, 1, 2, tmp_path)
+    assert blamed(text) == want, text
+    assert "save()" in text and "forward()" in text
+    assert took < TIMEOUT_S
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fault, word", [("stop", "stopped"), ("die", "")])
+def test_a_stopped_or_dead_rank_is_named(fault, word, tmp_path):
+    text, took = run_fault(fault, 2, 1, 3, tmp_path)
+    assert blamed(text) == {1}, text
+    assert word in text
+    assert took < TIMEOUT_S + 10
+
+
+def reorder(rank, n, bad, mode, d_in):
+    """Same calls, but rank `bad` launches two units' reductions in the other order. With
+    d_in = 48 the two units have equal sizes: the collectives pair up without a hang and sum the
+    wrong units (silently wrong before the watchdog); with d_in = 16 their sizes differ and gloo
+    aborts the rank receiving the larger message unless every collective is checked first."""
+    model = MLP(MLPConfig(d_in=d_in, d_hidden=48, d_out=4, n_layer=3))
+    cfg = ZeroConfig(
+        stage=2, micro_batches=n, units=tuple(model.unit_names()), chunk=128, watchdog=mode
+    )
+    eng = ZeroEngine(model, cfg)
+    if rank == bad:
+        i, j = (next(k for k, u in enumerate(eng.units) if u.name == n) for n in model.unit_names())
+        eng.units[i], eng.units[j] = eng.units[j], eng.units[i]
+    for step in range(2):
+        batches = mlp_microbatches(model.cfg, seed=0, data_step=step, count=n, batch_size=4)
+        _, loss = eng(*batches[rank])
+        eng.backward(loss)
+        eng.step()
+    return "done"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode, d_in", [("calls", 48), ("collectives", 48), ("collectives", 16)])
+def test_collectives_out_of_step_are_traced_to_the_first_one(mode, d_in):
+    with pytest.raises(RankError) as info:
+        spawn(reorder, 3, 1, mode, d_in, timeout_s=TIMEOUT_S, deadline_s=60)
+    text = str(info.value)
+    assert blamed(text) == {1}, text
+    assert "different collectives" in text and "reduce_scatter" in text
+
+
+def healthy(rank, n):
+    model, eng = mlp_engine(3, n, 2)
+    out = [one_step(eng, model, rank, n, 2, s).loss for s in range(3)]
+    calls = eng.counter.counts(2, kind="watchdog")
+    return out, calls, eng.watch.hash
+
+
+@pytest.mark.dist
+def test_a_healthy_run_passes_every_boundary():
+    """Three steps, every rank: one boundary all-gather per forward, backward and step
+    (k = 2: 2 + 2 + 1 = 5 per step), and the same hash of every collective on every rank."""
+    per_rank = spawn(healthy, 2, timeout_s=TIMEOUT_S)
+    assert per_rank[0][0] == per_rank[1][0]
+    assert per_rank[0][1] == per_rank[1][1] == {"all_gather": 5}
+    assert per_rank[0][2] == per_rank[1][2] != 0
+    assert torch.tensor(per_rank[0][0]).isfinite().all()
