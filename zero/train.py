@@ -190,8 +190,9 @@ class TrainConfig:
     """Continue from OUT/ckpt/latest; without a valid checkpoint there, refused (nothing runs)."""
     resume_if_present: bool = False
     """As resume when OUT/ckpt holds anything, else a fresh start (absent or empty OUT/ckpt)."""
-    timeout_s: float = 3600.0
-    """Local ranks: the whole run's limit; every run: a collective's limit before it raises."""
+    timeout_s: float = 600.0
+    """How long one collective may wait for the other ranks before it raises, naming the rank
+    to blame (zero/watchdog.py). It does not bound the run's length."""
     zero: ZeroConfig = ZERO_DEFAULT
     """How the engine trains; groups, units and micro-batches are filled in per run."""
 
@@ -575,7 +576,7 @@ def main(argv=None) -> dict | None:
     held = _claim(cfg)
     try:
         corpus = load_corpus(cfg.data, val_fraction=cfg.val_fraction)  # forked ranks share it
-        return spawn(run_rank, cfg.nproc, cfg, corpus, timeout_s=cfg.timeout_s)[0]
+        return spawn(run_rank, cfg.nproc, cfg, corpus, timeout_s=cfg.timeout_s, deadline_s=None)[0]
     finally:
         lock.release(held)
 

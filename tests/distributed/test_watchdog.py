@@ -147,3 +147,71 @@ def test_a_healthy_run_passes_every_boundary():
     assert per_rank[0][1] == per_rank[1][1] == {"all_gather": 5}
     assert per_rank[0][2] == per_rank[1][2] != 0
     assert torch.tensor(per_rank[0][0]).isfinite().all()
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{RANK: pid} of the processes below `launcher_pid` that torchrun started."""
+    out = {}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if b"TORCHELASTIC_RUN_ID" in env and b"RANK" in env and ppid == launcher_pid:
+            out[int(env[b"RANK"])] = pid
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_under_torchrun_the_stopped_rank_is_blamed(tmp_path):
+    """SIGSTOP rank 1 of a torchrun world mid-training: the error torchrun relays names rank 1
+    (before the watchdog, rank 0 was blamed, after the one-hour default timeout)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"\n".join(p.read_bytes() for p in sorted((repo / "zero").glob("*.py"))))
+    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    args = ["--model", "tiny", "--eval-every", "0", "--ckpt-every", "0", "--log-every", "1"]
+    args += ["--steps", "100000", "--timeout", str(TIMEOUT_S), "--data", str(corpus)]
+    args += ["--out", str(tmp_path / "run")]
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            [launcher, "--standalone", "--nproc-per-node", "2", "-m", "zero.train", *args],
+            cwd=repo,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while "GPT tiny" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)  # rank 0 prints the header once the world is up
+        time.sleep(3.0)  # a few steps in
+        ranks = _rank_pids(proc.pid)
+        assert set(ranks) == {0, 1}, (ranks, log.read_text())
+        t0 = time.monotonic()
+        os.kill(ranks[1], signal.SIGSTOP)
+        while "watchdog blames" not in log.read_text() and time.monotonic() < t0 + 60:
+            time.sleep(0.2)
+        took = time.monotonic() - t0  # torchrun then takes its own grace to kill a stopped rank
+        proc.wait(90)
+    finally:
+        for pid in _rank_pids(proc.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    rest = log.read_text()
+    assert proc.returncode != 0
+    assert blamed(rest) == {1}, rest[-3000:]
+    assert "stopped" in rest
+    assert took < TIMEOUT_S + 10, took  # the timeout, the heartbeat survey, and slack
