@@ -44,7 +44,7 @@ import torch.distributed as dist
 from reference.optim import Hyper
 from zero import cli
 from zero import engine as engine_module
-from zero.config import ZeroConfig, decay_matrices_only
+from zero.config import WATCHDOG_MODES, ZeroConfig, decay_matrices_only
 from zero.launch import MAX_TIMEOUT_S, check_timeout
 from zero.models import GPT, GPTConfig, gpt_microbatches
 from zero.results import make_record, provenance, read_json, write_json
@@ -120,6 +120,9 @@ class BenchConfig:
     """Longest wait for a quiet machine before a repeat (it then runs anyway, recorded)."""
     profile: bool = False
     """After timing, time each system's phases over `steps` more steps (module docstring)."""
+    watchdog: str = "calls"
+    """Our engine's ZeroConfig.watchdog ('calls', 'collectives' or 'off'): a run with 'off'
+    beside one with the default measures what the watchdog's checks cost."""
     timeout_s: float = 900.0
     """Seconds one call into the ranks may take before they are killed (a hang is an error)."""
 
@@ -147,6 +150,8 @@ class BenchConfig:
                 f"quiet_wait_s={self.quiet_wait_s!r}: allowed are seconds in [0, {MAX_TIMEOUT_S}]"
             )
         check_timeout(self.timeout_s)
+        if self.watchdog not in WATCHDOG_MODES:
+            raise ValueError(f"watchdog={self.watchdog!r}: allowed are {WATCHDOG_MODES}")
 
     @property
     def workload(self) -> BenchModel:
@@ -193,6 +198,7 @@ def zero_config(stage: int, deterministic: bool, n: int, cfg: BenchConfig) -> Ze
         micro_batches=n,
         units=tuple(f"transformer.h.{i}" for i in range(cfg.workload.gpt.n_layer)),
         overlap=True,
+        watchdog=cfg.watchdog,
     )
 
 

@@ -65,6 +65,7 @@ from .launch import check_timeout, init_from_env, spawn, under_torchrun
 from .models import GPT, GPTConfig
 from .optim import TORCH_OPTIMIZERS
 from .results import make_record, write_atomic, write_json
+from .watchdog import guard
 
 KIND = "train.run"
 """The results-record kind of a training run's log."""
@@ -271,7 +272,8 @@ def evaluate(engine: ZeroEngine, corpus: Corpus, *, seed: int, batches: int, bat
         _, loss = engine(idx.to(engine.device), tgt.to(engine.device))
         total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=engine.device)
     engine.train()
-    dist.all_reduce(total, group=engine.group)
+    with guard(None, engine.group):  # a failure names whom to blame (zero/watchdog.py)
+        dist.all_reduce(total, group=engine.group)
     return float(total[0] / total[1])
 
 
@@ -481,7 +483,8 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
             memory[:] = [0] * world_size
             mine = sum(engine.memory_report().values())
             every: list = [None] * world_size
-            dist.all_gather_object(every, mine, group=engine.group)
+            with guard(None, engine.group):
+                dist.all_gather_object(every, mine, group=engine.group)
             memory[:] = every
         mem = "/".join(f"{b / 2**20:.1f}" for b in memory)
         progress.step(
