@@ -386,6 +386,7 @@ class ZeroEngine(nn.Module):
     def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
         """The full fp32 master and optimizer states by parameter name, on every rank (an
         all-gather of the shards, counted as control traffic)."""
+        self.at("gather")
         return fullstate.gather_state(self)
 
     def param_steps(self) -> dict[str, int]:
