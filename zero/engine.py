@@ -78,14 +78,14 @@ class ZeroEngine(nn.Module):
         build.check_config(config, n)
         self.counter = C.CommCounter(step=-1)  # construction's checks are "step -1"
         self.fake = dist.get_backend(self.group) == "fake"  # a simulated rank: no real peers
-        k = config.micro_batches // n
-        self.watch = Watch(self.group, per_step=k, mode=config.watchdog, counter=self.counter)
         self.step_config = config.step_config(n)
         first = next(module.parameters()).device  # control tensors too (NCCL: CUDA only)
         meta = first.type == "meta"
         self.device = device = torch.device(device) if device is not None else first
         if meta and device.type == "meta":
             raise ValueError("device='meta': a meta-device model needs a real device to build on")
+        k, mode = config.micro_batches // n, config.watchdog
+        self.watch = Watch(self.group, per_step=k, mode=mode, counter=self.counter, device=device)
         every = build.collect_units(module, config)
         named, frozen = build.split_frozen(every)  # frozen: zero/frozen.py
         # a unit's trainable and frozen halves take their start values from one pass over it

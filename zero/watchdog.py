@@ -106,9 +106,10 @@ def not_allowed(call: str, micro: int, per_step: int | None) -> str:
 class Watch:
     """One engine's fingerprints and boundary checks (one per ZeroEngine; see the Note)."""
 
-    def __init__(self, group, *, per_step: int | None, mode: str, counter):
+    def __init__(self, group, *, per_step: int | None, mode: str, counter, device=None):
         """mode: ZeroConfig.watchdog; a fake group (a simulated rank) has no peers to check."""
         self.group, self.per_step, self.counter = group, per_step, counter
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         fake = dist.get_backend(group) == "fake"
         self.ranks = [dist.get_rank()] if fake else dist.get_process_group_ranks(group)
         self.checks = mode != "off" and len(self.ranks) > 1
@@ -154,19 +155,25 @@ class Watch:
                 padding=0,
                 nbytes=n * row.numel() * 8,
             )
-        out = torch.empty(len(self.ranks), row.numel(), dtype=torch.int64)
+        side = self.boundary_group()
+        on = torch.device("cpu") if side is not self.group else self.device
+        out = torch.empty(len(self.ranks), row.numel(), dtype=torch.int64, device=on)
         with guard(rec, self.group):
-            _all_gather_flat(out.view(-1), row, group=self.boundary_group())
+            _all_gather_flat(out.view(-1), row.to(on), group=side)
         rows = out.tolist()
         if any(r != rows[0] for r in rows):
             raise self._disagreement(rows)
 
     def boundary_group(self):
-        # NCCL groups take device tensors only; the check rides a CPU (gloo) group instead
+        """The group the checks ride: the engine's own under gloo; under NCCL a CPU (gloo) twin
+        of the world, so that a check costs no device synchronisation. A subgroup under NCCL
+        has no twin (creating one would need every rank of the world) and checks on the device.
+        """
         if dist.get_backend(self.group) == "gloo":
             return self.group
         if not hasattr(self, "_cpu_group"):
-            self._cpu_group = dist.new_group(self.ranks, backend="gloo")
+            whole = len(self.ranks) == dist.get_world_size()
+            self._cpu_group = dist.new_group(backend="gloo") if whole else self.group
         return self._cpu_group
 
     def _disagreement(self, rows) -> CollectiveError:
@@ -202,7 +209,7 @@ class Watch:
     def _trace(self) -> tuple[list[int], str]:
         """Equal calls, different hashes: find the first collective that differs."""
         every: list = [None] * len(self.ranks)
-        with guard(None, self.group):
+        with guard(None, self.group):  # on a CPU group: all_gather_object pickles on the host
             dist.all_gather_object(every, list(self.recent), group=self.boundary_group())
         seqs = sorted(set.intersection(*(set(s for s, _ in ring) for ring in every)))
         for s in seqs:
