@@ -93,7 +93,7 @@ def xent_bounds(logits: torch.Tensor, targets: torch.Tensor, *, n: int, u: float
 
 def ratio(diff: torch.Tensor, bound: torch.Tensor) -> float:
     """max(|diff| / bound) over elements (0/0 counts as 0; x/0 as inf)."""
-    d = diff.double().abs()
+    d = diff.detach().double().abs()
     b = torch.as_tensor(bound, dtype=torch.float64)
     r = torch.where(d == 0, torch.zeros_like(d), d / b)
     return float(r.max()) if r.numel() else 0.0
