@@ -84,7 +84,7 @@ def xent_bounds(logits: torch.Tensor, targets: torch.Tensor, *, n: int, u: float
     loss_bound = (
         tok.mean().item()
         + 2 * gamma(max(t_count - 1, 0), u) * ell.abs().mean().item()
-        + 2 * u * mean  # fmt: skip
+        + 2 * u * mean
     )
     kappa = sum(th + 4 * u * (1 + w.abs() + log_s.abs()) for th in (th1, thn))
     grad_bound = (kappa * p + 4 * u * (p - onehot).abs()) / t_count

@@ -53,21 +53,27 @@ def run_model(rank, world, deterministic, delay_seed=None):
         mp = MPContext.of(groups.mp_group, counter=counter, deterministic=deterministic)
         tp = TPGPT.from_gpt(GPT(cfg, seed=5), mp)
         losses, traffic = [], []
-        for j, (idx, tgt) in enumerate(gpt_microbatches(cfg, seed=1, data_step=0, count=2,
-                                                        batch_size=BATCH)):  # fmt: skip
+        for j, (idx, tgt) in enumerate(
+            gpt_microbatches(cfg, seed=1, data_step=0, count=2, batch_size=BATCH)
+        ):
             counter.step = 2 * j
             _, loss = tp(idx, tgt)
             counter.step = 2 * j + 1
             loss.backward()
             losses.append(loss.detach().view(torch.int32).item())
-            traffic.append([sorted((r.op, r.phase, r.elements) for r in counter.of_step(s, "mp"))
-                            for s in (2 * j, 2 * j + 1)])  # fmt: skip
+            traffic.append(
+                [
+                    sorted((r.op, r.phase, r.elements) for r in counter.of_step(s, "mp"))
+                    for s in (2 * j, 2 * j + 1)
+                ]
+            )
         grads = {
             k: hashlib.sha256(p.grad.contiguous().view(torch.uint8).numpy()).hexdigest()
             for k, p in tp.named_parameters()
         }
-        return dict(losses=losses, grads=grads, traffic=traffic,
-                    model_kind=counter.total("model")["calls"])  # fmt: skip
+        return dict(
+            losses=losses, grads=grads, traffic=traffic, model_kind=counter.total("model")["calls"]
+        )
     finally:
         mpc.reduce_sum = real
 
@@ -163,3 +169,32 @@ def test_mesh_groups_on_real_ranks(shape):
     got = get_pool(dp * mp).run(group_sums, dp, mp)
     for r, (coords, mp_ranks, dp_ranks) in zip(got, MEMBERSHIP[shape], strict=True):
         assert r["coords"] == coords and r["sums"] == [sum(mp_ranks), sum(dp_ranks)]
+
+
+def commdebug(rank, world, deterministic):
+    """Worker: torch's c10d call counts over one forward + backward, beside our counter's."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from zero.collectives import CommCounter
+    from zero.models import GPT, GPTConfig, gpt_microbatches
+    from zero.mp import TPGPT, Mesh, MPContext
+
+    groups = Mesh(dp=1, mp=world).groups()
+    cfg = GPTConfig(**CFG)
+    counter = CommCounter()
+    mp = MPContext.of(groups.mp_group, counter=counter, deterministic=deterministic)
+    tp = TPGPT.from_gpt(GPT(cfg, seed=5), mp)
+    idx, tgt = gpt_microbatches(cfg, seed=1, data_step=0, count=1, batch_size=BATCH)[0]
+    with CommDebugMode() as mode:
+        tp(idx, tgt)[1].backward()
+    theirs = {str(op).split(".")[-1]: c for op, c in mode.get_comm_counts().items()}
+    return theirs, counter.counts(kind="mp")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_counter_agrees_with_commdebugmode(deterministic):
+    """torch's own c10d counter sees every call ours records, and no other."""
+    theirs, ours = get_pool(2).run(commdebug, deterministic)[0]
+    names = {"all_gather": "_allgather_base_", "all_reduce": "allreduce_"}
+    assert theirs == {names[op]: c for op, c in ours.items()}

@@ -87,8 +87,9 @@ def _linear(name, mod, cap, cfg, mp, out):
 
     n, rule, x, gy = mp.size, split_rule(name), cap["x"], cap["gout"]
     w, b = mod.weight.detach(), None if mod.bias is None else mod.bias.detach()
-    cut = split_state({name: w} | ({} if b is None else {name[:-6] + "bias": b}), cfg,
-                      m=mp.rank, n=n)  # fmt: skip
+    cut = split_state(
+        {name: w} | ({} if b is None else {name[:-6] + "bias": b}), cfg, m=mp.rank, n=n
+    )
     wm, bm = cut[name], cut.get(name[:-6] + "bias")
     x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
     b1 = None if b is None else b.clone().requires_grad_()

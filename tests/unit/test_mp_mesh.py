@@ -26,13 +26,25 @@ def bits(t):
 def test_coordinates_are_mp_major():
     mesh = Mesh(dp=4, mp=2)
     assert [mesh.coords(r) for r in range(8)] == [
-        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)
-    ]  # fmt: skip
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+        (3, 0),
+        (3, 1),
+    ]
     assert all(mesh.rank_of(*mesh.coords(r)) == r for r in range(8))
     assert mesh.mp_ranks(2) == [4, 5] and mesh.dp_ranks(1) == [1, 3, 5, 7]
     assert [g[:2] for g in mesh.all_groups()] == [
-        ("mp", 0), ("mp", 1), ("mp", 2), ("mp", 3), ("dp", 0), ("dp", 1)
-    ]  # fmt: skip
+        ("mp", 0),
+        ("mp", 1),
+        ("mp", 2),
+        ("mp", 3),
+        ("dp", 0),
+        ("dp", 1),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -80,8 +80,9 @@ def reduce_sum(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
     x = x.contiguous()
     if ctx.deterministic:
         out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-        all_gather(out.view(-1), x.view(-1), group=ctx.group, counter=ctx.counter, padding=0,
-                   tag=tag).wait()  # fmt: skip
+        all_gather(
+            out.view(-1), x.view(-1), group=ctx.group, counter=ctx.counter, padding=0, tag=tag
+        ).wait()
         return tree_sum(list(out.unbind(0)))
     out = x.clone()
     rec = _record(ctx.counter, "all_reduce", _ring(n, x), 0, x, **tag)
@@ -93,8 +94,9 @@ def reduce_sum(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
 def reduce_max(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
     """Elementwise max over the MP group (exact in any order): 2(N-1)·⌈X/N⌉ per rank."""
     out = x.detach().clone().contiguous()
-    rec = _record(ctx.counter, "all_reduce", _ring(ctx.size, out), 0, out, phase=phase,
-                  kind=KIND, unit=None)  # fmt: skip
+    rec = _record(
+        ctx.counter, "all_reduce", _ring(ctx.size, out), 0, out, phase=phase, kind=KIND, unit=None
+    )
     if ctx.size > 1:
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ctx.group)
     return Pending(None, lambda: out, rec).wait()
