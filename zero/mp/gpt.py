@@ -20,8 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models import GPT, GPTConfig, fail
-from . import layers
 from .collectives import MPContext
+from .layers import column_linear, row_linear, vocab_cross_entropy, vocab_embedding
 
 SPLITS = {
     "transformer.wte.weight": "rows",
@@ -107,11 +107,11 @@ class TPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mp: MPContext) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = layers.column_linear(x, self.c_attn.weight, self.c_attn.bias, mp).chunk(3, -1)
+        q, k, v = column_linear(x, self.c_attn.weight, self.c_attn.bias, mp).chunk(3, -1)
         q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(b, t, -1)
-        return layers.row_linear(y, self.c_proj.weight, self.c_proj.bias, mp)
+        return row_linear(y, self.c_proj.weight, self.c_proj.bias, mp)
 
 
 class TPFeedForward(nn.Module):
@@ -122,8 +122,8 @@ class TPFeedForward(nn.Module):
         self.c_proj = nn.Linear(4 * h // n, h, bias=cfg.bias, device="meta")
 
     def forward(self, x: torch.Tensor, mp: MPContext) -> torch.Tensor:
-        a = F.gelu(layers.column_linear(x, self.c_fc.weight, self.c_fc.bias, mp))
-        return layers.row_linear(a, self.c_proj.weight, self.c_proj.bias, mp)
+        a = F.gelu(column_linear(x, self.c_fc.weight, self.c_fc.bias, mp))
+        return row_linear(a, self.c_proj.weight, self.c_proj.bias, mp)
 
 
 class TPBlock(nn.Module):
@@ -180,11 +180,11 @@ class TPGPT(nn.Module):
             raise fail("sequence length", t, f"at most block_size={self.cfg.block_size}")
         tr, mp = self.transformer, self.mp
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
-        x = layers.vocab_embedding(idx, tr.wte.weight, mp) + tr.wpe(pos)
+        x = vocab_embedding(idx, tr.wte.weight, mp) + tr.wpe(pos)
         for block in tr.h:
             x = block(x, mp)
-        logits = layers.column_linear(tr.ln_f(x), self.lm_head.weight, None, mp)
+        logits = column_linear(tr.ln_f(x), self.lm_head.weight, None, mp)
         if targets is None:
             return logits, None
-        loss = layers.vocab_cross_entropy(logits.view(b * t, -1), targets.reshape(b * t), mp)
+        loss = vocab_cross_entropy(logits.view(b * t, -1), targets.reshape(b * t), mp)
         return logits, loss
