@@ -198,3 +198,65 @@ def test_counter_agrees_with_commdebugmode(deterministic):
     theirs, ours = get_pool(2).run(commdebug, deterministic)[0]
     names = {"all_gather": "_allgather_base_", "all_reduce": "allreduce_"}
     assert theirs == {names[op]: c for op, c in ours.items()}
+
+
+def compose(rank, world, plant=None):
+    """Worker: loss and gradients of the TPGPT slice and of the plain GPT, both in float64."""
+    import zero.mp.gpt as mpgpt
+    from zero.collectives import CommCounter
+    from zero.models import GPT, GPTConfig, gpt_microbatches
+    from zero.mp import TPGPT, Mesh, MPContext
+
+    groups = Mesh(dp=1, mp=world).groups()
+    saved = dict(mpgpt.SPLITS)
+    if plant == "qkv_as_rows":  # q, k and v cut as one block: rank 0 gets q and half of k
+        mpgpt.SPLITS.update({"attn.c_attn.weight": "rows", "attn.c_attn.bias": "rows"})
+    try:
+        cfg = GPTConfig(**CFG)
+        full = GPT(cfg, seed=5).double()
+        mp = MPContext.of(groups.mp_group, counter=CommCounter(), deterministic=True)
+        tp = TPGPT.from_gpt(full, mp)
+        idx, tgt = gpt_microbatches(cfg, seed=1, data_step=0, count=1, batch_size=BATCH)[0]
+        loss1, loss_tp = full(idx, tgt)[1], tp(idx, tgt)[1]
+        loss1.backward(), loss_tp.backward()
+        grads = lambda model: {k: p.grad for k, p in model.named_parameters()}  # noqa: E731
+        return loss1.item(), loss_tp.item(), grads(full), grads(tp)
+    finally:
+        mpgpt.SPLITS.clear()
+        mpgpt.SPLITS.update(saved)
+
+
+def composition_errors(n, plant=None):
+    from zero.models import GPTConfig
+    from zero.mp import join_states
+
+    ranks = get_pool(n).run(compose, plant)
+    loss1, _, g1, _ = ranks[0]
+    joined = join_states([r[3] for r in ranks], GPTConfig(**CFG))
+    loss_err = max(abs(r[1] - loss1) for r in ranks) / abs(loss1)
+    grad_err = max(float((joined[k] - g).abs().max() / g.abs().max()) for k, g in g1.items())
+    return loss_err, grad_err
+
+
+# [Composition, not rounding] There is no derivable rounding bound for a whole model (docs §6);
+# this checks how the operators are put together (splits, residuals, embeddings, head). In
+# float64 both models round at u = 2^-53; to differ by 2^-24 relative (float32's unit roundoff)
+# they would need a condition number above 2^29, while a structural error moves the loss and
+# the gradients at the percent level. Relative to the loss, and to each gradient tensor's
+# largest element.
+SEPARATION = 2.0**-24
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_split_model_composes_like_the_plain_one(n):
+    loss_err, grad_err = composition_errors(n)
+    assert loss_err <= SEPARATION and grad_err <= SEPARATION, (loss_err, grad_err)
+
+
+@pytest.mark.dist
+def test_a_wrong_split_fails_the_composition_check():
+    """Cutting QKV as one block passes every operator lock-step (both sides cut alike) and
+    must fail here."""
+    loss_err, grad_err = composition_errors(2, "qkv_as_rows")
+    assert loss_err > 1e3 * SEPARATION and grad_err > 1e3 * SEPARATION, (loss_err, grad_err)

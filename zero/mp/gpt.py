@@ -164,8 +164,10 @@ class TPGPT(nn.Module):
 
     @classmethod
     def from_gpt(cls, full: GPT, mp: MPContext) -> TPGPT:
-        """Rank mp.rank's slice of `full`, bit for bit (the N_m = 1 model's start values)."""
-        model = cls(full.cfg, mp).to_empty(device=full.transformer.wpe.weight.device)
+        """Rank mp.rank's slice of `full`, bit for bit (the N_m = 1 model's start values), in
+        its dtype and on its device."""
+        like = full.transformer.wpe.weight
+        model = cls(full.cfg, mp).to(dtype=like.dtype).to_empty(device=like.device)
         model.lm_head.weight = model.transformer.wte.weight  # to_empty unties
         state = split_state(full.state_dict(), full.cfg, m=mp.rank, n=mp.size)
         model.load_state_dict(state)
