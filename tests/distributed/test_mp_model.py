@@ -8,13 +8,19 @@
   embedding) and the cross entropy's max and two sums of b·s; backward 2L + 1 sums of b·s·h
   (f in each block's two branches and in the head).
 - Mesh(dp, mp).groups() on real ranks: each rank sums its global rank over its MP and its DP
-  group; the sums equal the hand-written membership.
+  group; the sums equal the hand-written membership. On the fake process group (one process
+  playing each rank of a 4 × 2 mesh in turn) the groups are the hand-written ones too, and the
+  simulated rank runs its TPGPT slice with the table's collectives.
 
 Legend: N = N_m, L blocks, X = b·s·h, T = b·s, ⌈⌉ the ring's chunk rounding.
 """
 
 import hashlib
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +28,8 @@ import torch
 from zero.launch import get_pool
 
 pytestmark = pytest.mark.timeout(600)
+
+REPO = Path(__file__).resolve().parents[2]
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32)
 BATCH = 2
@@ -260,3 +268,50 @@ def test_a_wrong_split_fails_the_composition_check():
     must fail here."""
     loss_err, grad_err = composition_errors(2, "qkv_as_rows")
     assert loss_err > 1e3 * SEPARATION and grad_err > 1e3 * SEPARATION, (loss_err, grad_err)
+
+
+FAKE_MESH = """
+import json, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from zero.mp import Mesh
+out = {}
+for rank in range(8):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    g = Mesh(dp=4, mp=2).groups()
+    out[rank] = [g.d, g.m, dist.get_process_group_ranks(g.mp_group),
+                 dist.get_process_group_ranks(g.dp_group)]
+    if rank == 5:  # the simulated rank runs its TPGPT slice (values void, traffic counted)
+        import torch
+        from zero.collectives import CommCounter
+        from zero.models import GPTConfig
+        from zero.mp import TPGPT, MPContext
+        cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+        counter = CommCounter()
+        tp = TPGPT.build(cfg, MPContext.of(g.mp_group, counter=counter), seed=None)
+        idx = torch.zeros((2, 16), dtype=torch.long)
+        tp(idx, idx)[1].backward()
+        out["counts"] = counter.counts(kind="mp")
+    dist.destroy_process_group()
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+try:
+    Mesh(dp=2, mp=2).groups()
+except ValueError as e:
+    out["error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_a_simulated_4x2_mesh_on_the_fake_process_group():
+    done = subprocess.run(
+        [sys.executable, "-c", FAKE_MESH], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    mp_groups = [[0, 1], [2, 3], [4, 5], [6, 7]]  # written by hand
+    dp_groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for rank in range(8):
+        d, m = rank // 2, rank % 2
+        assert got[str(rank)] == [d, m, mp_groups[d], dp_groups[m]]
+    layers = 2  # docs/design.md §6: 2L + 1 sums forward, 2L + 1 backward, 2 sums + 1 max (xent)
+    assert got["counts"] == {"all_gather": 2 * (2 * layers + 1) + 2, "all_reduce": 1}
+    assert got["error"].startswith("world size=8 is not allowed: expected dp·mp = 2·2 = 4")

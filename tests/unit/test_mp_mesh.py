@@ -1,11 +1,6 @@
 """zero.mp in one process: the mesh's arithmetic and bad input, exact split/join of the GPT,
-the norm's ownership rule, the per-head attention assumption, and a simulated 4 × 2 mesh on the
-fake process group (a subprocess, so this process never joins a process group)."""
-
-import json
-import subprocess
-import sys
-from pathlib import Path
+the norm's ownership rule, the per-head attention assumption, and TPGPT.build's start values.
+The fake-process-group mesh is in tests/distributed/test_mp_model.py (it needs a process)."""
 
 import pytest
 import torch
@@ -15,7 +10,6 @@ from zero.models import GPT, GPTConfig, gpt_num_params
 from zero.mp import Mesh, counts_in_norm, join_states, split_rule, split_state
 from zero.mp.gpt import check_split
 
-REPO = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
 
@@ -152,35 +146,18 @@ def test_attention_of_a_head_subset_is_the_same_bits(heads, n):
             assert torch.equal(bits(part.grad), bits(whole.grad[:, s]))
 
 
-FAKE_MESH = """
-import json, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from zero.mp import Mesh
-out = {}
-for rank in range(8):
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
-    g = Mesh(dp=4, mp=2).groups()
-    out[rank] = [g.d, g.m, dist.get_process_group_ranks(g.mp_group),
-                 dist.get_process_group_ranks(g.dp_group)]
-    dist.destroy_process_group()
-dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-try:
-    Mesh(dp=2, mp=2).groups()
-except ValueError as e:
-    out["error"] = str(e)
-print(json.dumps(out))
-"""
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_build_draws_the_plain_models_slices(n):
+    """TPGPT.build (one full tensor at a time) = TPGPT.from_gpt (the whole plain model), bits."""
+    from zero.collectives import CommCounter
+    from zero.mp import TPGPT, MPContext
 
-
-def test_a_simulated_4x2_mesh_on_the_fake_process_group():
-    done = subprocess.run(
-        [sys.executable, "-c", FAKE_MESH], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    mp_groups = [[0, 1], [2, 3], [4, 5], [6, 7]]  # written by hand
-    dp_groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
-    for rank in range(8):
-        d, m = rank // 2, rank % 2
-        assert got[str(rank)] == [d, m, mp_groups[d], dp_groups[m]]
-    assert got["error"].startswith("world size=8 is not allowed: expected dp·mp = 2·2 = 4")
+    full = GPT(CFG, seed=7)
+    for m in range(n):
+        mp = MPContext(group=None, size=n, rank=m, counter=CommCounter())
+        built = dict(TPGPT.build(CFG, mp, seed=7).named_parameters())
+        cut = dict(TPGPT.from_gpt(full, mp).named_parameters())
+        assert built.keys() == cut.keys()
+        assert all(torch.equal(bits(built[k]), bits(cut[k])) for k in built)
+        tp = TPGPT.build(CFG, mp, seed=7)
+        assert tp.lm_head.weight is tp.transformer.wte.weight  # the tie survives

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models import GPT, GPTConfig, fail
+from ..models import GPT, GPTConfig, fail, init_value
 from .collectives import MPContext
 from .layers import column_linear, row_linear, vocab_cross_entropy, vocab_embedding
 
@@ -171,6 +171,26 @@ class TPGPT(nn.Module):
         model.lm_head.weight = model.transformer.wte.weight  # to_empty unties
         state = split_state(full.state_dict(), full.cfg, m=mp.rank, n=mp.size)
         model.load_state_dict(state)
+        return model
+
+    @classmethod
+    def build(cls, cfg: GPTConfig, mp: MPContext, *, seed: int | None = 0, device="cpu") -> TPGPT:
+        """Rank mp.rank's slice of GPT(cfg, seed=seed) without building the whole model: each
+        parameter's full initial value (a pure function of seed and name, zero/init.py) is drawn
+        alone and cut, so at most one full tensor exists at a time. seed=None leaves the values
+        uninitialised (a simulated rank, whose values are meaningless)."""
+        model = cls(cfg, mp).to_empty(device=device)
+        model.lm_head.weight = model.transformer.wte.weight  # to_empty unties
+        if seed is None:
+            return model
+        plain = GPT(cfg, device="meta")  # the rule and the full shapes, no storage
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                rule = plain.param_init(name)
+                full = init_value(
+                    seed, name, plain.get_parameter(name).shape, rule.kind, std=rule.std
+                )
+                p.copy_(_cut(full, split_rule(name), mp.rank, mp.size))
         return model
 
     def unit_names(self) -> list[str]:
