@@ -97,16 +97,22 @@ def join_states(states: list[dict], cfg: GPTConfig) -> dict:
     return out
 
 
+# Each module keeps the MPContext (a plain attribute, not state) so that forward(x) has the
+# signature of its counterpart in zero/models.py: the engine's unit hooks and activation
+# checkpointing wrap a TP block exactly as a plain one.
+
+
 class TPAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, n: int):
+    def __init__(self, cfg: GPTConfig, mp: MPContext):
         super().__init__()
-        h = cfg.n_embd
+        h, n, self.mp = cfg.n_embd, mp.size, mp
         self.n_head = cfg.n_head // n  # this rank's heads
         self.c_attn = nn.Linear(h, 3 * h // n, bias=cfg.bias, device="meta")
         self.c_proj = nn.Linear(h // n, h, bias=cfg.bias, device="meta")
 
-    def forward(self, x: torch.Tensor, mp: MPContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
+        mp = self.mp
         q, k, v = column_linear(x, self.c_attn.weight, self.c_attn.bias, mp).chunk(3, -1)
         q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -115,28 +121,28 @@ class TPAttention(nn.Module):
 
 
 class TPFeedForward(nn.Module):
-    def __init__(self, cfg: GPTConfig, n: int):
+    def __init__(self, cfg: GPTConfig, mp: MPContext):
         super().__init__()
-        h = cfg.n_embd
+        h, n, self.mp = cfg.n_embd, mp.size, mp
         self.c_fc = nn.Linear(h, 4 * h // n, bias=cfg.bias, device="meta")
         self.c_proj = nn.Linear(4 * h // n, h, bias=cfg.bias, device="meta")
 
-    def forward(self, x: torch.Tensor, mp: MPContext) -> torch.Tensor:
-        a = F.gelu(column_linear(x, self.c_fc.weight, self.c_fc.bias, mp))
-        return row_linear(a, self.c_proj.weight, self.c_proj.bias, mp)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = F.gelu(column_linear(x, self.c_fc.weight, self.c_fc.bias, self.mp))
+        return row_linear(a, self.c_proj.weight, self.c_proj.bias, self.mp)
 
 
 class TPBlock(nn.Module):
-    def __init__(self, cfg: GPTConfig, n: int):
+    def __init__(self, cfg: GPTConfig, mp: MPContext):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias, device="meta")
-        self.attn = TPAttention(cfg, n)
+        self.attn = TPAttention(cfg, mp)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias, device="meta")
-        self.mlp = TPFeedForward(cfg, n)
+        self.mlp = TPFeedForward(cfg, mp)
 
-    def forward(self, x: torch.Tensor, mp: MPContext) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mp)
-        return x + self.mlp(self.ln_2(x), mp)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
 
 
 class TPGPT(nn.Module):
@@ -155,7 +161,7 @@ class TPGPT(nn.Module):
             dict(
                 wte=nn.Embedding(v, h, device="meta"),
                 wpe=nn.Embedding(cfg.block_size, h, device="meta"),
-                h=nn.ModuleList(TPBlock(cfg, mp.size) for _ in range(cfg.n_layer)),
+                h=nn.ModuleList(TPBlock(cfg, mp) for _ in range(cfg.n_layer)),
                 ln_f=nn.LayerNorm(h, bias=cfg.bias, device="meta"),
             )
         )
@@ -204,7 +210,7 @@ class TPGPT(nn.Module):
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
         x = vocab_embedding(idx, tr.wte.weight, mp) + tr.wpe(pos)
         for block in tr.h:
-            x = block(x, mp)
+            x = block(x)
         logits = column_linear(tr.ln_f(x), self.lm_head.weight, None, mp)
         if targets is None:
             return logits, None
