@@ -1,0 +1,27 @@
+"""Model parallelism: the DP × MP mesh and Megatron-style tensor parallelism for the GPT.
+
+    mesh.py         Mesh(dp=N_d, mp=N_m): rank <-> (d, m), the MP and DP process groups
+    collectives.py  the counted MP collectives (kind "mp"), the f and g operators
+    layers.py       column- and row-parallel linears, vocabulary-parallel embedding and xent
+    gpt.py          TPGPT: GPT's slice on one MP rank; split_state / join_states (exact)
+
+Semantics, the error bound against N_m = 1 and the traffic table: docs/design.md §6. The engine
+does not use this package yet: ZeRO would run in ``MeshGroups.dp_group`` on a TPGPT, with the
+norm counting replicated parameters once (``gpt.counts_in_norm``).
+"""
+
+from .collectives import KIND, MPContext
+from .gpt import TPGPT, counts_in_norm, join_states, split_rule, split_state
+from .mesh import Mesh, MeshGroups
+
+__all__ = [
+    "KIND",
+    "MPContext",
+    "Mesh",
+    "MeshGroups",
+    "TPGPT",
+    "counts_in_norm",
+    "join_states",
+    "split_rule",
+    "split_state",
+]
