@@ -33,6 +33,7 @@ import torch.distributed as dist
 from reference.tree import tree_sum
 
 from ..collectives import CommCounter, Pending, _record, all_gather
+from ..watchdog import guard
 
 KIND = "mp"
 """The counter kind of every tensor-parallel collective ([Note: mp traffic kind])."""
@@ -87,7 +88,8 @@ def reduce_sum(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
     out = x.clone()
     rec = _record(ctx.counter, "all_reduce", _ring(n, x), 0, x, **tag)
     if n > 1:
-        dist.all_reduce(out, group=ctx.group)
+        with guard(rec, ctx.group):  # a failure names whom to blame (zero/watchdog.py)
+            dist.all_reduce(out, group=ctx.group)
     return Pending(None, lambda: out, rec).wait()
 
 
@@ -98,7 +100,8 @@ def reduce_max(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
         ctx.counter, "all_reduce", _ring(ctx.size, out), 0, out, phase=phase, kind=KIND, unit=None
     )
     if ctx.size > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ctx.group)
+        with guard(rec, ctx.group):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ctx.group)
     return Pending(None, lambda: out, rec).wait()
 
 
