@@ -304,7 +304,9 @@ def leave(note: str) -> None:
     beacon.leaving(note)
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return
-    if dist.get_backend() != "gloo":
-        return  # a new CPU group at teardown would cost more than it tells
+    if dist.get_backend() != "gloo":  # a new CPU group at teardown would cost more than it
+        with guard(None, dist.group.WORLD):  # tells: a barrier, so none leaves mid-collective
+            dist.barrier()
+        return
     watch = Watch(dist.group.WORLD, per_step=None, mode="calls", counter=None)
     watch.boundary("leave", step=-1, micro=-1)
