@@ -38,6 +38,17 @@ DIR_VAR = "ZERO_WATCHDOG_DIR"
 """Environment variable naming the directory of beacon files (set by zero.launch's children)."""
 
 
+def describe(rec) -> str:
+    """A collective as people read it: '#57 (step 3: reduce_scatter grad, unit 2, 1024 el)'."""
+    unit = "" if rec.unit is None else f", unit {rec.unit}"
+    seq = getattr(rec, "seq", None)
+    return f"#{seq} (step {rec.step}: {rec.op} {rec.phase}{unit}, {rec.elements} el)"
+
+
+def _seq_and_text(rec) -> tuple[int, str] | None:
+    return None if rec is None else (getattr(rec, "seq", None) or 0, describe(rec))
+
+
 class DirTransport:
     def __init__(self, path: str):
         self.path = path
@@ -93,8 +104,8 @@ class Beacon:
     def __init__(self, rank: int, transport):
         self.rank, self.transport = rank, transport
         self.state, self.beats = "running", 0
-        self.launched: tuple[int, str] = (0, "")  # (seq, description) of the last launch
-        self.waiting: tuple[int, str] | None = None  # the collective being waited in
+        self.launched = None  # the record (zero.collectives.CommRecord) of the last launch
+        self.waiting = None  # the record of the collective being waited in
         self.call = ""  # the last engine call (zero/watchdog.py's boundaries)
         self.note = ""  # why, for state "failed" or "left"
         self._lock = threading.Lock()
@@ -107,8 +118,8 @@ class Beacon:
         return {
             "state": self.state,
             "beats": self.beats,
-            "launched": self.launched,
-            "waiting": self.waiting,
+            "launched": _seq_and_text(self.launched) or (0, ""),
+            "waiting": _seq_and_text(self.waiting),
             "call": self.call,
             "note": self.note,
             "pid": os.getpid(),

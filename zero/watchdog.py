@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import beacon
+from .beacon import describe
 
 BLAME = "watchdog blames"
 
@@ -76,13 +77,6 @@ def blamed(text: str) -> set[int]:
     return out
 
 
-def describe(rec) -> str:
-    """A collective as people read it: '#57 (step 3: reduce_scatter grad, unit 2, 1024 el)'."""
-    unit = "" if rec.unit is None else f", unit {rec.unit}"
-    seq = getattr(rec, "seq", None)
-    return f"#{seq} (step {rec.step}: {rec.op} {rec.phase}{unit}, {rec.elements} el)"
-
-
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
@@ -115,7 +109,7 @@ class Watch:
         self.checks = mode != "off" and len(self.ranks) > 1
         self.every = self.checks and mode == "collectives"
         self.seq, self.hash = 0, 0
-        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT)
+        self.recent: deque = deque(maxlen=RECENT)  # the last RECENT launched records
         self.beacon = beacon.beacon() if len(self.ranks) > 1 else None
         if counter is not None:  # None: a rank's leave, outside any engine
             counter.watch = self
@@ -127,11 +121,9 @@ class Watch:
         key = f"{rec.step}|{rec.kind}|{rec.op}|{rec.phase}|{rec.unit}|{rec.elements}|{rec.nbytes}"
         h = hashlib.blake2b(key.encode(), digest_size=8, key=self.hash.to_bytes(8, "little"))
         self.hash = int.from_bytes(h.digest(), "little") & (2**63 - 1)
-        if self.checks or self.beacon is not None:
-            desc = describe(rec)
-            self.recent.append((self.seq, desc))
-            if self.beacon is not None:
-                self.beacon.launched = (self.seq, desc)
+        self.recent.append(rec)  # described only when read: a launch stays cheap
+        if self.beacon is not None:
+            self.beacon.launched = rec
         if self.every and rec.kind != "watchdog":  # 'collectives': check before launching
             self._check("collective", step=rec.step, micro=-1)
 
@@ -210,7 +202,8 @@ class Watch:
         """Equal calls, different hashes: find the first collective that differs."""
         every: list = [None] * len(self.ranks)
         with guard(None, self.group):  # on a CPU group: all_gather_object pickles on the host
-            dist.all_gather_object(every, list(self.recent), group=self.boundary_group())
+            mine = [(r.seq, describe(r)) for r in self.recent]
+            dist.all_gather_object(every, mine, group=self.boundary_group())
         seqs = sorted(set.intersection(*(set(s for s, _ in ring) for ring in every)))
         for s in seqs:
             descs = [dict(ring)[s] for ring in every]
@@ -242,7 +235,7 @@ class guard:
     def __enter__(self):
         b = beacon.current()
         if b is not None and self.rec is not None:
-            b.waiting = (getattr(self.rec, "seq", 0), describe(self.rec))
+            b.waiting = self.rec
         return self
 
     def __exit__(self, kind, exc, tb):
@@ -263,7 +256,7 @@ def explain(exc: BaseException, rec, group) -> CollectiveError:
     if b is None:
         return CollectiveError(blame_line([], f"{head} (no heartbeats to consult)"), blamed=())
     b.set_state("failed", head)
-    mine = getattr(rec, "seq", None) or b.launched[0]
+    mine = getattr(rec, "seq", None) or getattr(b.launched, "seq", 0)
     peers = [p for p in dist.get_process_group_ranks(group) if p != me]
     blame, lines = [], []
     for p, (record, moved) in beacon.survey(peers).items():
@@ -291,8 +284,7 @@ def explain(exc: BaseException, rec, group) -> CollectiveError:
 
 
 def _where(record: dict) -> str:
-    seq, desc = record["launched"]
-    waiting = record.get("waiting")
+    desc, waiting = record["launched"][1], record.get("waiting")
     at = f"waiting in {waiting[1]}" if waiting else f"last launched {desc or 'nothing'}"
     return f"{at}, last call {record['call'] or 'none'}"
 
