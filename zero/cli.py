@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import re
 import sys
 import types
@@ -180,7 +181,28 @@ def run(main, prog: str, argv=None, *, refuse=(ValueError,)):
     except refuse as exc:
         print(f"{prog}: error: {error_line(exc)}", file=sys.stderr)
         sys.exit(2)
+    except Exception as exc:
+        _say_whom_to_blame(exc, prog)
+        raise
     sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+
+def _say_whom_to_blame(exc: BaseException, prog: str) -> None:
+    """A fault the watchdog explained (zero/watchdog.py): its blame line goes last on stderr,
+    under the traceback, and into torchrun's error file, whose first failure torchrun prints
+    in its summary; so the rank to blame is what a user reads first, not only the rank that
+    reported it."""
+    lines = [x for x in str(exc).splitlines() if x.lstrip().startswith("watchdog blames")]
+    if not lines:
+        return
+    print(f"{prog}: error: {lines[0].strip()}", file=sys.stderr)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(exc)
+        except Exception:
+            pass  # the summary then shows the exit code only; the message is on stderr
 
 
 def check_writable(name: str, path, *, file: bool = False) -> None:

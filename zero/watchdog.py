@@ -129,8 +129,9 @@ class Watch:
 
     def boundary(self, call: str, *, step: int, micro: int) -> None:
         """Check that every rank makes this call with the same collectives behind it."""
-        if self.beacon is not None:
+        if self.beacon is not None:  # published now: a rank stopped later shows this call
             self.beacon.call = f"{call}() at data step {step}, micro-step {micro}"
+            self.beacon.publish()
         if self.checks:
             self._check(call, step=step, micro=micro)
 
@@ -278,7 +279,12 @@ def explain(exc: BaseException, rec, group) -> CollectiveError:
         else:
             blame.append(p)
             lines.append(f"rank {p}: alive but has not reached collective #{mine}; {where}")
-    why = "; ".join(x for x in lines if x.split(":")[0] in {f"rank {p}" for p in blame})
+    named = [x.split(": ", 1) for x in lines]
+    why = "; ".join(
+        text if len(blame) == 1 else f"{who}: {text}"
+        for who, text in named
+        if who in {f"rank {p}" for p in blame}
+    )
     text = "\n".join([blame_line(blame, why or head), f"  {head}", *(f"  {x}" for x in lines)])
     return CollectiveError(text, blamed=tuple(blame))
 
