@@ -121,24 +121,24 @@ def commdebug_counts(rank, n, stage):
             eng.backward(loss)
         eng.step()
     theirs = {str(op).split(".")[-1]: c for op, c in mode.get_comm_counts().items()}
-    return (
-        theirs,
-        eng.counter.counts(eng.counter.step - 1),
-        eng.counter.counts(eng.counter.step - 1, kind="control"),
-    )
+    step = eng.counter.step - 1
+    kinds = ("model", "control", "watchdog")
+    return theirs, *(eng.counter.counts(step, kind=kind) for kind in kinds)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_counter_agrees_with_commdebugmode(stage):
     """torch's own c10d counter sees the same number of calls as ours: our reduce-scatters are
-    all-to-alls (deterministic), our all-gathers are all_gather_into_tensor, control included."""
-    theirs, model, control = get_pool(2).run(commdebug_counts, stage)[0]
+    all-to-alls (deterministic), our all-gathers are all_gather_into_tensor, control and the
+    watchdog's boundary checks included (one per backward and one for the step)."""
+    theirs, model, control, watchdog = get_pool(2).run(commdebug_counts, stage)[0]
     assert theirs == {
         "alltoall_base_": model["reduce_scatter"],  # deterministic reduce-scatter = all-to-all
-        "_allgather_base_": model["all_gather"] + control["all_gather"],
+        "_allgather_base_": model["all_gather"] + control["all_gather"] + watchdog["all_gather"],
     }
     assert control == {"all_gather": 1}
+    assert watchdog == {"all_gather": 3}
 
 
 # -- memory ------------------------------------------------------------------------------------
