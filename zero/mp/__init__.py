@@ -4,6 +4,7 @@
     collectives.py  the counted MP collectives (kind "mp"), the f and g operators
     layers.py       column- and row-parallel linears, vocabulary-parallel embedding and xent
     gpt.py          TPGPT: GPT's slice on one MP rank; split_state / join_states (exact)
+    partitioned.py  P_a: activation checkpoints kept 1/N_m per MP rank, gathered to recompute
 
 Semantics, the error bound against N_m = 1 and the traffic table: docs/design.md §6. The engine
 does not use this package yet: ZeRO would run in ``MeshGroups.dp_group`` on a TPGPT, with the
