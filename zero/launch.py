@@ -54,7 +54,14 @@ import torch
 import torch.distributed as dist
 
 from .launch_signals import Interrupted as Interrupted  # re-exported: what spawn may raise
-from .launch_signals import Janitor, SignalGuard, before_fork, close_fds, guard_child
+from .launch_signals import (
+    Janitor,
+    SignalGuard,
+    before_fork,
+    close_fds,
+    guard_child,
+    stopped_by_signal,
+)
 
 BACKENDS = ("gloo", "nccl")
 
@@ -365,9 +372,11 @@ def _collect(procs, conns, ranks, timeout_s: float, *, what: str) -> list:
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            stopped = [r for r in sorted(pending) if stopped_by_signal(procs[r].pid)]
+            why = f" (stopped by a signal: ranks {stopped})" if stopped else ""
             raise TimeoutError(
                 f"{what}: ranks {sorted(pending)} of {len(procs)} did not report within "
-                f"{timeout_s:g} s; all ranks were killed"
+                f"{timeout_s:g} s{why}; all ranks were killed"
             )
         waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
         ready = wait(waitables, timeout=remaining)

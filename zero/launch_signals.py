@@ -132,6 +132,17 @@ def guard_child() -> None:
         os._exit(1)
 
 
+def stopped_by_signal(pid: int) -> bool:
+    """Whether a process is stopped (SIGSTOP, SIGTSTP; state T in /proc): a rank that does not
+    report may be stopped rather than slow. False where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]  # after the command name
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
+
+
 # ---------------------------------------------------------------------------------------------
 # In the launcher
 

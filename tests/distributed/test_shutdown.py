@@ -241,6 +241,22 @@ def test_a_rank_that_dies_before_the_rendezvous_is_named_at_once(monkeypatch):
     assert time.monotonic() - started < 20  # 20 s: startup on a loaded machine, not the 60-s wait
 
 
+def _stop_on(rank, world_size, victim):
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return rank
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_a_stopped_rank_is_named_as_stopped_at_the_timeout():
+    """A rank stopped by SIGSTOP is killed with the others at the timeout, and the error says it
+    was stopped rather than slow."""
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not report within 3 s "
+                       r"\(stopped by a signal: ranks \[1\]\)"):  # fmt: skip
+        spawn(_stop_on, 2, 1, timeout_s=3)
+
+
 # --- leaving a torchrun world ------------------------------------------------------------------
 
 
