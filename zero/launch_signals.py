@@ -167,7 +167,7 @@ class Janitor:
     def __init__(self, directory: str, pids: list[int]):
         read, self._write = os.pipe()
         self.pid = os.fork()
-        if self.pid == 0:  # pragma: no cover (the janitor; coverage does not follow a fork)
+        if self.pid == 0:  # the janitor
             self._serve(read, directory, pids)
         os.close(read)
         _JANITOR_FDS.add(self._write)
