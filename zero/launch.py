@@ -431,7 +431,8 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 120, backend: str = "gl
     ``timeout_s``), runs ``fn`` once, sends its return value (which must pickle) to the parent,
     and leaves. ``fn`` itself is not pickled: a lambda or closure is fine. Results come back in
     rank order. Raises RankError if a rank raises, TimeoutError if some rank has not finished
-    within ``timeout_s`` of the start; the other ranks are killed in both cases.
+    within ``timeout_s`` of the start; the other ranks are killed in both cases. SIGINT or
+    SIGTERM (main thread) raises Interrupted once every rank is ended and the directory removed.
     """
     _check(world_size, timeout_s, backend)
     ctx = mp.get_context("fork")

@@ -24,6 +24,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -166,7 +167,11 @@ class Janitor:
 
     def __init__(self, directory: str, pids: list[int]):
         read, self._write = os.pipe()
-        self.pid = os.fork()
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns when forking a multithreaded process; the janitor only
+            # reads a pipe and removes files (no lock another thread may hold).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.pid = os.fork()
         if self.pid == 0:  # the janitor
             self._serve(read, directory, pids)
         os.close(read)
