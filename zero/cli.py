@@ -174,17 +174,34 @@ def run(main, prog: str, argv=None, *, refuse=(ValueError,)):
     """Run a CLI's `main(argv)` and exit: its int return value is the exit status (anything
     else: 0). A ValueError (bad input: every message names the field, the value and what is
     allowed) becomes one line, `prog: error: MESSAGE`, and exit status 2, with no traceback,
-    as argparse's own errors do. Other exceptions keep their traceback: they are bugs or faults,
-    not input."""
+    as argparse's own errors do. SIGINT or SIGTERM (zero.launch_signals.Interrupted, or a plain
+    KeyboardInterrupt) becomes one line and exit status 128 + the signal (130, 143). Other
+    exceptions keep their traceback: they are bugs or faults, not input. A torchrun rank whose
+    main returned leaves its process group (zero.launch.leave_world) before exiting."""
     try:
         code = main(argv)
     except refuse as exc:
         print(f"{prog}: error: {error_line(exc)}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as exc:
+        status = getattr(exc, "exit_status", 130)
+        # on a line of its own: a progress bar or a terminal's ^C may have left one unfinished
+        print(f"\n{prog}: {error_line(exc) or 'interrupted (SIGINT)'}", file=sys.stderr)
+        sys.exit(status)
     except Exception as exc:
         _say_whom_to_blame(exc, prog)
         raise
+    _leave_world()
     sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+
+def _leave_world() -> None:
+    # Only where torch.distributed is loaded at all: most CLIs never import it.
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        from .launch import leave_world
+
+        leave_world()
 
 
 def _say_whom_to_blame(exc: BaseException, prog: str) -> None:

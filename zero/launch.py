@@ -31,7 +31,9 @@ none can collide or leak; gloo's own sockets use ephemeral ports and close with 
 Failure (docs/design.md §3, "not left to hang"): a rank that raises makes the parent raise
 ``RankError`` with that rank's traceback, after killing the other ranks, which may be blocked in
 a collective that will never complete. Ranks that do not report within ``timeout_s`` are killed
-and named in a ``TimeoutError``. Every child is reaped, so none is left a zombie.
+and named in a ``TimeoutError``. Every child is reaped, so none is left a zombie. SIGINT or
+SIGTERM to the parent, or its death, ends every rank and removes the rendezvous directory
+(zero/launch_signals.py); ``leave_world()`` is how a torchrun rank leaves at the end.
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ import torch
 import torch.distributed as dist
 
 from . import beacon, watchdog
+from .launch_signals import Interrupted as Interrupted  # re-exported: what spawn may raise
+from .launch_signals import (
+    Janitor,
+    SignalGuard,
+    before_fork,
+    close_fds,
+    guard_child,
+    stopped_by_signal,
+)
 
 BACKENDS = ("gloo", "nccl")
 
@@ -190,6 +201,34 @@ def init_from_env(*, timeout_s: float = 300) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+LEAVE_TIMEOUT_S = 60.0
+"""How long ``leave_world`` waits for the other ranks to reach the end before giving up."""
+
+
+def leave_world(*, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """Leave the default process group at the end of a run: a barrier bounded by ``timeout_s``,
+    then ``destroy_process_group``. Returns whether every rank reached the barrier (False when
+    there was no group, or a peer did not come; then the group is left as it is, since taking
+    it down could wait on that peer's pending collective).
+
+    Why: a process that exits with the group alive has the backend's worker threads, and work
+    objects holding tensors, torn down during interpreter finalization, which can abort the
+    process (SIGABRT) after its work is done; torchrun then reports a failed run. The barrier
+    lets no rank close its connections while a peer still reads from them.
+    """
+    check_timeout(timeout_s)
+    if not dist.is_initialized():
+        return False
+    try:  # the barrier is the watchdog's last exchange: a rank leaving early is named
+        watchdog.leave("its entry point returned", timeout_s=timeout_s)
+    except watchdog.CollectiveError:
+        raise  # ranks disagree: this one left while others still train, or the reverse
+    except Exception:
+        return False
+    dist.destroy_process_group()
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # Forked children
 
@@ -255,9 +294,11 @@ def _close_inherited(keep: Connection, conns: list[Connection]) -> None:
             c.close()
     for pool in list(_LIVE_POOLS):
         pool._forget_in_child()
+    close_fds()  # other worlds' janitors' pipes, likewise
 
 
 def _spawn_child(fn, rank, world_size, args, store_dir, backend, timeout_s, conn, all_conns):
+    guard_child()
     _close_inherited(conn, all_conns)
     try:
         _child_setup(rank, world_size, store_dir, backend, timeout_s)
@@ -278,6 +319,7 @@ def _spawn_child(fn, rank, world_size, args, store_dir, backend, timeout_s, conn
 
 
 def _worker_loop(rank, world_size, store_dir, backend, timeout_s, conn, all_conns):
+    guard_child()
     _close_inherited(conn, all_conns)
     try:
         _child_setup(rank, world_size, store_dir, backend, timeout_s)
@@ -304,6 +346,7 @@ def _start(ctx, target, world_size: int, make_args) -> tuple[list, list[Connecti
         # Python >= 3.12 warns when forking a multithreaded process (torch's thread pools);
         # [Note: fork] is how the children cope with it.
         warnings.simplefilter("ignore", DeprecationWarning)
+        before_fork()
         for rank, (_, child_end) in enumerate(pipes):
             # Not daemonic: a daemonic rank could not start processes of its own (a DataLoader's
             # workers, say); every exit path here reaps the ranks instead.
@@ -336,9 +379,11 @@ def _collect(procs, conns, ranks, timeout_s: float | None, *, what: str) -> list
     while pending:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
+            stopped = [r for r in sorted(pending) if stopped_by_signal(procs[r].pid)]
+            why = f" (stopped by a signal: ranks {stopped})" if stopped else ""
             raise TimeoutError(
                 f"{what}: ranks {sorted(pending)} of {len(procs)} did not report within "
-                f"{timeout_s:g} s; all ranks were killed"
+                f"{timeout_s:g} s{why}; all ranks were killed"
             )
         waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
         ready = wait(waitables, timeout=remaining)
@@ -404,6 +449,8 @@ def spawn(
     ``deadline_s`` of the start (by default ``timeout_s``; None: no deadline, for a training
     run whose length the collective timeout must not bound); the other ranks are killed in both
     cases.
+    SIGINT or SIGTERM (main thread) raises Interrupted once every rank is ended and the
+    directory removed.
     """
     _check(world_size, timeout_s, backend)
     if deadline_s == "timeout_s":
@@ -411,21 +458,27 @@ def spawn(
     elif deadline_s is not None:
         check_timeout(deadline_s, "deadline_s")
     ctx = mp.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="zero-spawn-") as store_dir:
+    # Signals wait (recorded, not raised) until every process is started and the janitor
+    # knows them, and again during the cleanup: see zero/launch_signals.py.
+    with SignalGuard() as guard, tempfile.TemporaryDirectory(prefix="zero-spawn-") as store_dir:
         procs, conns = _start(
             ctx,
             _spawn_child,
             world_size,
             lambda r, c, cs: (fn, r, world_size, args, store_dir, backend, timeout_s, c, cs),
         )
+        janitor = Janitor(store_dir, [p.pid for p in procs])
         ok = False
         try:
+            guard.arm()
             results = _collect(procs, conns, range(world_size), deadline_s, what="spawn")
             ok = True
         finally:
+            guard.disarm()
             _stop(procs, grace_s=_GRACE_S if ok else 0.0)
             for c in conns:
                 c.close()
+            janitor.release()
     return results
 
 
@@ -464,6 +517,7 @@ class WorkerPool:
             world_size,
             lambda r, c, cs: (r, world_size, store, backend, timeout_s, c, cs),
         )
+        self._janitor = Janitor(store, [p.pid for p in self._procs])
         _LIVE_POOLS.add(self)
         try:
             _collect(self._procs, self._conns, range(world_size), timeout_s, what=repr(self))
@@ -492,14 +546,19 @@ class WorkerPool:
         # Pickled once, here: an unpicklable fn (a lambda, a closure) fails in the caller and
         # leaves the pool intact.
         task = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self._conns:
-                conn.send_bytes(task)
-            ranks = range(self.world_size)
-            return _collect(self._procs, self._conns, ranks, timeout_s, what=repr(self))
-        except BaseException as exc:
-            self._break(f"{type(exc).__name__} in {getattr(fn, '__name__', fn)!s}")
-            raise
+        with SignalGuard() as guard:  # SIGINT/SIGTERM: break the pool, then raise Interrupted
+            try:
+                guard.arm()
+                for conn in self._conns:
+                    conn.send_bytes(task)
+                ranks = range(self.world_size)
+                return _collect(self._procs, self._conns, ranks, timeout_s, what=repr(self))
+            except BaseException as exc:
+                guard.disarm()
+                self._break(f"{type(exc).__name__} in {getattr(fn, '__name__', fn)!s}")
+                raise
+            finally:
+                guard.disarm()
 
     def close(self) -> None:
         """Stop the workers (politely, then by force) and remove the rendezvous directory."""
@@ -524,6 +583,7 @@ class WorkerPool:
         _stop(self._procs, grace_s=grace_s)
         for conn in self._conns:
             conn.close()
+        self._janitor.release()
         shutil.rmtree(self._store_dir, ignore_errors=True)
         _LIVE_POOLS.discard(self)
 

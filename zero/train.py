@@ -61,7 +61,7 @@ from .data import VOCAB_SIZE, Corpus, load_corpus
 from .engine import StepResult, ZeroEngine
 from .history import FILE as HISTORY_FILE
 from .history import HistoryLog
-from .launch import check_timeout, init_from_env, spawn, under_torchrun
+from .launch import check_timeout, init_from_env, leave_world, spawn, under_torchrun
 from .models import GPT, GPTConfig
 from .optim import TORCH_OPTIMIZERS
 from .results import make_record, write_atomic, write_json
@@ -556,7 +556,7 @@ def main(argv=None) -> dict | None:
                 f"micro_batches={cfg.micro_batches} is not allowed: expected a "
                 f"positive multiple of the launched world size {world}"
             )
-        held = None
+        held, left = None, False
         try:
             error = None
             if rank == 0:  # one lock per run: the first rank's
@@ -568,13 +568,16 @@ def main(argv=None) -> dict | None:
             dist.broadcast_object_list(box, src=0)  # every rank stops if rank 0 was refused
             if box[0] is not None:
                 raise ValueError(box[0])
-            return run_rank(
+            record = run_rank(
                 rank, world, cfg, load_corpus(cfg.data, val_fraction=cfg.val_fraction), device
             )
+            left = leave_world()  # a barrier, then the group goes: no SIGABRT at exit
+            return record
         finally:
             if held is not None:
                 lock.release(held)
-            dist.destroy_process_group()
+            if not left and dist.is_initialized():
+                dist.destroy_process_group()
     cfg = replace(cfg, nproc=cfg.nproc or 2)  # validates micro_batches against it
     held = _claim(cfg)
     try:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import deque
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -135,7 +136,7 @@ class Watch:
         if self.checks:
             self._check(call, step=step, micro=micro)
 
-    def _check(self, call: str, *, step: int, micro: int) -> None:
+    def _check(self, call: str, *, step: int, micro: int, timeout_s: float | None = None) -> None:
         row = torch.tensor([CALLS.index(call), step, micro, self.seq, self.hash], dtype=torch.int64)
         n, rec = len(self.ranks) - 1, None
         if self.counter is not None:  # counted apart from model and control traffic
@@ -152,7 +153,8 @@ class Watch:
         on = torch.device("cpu") if side is not self.group else self.device
         out = torch.empty(len(self.ranks), row.numel(), dtype=torch.int64, device=on)
         with guard(rec, self.group):
-            _all_gather_flat(out.view(-1), row.to(on), group=side)
+            work = _all_gather_flat(out.view(-1), row.to(on), group=side, async_op=True)
+            work.wait(**({} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}))
         rows = out.tolist()
         if any(r != rows[0] for r in rows):
             raise self._disagreement(rows)
@@ -295,16 +297,18 @@ def _where(record: dict) -> str:
     return f"{at}, last call {record['call'] or 'none'}"
 
 
-def leave(note: str) -> None:
+def leave(note: str, *, timeout_s: float | None = None) -> None:
     """A rank is done with the run: say so in its beacon, and (gloo worlds) exchange one last
     boundary with every rank, so that a rank that leaves while others still train is named by
-    all of them instead of pairing its teardown with their collectives."""
+    all of them instead of pairing its teardown with their collectives. timeout_s bounds the
+    wait (None: the group's timeout)."""
     beacon.leaving(note)
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return
     if dist.get_backend() != "gloo":  # a new CPU group at teardown would cost more than it
         with guard(None, dist.group.WORLD):  # tells: a barrier, so none leaves mid-collective
-            dist.barrier()
+            work = dist.barrier(async_op=True)
+            work.wait(**({} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}))
         return
     watch = Watch(dist.group.WORLD, per_step=None, mode="calls", counter=None)
-    watch.boundary("leave", step=-1, micro=-1)
+    watch._check("leave", step=-1, micro=-1, timeout_s=timeout_s)
