@@ -200,7 +200,8 @@ class ZeroEngine(nn.Module):
     def forward(self, *args, **kwargs):
         """The wrapped module's forward on micro-batch j = microstep·N + rank: floating inputs
         cast to the compute dtype, torch's RNG seeded per micro-batch (zero/forward.py)."""
-        self.at("forward" if torch.is_grad_enabled() else "eval")
+        if torch.is_grad_enabled() or self.config.stage == 3 or self.buffers:
+            self.at("forward" if torch.is_grad_enabled() else "eval")  # else no collective
         if self.activation_arena is not None and torch.is_grad_enabled():
             self.activation_arena.begin()  # [Note: checkpoint generations]
         if self.config.broadcast_buffers and self.buffers:  # DDP's broadcast_buffers

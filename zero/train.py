@@ -261,16 +261,24 @@ class TrainConfig:
 @torch.no_grad()
 def evaluate(engine: ZeroEngine, corpus: Corpus, *, seed: int, batches: int, batch_size: int):
     """Mean validation loss over `batches` fixed micro-batches, split over the ranks (forward
-    only); the same float on every rank."""
+    only); the same float on every rank. Every rank runs the same number of forwards (a
+    forward is collective at stage 3): where `batches` is not a multiple of N, the last round's
+    spare ranks run batch 0 again and leave it out of the mean."""
     T = engine.module.cfg.block_size
     total = torch.zeros(2, dtype=torch.float64, device=engine.device)
     engine.eval()
-    for i in range(engine.rank, batches, engine.world_size):
+    rounds = -(-batches // engine.world_size)
+    for i in range(engine.rank, rounds * engine.world_size, engine.world_size):
         idx, tgt = corpus.batch(
-            split="val", seed=seed, index=(i,), batch_size=batch_size, seq_len=T
+            split="val",
+            seed=seed,
+            index=(i if i < batches else 0,),
+            batch_size=batch_size,
+            seq_len=T,
         )
         _, loss = engine(idx.to(engine.device), tgt.to(engine.device))
-        total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=engine.device)
+        if i < batches:
+            total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=engine.device)
     engine.train()
     with guard(None, engine.group):  # a failure names whom to blame (zero/watchdog.py)
         dist.all_reduce(total, group=engine.group)
