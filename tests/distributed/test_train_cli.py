@@ -225,3 +225,16 @@ def test_every_option_is_explained_and_the_old_spellings_work(capsys):
     cfg = parse(["--fast", "--timeout", "60", "--stage", "3", "--clip-norm", "none"])
     assert not cfg.zero.deterministic and cfg.timeout_s == 60 and cfg.zero.stage == 3
     assert cfg.zero.clip_norm is None and cfg.zero_config(2).micro_batches == 2
+
+
+def test_evaluation_at_stage_3_with_batches_not_a_multiple_of_n(tmp_path, text):
+    """3 validation batches on 2 ranks at stage 3: every rank runs 2 forwards (a forward gathers
+    units there), the spare one left out of the mean. Before, rank 1 ran one forward fewer and
+    the ranks' collectives went out of step (a hang until the timeout). The mean is of the
+    same 3 batch losses as at N = 1, and each is near 5.5 nats: float32 values whose float64 sum
+    is exact, so the two runs' validation losses must be equal."""
+    args = [*FAST, "--data", str(text), "--steps", "1", "--eval-batches", "3", "--timeout", "60"]
+    args += ["--micro-batches", "2"]  # the same training at N = 1 and 2
+    two = main([*args, "--nproc", "2", "--stage", "3", "--out", str(tmp_path / "a")])
+    one = main([*args, "--nproc", "1", "--stage", "0", "--out", str(tmp_path / "b")])
+    assert two["result"]["history"]["val"] == one["result"]["history"]["val"]
