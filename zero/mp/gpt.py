@@ -202,6 +202,11 @@ class TPGPT(nn.Module):
     def unit_names(self) -> list[str]:
         return [f"transformer.h.{i}" for i in range(self.cfg.n_layer)]
 
+    def counts_in_norm(self, name: str) -> bool:
+        """Whether this rank's `name` enters the global gradient norm (the engine asks:
+        zero/mp/control.py); replicated parameters count on m = 0 only."""
+        return counts_in_norm(name, self.mp.rank)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         b, t = idx.shape
         if t > self.cfg.block_size:
