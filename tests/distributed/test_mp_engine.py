@@ -210,6 +210,13 @@ def _assert_invariant(results, runs):
     """Every rank, N_d and run: the same digests, norms and skips step by step."""
     first = results[1][0][0]
     for dp, per_rank in results.items():
+        # the loss: one value on every rank (the MP ranks compute it together, §6)
+        assert (
+            len(
+                {tuple(row["loss"] for row in rows) for per_run in per_rank for rows in per_run[:1]}
+            )
+            == 1
+        )
         for r, per_run in enumerate(per_rank):
             for i, rows in enumerate(per_run):
                 for s, (row, want) in enumerate(zip(rows, first, strict=True)):
