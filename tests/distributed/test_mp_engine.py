@@ -294,3 +294,76 @@ def test_overflow_on_one_slice_skips_everywhere():
     per_rank = get_pool(4).run(run_overflow, 2, 2, timeout_s=600)
     for r, (skipped, norm, same, t, _) in enumerate(per_rank):
         assert skipped and norm is None and same and t == 0, f"rank {r}"
+
+
+FAKE_RANKS = """
+import json, sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from verify.expect import expected_memory, reference_spec
+from zero.collectives import CommCounter
+from zero.config import ZeroConfig
+from zero.engine import ZeroEngine
+from zero.models import GPTConfig
+from zero.mp import TPGPT, Mesh, MPContext
+dp, mp = 4, 2
+cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+out = []
+for rank in (0, 5):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * mp)
+    g = Mesh(dp=dp, mp=mp).groups()
+    for stage in range(4):
+        ctx = MPContext.of(g.mp_group, counter=CommCounter())
+        tp = TPGPT.build(cfg, ctx, seed=None)  # a simulated rank: values void
+        z = ZeroConfig(stage=stage, precision="bf16", micro_batches=8, chunk=128,
+                       units=tuple(tp.unit_names()), nonfinite="skip")
+        eng = ZeroEngine(tp, z, group=g.dp_group, mp=ctx)
+        idx = torch.zeros((2, 16), dtype=torch.long)
+        for _ in range(2):  # a step: the deterministic tree's partial sums are resident too
+            eng.backward(eng(idx, idx)[1])
+        eng.step()
+        spec = reference_spec(tp, z)
+        got = {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"}
+        out.append([rank, g.d, g.m, stage, spec.numel, got, expected_memory(z, spec, dp)])
+    dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_simulated_rank_holds_its_slice_on_the_fake_process_group():
+    """Ranks (0, 0) and (2, 1) of a 4 × 2 job, each alone in one process: after a step (values
+    void, collectives instant) the engine's resident bytes at stages 0-3 equal verify.expect's
+    per-unit model (zero/memory.py) for the slice's spec at N = N_d, and the slice has
+    tp_num_params(cfg, 2) parameters (counted by hand here)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zero.models import GPTConfig
+    from zero.mp import tp_num_params
+
+    done = subprocess.run(
+        [sys.executable, "-c", FAKE_RANKS],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    h, v, s, layers = 32, 64, 16, 2
+    # per block: QKV 3h·h/2 + 3h/2, attention-out h·h/2 + h, MLP-in 4h·h/2 + 4h/2, MLP-out
+    # 4h·h/2 + h, two LayerNorms 4h; then wte V·h/2, wpe S·h, ln_f 2h
+    block = 3 * h * h // 2 + 3 * h // 2 + h * h // 2 + h + 4 * h * h // 2 + 2 * h
+    block += 4 * h * h // 2 + h + 4 * h
+    by_hand = layers * block + v * h // 2 + s * h + 2 * h
+    cfg = GPTConfig(vocab_size=v, block_size=s, n_layer=layers, n_head=4, n_embd=h)
+    assert tp_num_params(cfg, 2) == by_hand
+    assert [(r[0], r[1], r[2]) for r in rows[::4]] == [(0, 0, 0), (5, 2, 1)]
+    for rank, _, _, stage, numel, got, want in rows:
+        assert numel == by_hand, (rank, stage)
+        assert got == want, (rank, stage, got, want)
+    stage3 = [r[5] for r in rows if r[3] == 3]
+    stage0 = [r[5] for r in rows if r[3] == 0]
+    for a, b in zip(stage0, stage3):  # the working copy is sharded over N_d = 4 at stage 3
+        assert b["params"] < a["params"] / 3

@@ -49,6 +49,17 @@ def counts_in_norm(name: str, m: int) -> bool:
     return split_rule(name) is not None or m == 0
 
 
+def tp_num_params(cfg: GPTConfig, n: int) -> int:
+    """Ψ_m, the parameter count of one MP rank's TPGPT slice (the tied head once): per block
+    12h²/N + 7h/N (QKV and MLP-in biases) + 2h (the output projections' replicated biases) +
+    (2 + 2)h (two LayerNorms), then V·h/N + S·h + 2h (biases as cfg.bias says). At N = 1 it is
+    zero.models.gpt_num_params."""
+    check_split(cfg, n)
+    h, b = cfg.n_embd, 1 if cfg.bias else 0
+    block = 12 * h * h // n + b * 7 * h // n + b * 2 * h + (2 + 2 * b) * h
+    return cfg.n_layer * block + cfg.vocab_size * h // n + cfg.block_size * h + (1 + b) * h
+
+
 def check_split(cfg: GPTConfig, n: int) -> None:
     """Refuse a GPT that N_m = n cannot split exactly (ValueError naming the field)."""
     if cfg.n_head % n:
