@@ -185,6 +185,31 @@ def run_overflow(rank, world, dp, mp):
     return res.skipped, res.norm, same, eng.t, state_digest(eng, res) is not None
 
 
+def run_used(rank, world):
+    """Worker, (N_d, N_m) = (1, 2): MP rank 1 never has a gradient for ln_f.weight, rank 0 has
+    one; returns each rank's t_p of it and of a parameter no rank had a gradient for."""
+    g, model, init, zcfg, eng = _setup(1, 2, 1, "fp32")
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(M):
+        grads = {
+            name: torch.randn(shape, generator=gen) * 1e-3
+            for unit in eng.unit_specs()
+            for name, shape in unit
+            if name != "transformer.wpe.weight"
+            and not (g.m == 1 and name == "transformer.ln_f.weight")
+        }
+        eng.inject_gradients(grads)
+    eng.step()
+    steps = eng.param_steps()
+    return steps["transformer.ln_f.weight"], steps["transformer.wpe.weight"]
+
+
+def test_used_flags_are_the_maximum_over_the_mp_group():
+    """[Note: unused parameters] over the mesh: a parameter used on one slice is used on all
+    (its t_p advances everywhere, as reference/mp.py's union says); one used nowhere stays."""
+    assert get_pool(2).run(run_used, timeout_s=300) == [(1, 0), (1, 0)]
+
+
 def mp_traffic(n, k):
     """docs/design.md §6's table for one step of k micro-batches (deterministic mode), as
     sorted (op, phase, elements) records: per micro-batch 2L g-sums and one embedding sum of X,
@@ -367,3 +392,42 @@ def test_simulated_rank_holds_its_slice_on_the_fake_process_group():
     stage0 = [r[5] for r in rows if r[3] == 0]
     for a, b in zip(stage0, stage3):  # the working copy is sharded over N_d = 4 at stage 3
         assert b["params"] < a["params"] / 3
+
+
+def run_bad_input(rank, world):
+    """Worker (N_d = N_m = 1): each refused engine construction's message."""
+    from zero.collectives import CommCounter
+    from zero.config import ZeroConfig
+    from zero.engine import ZeroEngine
+    from zero.models import GPT, GPTConfig
+    from zero.mp import TPGPT, MPContext
+
+    g = _groups(1, 1)
+    cfg = GPTConfig(**CFG)
+    ctx = MPContext.of(g.mp_group, counter=CommCounter())
+    z = ZeroConfig(micro_batches=1, chunk=CHUNK)
+    fast = MPContext.of(g.mp_group, counter=ctx.counter, deterministic=False)
+    cases = {
+        "not a context": lambda: ZeroEngine(TPGPT.build(cfg, ctx), z, mp="mp"),
+        "another context": lambda: ZeroEngine(
+            TPGPT.build(cfg, MPContext.of(g.mp_group, counter=CommCounter())), z, mp=ctx
+        ),
+        "fast MP in deterministic": lambda: ZeroEngine(TPGPT.build(cfg, fast), z, mp=fast),
+        "plain model": lambda: ZeroEngine(GPT(cfg), z, mp=ctx),
+    }
+    out = {}
+    for name, build in cases.items():
+        try:
+            build()
+            out[name] = "built"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_bad_input_is_refused_by_name():
+    (got,) = get_pool(1).run(run_bad_input, timeout_s=300)
+    assert got["not a context"].startswith("mp='mp': must be a zero.mp.MPContext")
+    assert "must hold this same MPContext" in got["another context"]
+    assert got["fast MP in deterministic"].startswith("mp.deterministic=False: must equal")
+    assert "must hold this same MPContext" in got["plain model"]
