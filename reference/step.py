@@ -217,6 +217,19 @@ def train_step(
     state: TrainState, grads: Sequence[Grads], spec: ModelSpec, cfg: StepConfig
 ) -> tuple[TrainState, StepInfo]:
     """One step from per-micro-batch gradients; see the module docstring for the exact order."""
+    used, reduced, overflow, scale, g = reduce_and_unscale(state, grads, spec, cfg)
+    if overflow:
+        return skip_step(state, cfg, reduced, scale)
+    norm = global_norm(norm_partials(g, spec))
+    coef = clip_coefficient(norm, cfg.clip_norm)
+    new = update(state, g, used, spec, cfg, coef)
+    return new, StepInfo(
+        overflow=False, skipped=False, scale=scale, norm=norm, clip_coef=coef, reduced=reduced
+    )
+
+
+def reduce_and_unscale(state: TrainState, grads: Sequence[Grads], spec: ModelSpec, cfg):
+    """Steps 1-3: (used names, R by name, overflow?, S, g = fp32(R)·s(1/(S·M)) or None)."""
     m = len(grads)
     if m != cfg.micro_batches:
         raise ValueError(
@@ -233,15 +246,15 @@ def train_step(
         reduced.values()
     )
     if overflow:
-        return skip_step(state, cfg, reduced, scale)
-
+        return used, reduced, True, scale, None
     c = f32(1.0 / (scale * m))
-    g = {n: cast(r, "fp32") * c for n, r in reduced.items()}
-    norm = global_norm(norm_partials(g, spec))
-    coef = clip_coefficient(norm, cfg.clip_norm)
+    return used, reduced, False, scale, {n: cast(r, "fp32") * c for n, r in reduced.items()}
+
+
+def update(state: TrainState, g, used: set[str], spec: ModelSpec, cfg, coef) -> TrainState:
+    """Steps 4 (the clipping multiplication) to 6 of a step that did not overflow."""
     if coef is not None:
         g = {n: x * coef for n, x in g.items()}
-
     t = state.t + 1
     master, opt, steps = dict(state.master), dict(state.opt), {}
     for n in spec.names:
@@ -252,11 +265,8 @@ def train_step(
                 cfg.optimizer, state.master[n], g[n], state.opt[n], hp, steps[n]
             )
     scaler = None if state.scaler is None else scaler_update(state.scaler, False, cfg.scaler)
-    new = TrainState(
+    return TrainState(
         master=master, opt=opt, t=t, data_step=state.data_step + 1, scaler=scaler, steps=steps
-    )
-    return new, StepInfo(
-        overflow=False, skipped=False, scale=scale, norm=norm, clip_coef=coef, reduced=reduced
     )
 
 

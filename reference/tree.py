@@ -130,6 +130,15 @@ def chunk_sumsq(x: np.ndarray, chunk: int) -> np.ndarray:
     return s[:, 0]
 
 
+def sumsq_total(partials: Sequence[np.ndarray]) -> np.float64:
+    """T(all chunk partials in global order), float64: the squared norm before its square root
+    (0.0 for no partials). global_norm and mp_norm are its square roots."""
+    flat = np.concatenate([np.asarray(p, dtype=np.float64) for p in partials])
+    if flat.size == 0:
+        return np.float64(0.0)
+    return np.float64(tree_sum(list(flat)))
+
+
 def global_norm(partials: Sequence[np.ndarray]) -> np.float64:
     """The global L2 norm from per-unit chunk partials: sqrt(T(all partials in global order)).
 
@@ -138,7 +147,12 @@ def global_norm(partials: Sequence[np.ndarray]) -> np.float64:
     are concatenated in unit order and summed by T in float64; the square root is float64's
     correctly rounded sqrt.
     """
-    flat = np.concatenate([np.asarray(p, dtype=np.float64) for p in partials])
-    if flat.size == 0:
-        return np.float64(0.0)
-    return np.sqrt(tree_sum(list(flat))).astype(np.float64)
+    return np.sqrt(sumsq_total(partials)).astype(np.float64)
+
+
+def mp_norm(per_slice: Sequence[Sequence[np.ndarray]]) -> np.float64:
+    """The global L2 norm of a model split over N_m model-parallel slices: per_slice[m] holds
+    slice m's per-unit chunk partials (each element of the model counted by one slice only,
+    docs/design.md §6); sqrt(T(s_0, ..., s_{N_m-1})) with s_m = sumsq_total(per_slice[m]).
+    At N_m = 1 it is global_norm."""
+    return np.sqrt(tree_sum([sumsq_total(p) for p in per_slice])).astype(np.float64)

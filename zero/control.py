@@ -13,14 +13,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from reference.tree import global_norm
+
 from . import collectives as C
 from .unit import FlatUnit
 
 
-def chunk_sumsq(x: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None = None) -> torch.Tensor:
     """reference.tree.chunk_sumsq in torch: float64 squares, pairwise halving per chunk. In
-    place on one float64 copy: the same elementwise additions as the reference, no temporaries."""
+    place on one float64 copy: the same elementwise additions as the reference, no temporaries.
+    keep (bool, x's length): the elements outside it count as +0 (a replicated parameter on a
+    model-parallel rank m > 0, zero/mp/control.py), as the reference's zeros do."""
     s = x.to(torch.float64, copy=True).view(-1, chunk)
+    if keep is not None:
+        s.masked_fill_(~keep.to(s.device).view(-1, chunk), 0.0)
     s.mul_(s)
     while s.shape[1] > 1:
         h = s.shape[1] // 2
@@ -34,7 +40,9 @@ def own(u: FlatUnit, x: torch.Tensor) -> torch.Tensor:
     return x[u.part.own] if x.numel() == u.part.padded_numel else x
 
 
-def exchange(units, losses, held, g, inv: np.float32, chunk: int, device, group, counter):
+def exchange(
+    units, losses, held, g, inv: np.float32, chunk: int, device, group, counter, keep=None
+):
     """[Note: one control exchange] Everything a step needs from the other ranks besides
     R travels in one small all-gather of float64 values: this rank's loss sum and count, its
     overflow flag, and the chunk partials of the part of g it alone holds (its shard; at
@@ -47,11 +55,19 @@ def exchange(units, losses, held, g, inv: np.float32, chunk: int, device, group,
     [Note: unused parameters] One flag per parameter rides along: whether it had a
     gradient in any micro-batch of this rank; the step takes the maximum over ranks.
     Returns (overflow anywhere, on this rank, global mean loss, per-unit partials,
-    per-unit lists of used flags), and clears this rank's flags for the next step."""
-    mine = [chunk_sumsq(own(u, x), chunk) for u, x in zip(units, g)]
+    per-unit lists of used flags), and clears this rank's flags for the next step.
+    keep: None, or per unit a bool mask of this rank's extent (zero/mp/control.py): elements
+    outside it enter no partial, but still count for the overflow flag."""
+    keep = keep or [None] * len(units)
+    mine = [chunk_sumsq(own(u, x), chunk, k) for u, x, k in zip(units, g, keep)]
     partials = torch.cat(mine).to(device)  # host partials with offload_optimizer
     if inv <= 1:
         bad = not bool(torch.isfinite(partials).all())
+        bad = bad or any(
+            not bool(torch.isfinite(own(u, x)[~k.to(x.device)]).all())
+            for u, x, k in zip(units, g, keep)
+            if k is not None
+        )
     else:
         bad = any(not bool(torch.isfinite(h).all()) for h in held)
     flags = [float(x) for u in units for x in u.used]
@@ -81,3 +97,17 @@ def exchange(units, losses, held, g, inv: np.float32, chunk: int, device, group,
         )
         at += x.numel()
     return overflow, bad, loss, per_unit, used
+
+
+def step_exchange(engine, held, g, inv: np.float32):
+    """The engine's step: `exchange` in its DP group, then, with model parallelism, the [Note:
+    MP control exchange] (zero/mp/control.py). Returns (overflow, bad, loss, norm, used)."""
+    mp, args = engine.mp, (engine.config.chunk, engine.device, engine.group, engine.counter)
+    keep = None if mp is None else mp.keep(engine.units)
+    overflow, bad, loss, partials, used = exchange(
+        engine.units, engine._losses, held, g, inv, *args, keep=keep
+    )
+    if mp is None:
+        return overflow, bad, loss, global_norm(partials), used
+    overflow, norm, used = mp.combine(overflow, partials, used, engine.device)
+    return overflow, bad, loss, norm, used

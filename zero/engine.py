@@ -32,7 +32,6 @@ from torch import nn
 
 from reference.precision import f32, scaler_init, scaler_update
 from reference.step import clip_coefficient
-from reference.tree import global_norm
 
 from . import build, control, fullstate, introspect
 from . import collectives as C
@@ -40,6 +39,7 @@ from .config import ZeroConfig
 from .forward import backward_scaled, cast_inputs, forward_rng
 from .frozen import build_frozen_units
 from .materialize import StartValues
+from .mp.control import MPStep
 from .optim import live_runs, step_runs
 from .stages import STAGE_CLASSES, StageContext, stage_class
 from .stages.base import Clock
@@ -63,12 +63,21 @@ class StepResult:
 
 class ZeroEngine(nn.Module):
     def __init__(
-        self, module, config: ZeroConfig, *, group=None, device=None, init_seed=0, init="auto"
+        self,
+        module,
+        config: ZeroConfig,
+        *,
+        group=None,
+        device=None,
+        init_seed=0,
+        init="auto",
+        mp=None,
     ):
         """module may live on the meta device: each unit is then materialised on `device`
         alone, by the rule `init` names ("auto", "own", "counter" or fn(module): [Note: meta
         start values] in zero/materialize.py) for `init_seed` (None: zeros, for a simulated
-        rank whose values do not matter); self.init_report says which rule gave each value."""
+        rank whose values do not matter); self.init_report says which rule gave each value.
+        mp: a TP module's MPContext; `group` is then its DP group (zero/mp/control.py)."""
         super().__init__()
         config = build.resolve_units(module, config)  # units="auto" spelled out
         self.module, self.config = module, config
@@ -76,7 +85,9 @@ class ZeroEngine(nn.Module):
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         n = self.world_size
         build.check_config(config, n)
-        self.counter = C.CommCounter(step=-1)  # construction's checks are "step -1"
+        self.mp = None if mp is None else MPStep(module, mp, config)
+        self.counter = C.CommCounter() if mp is None else self.mp.counter  # MP's counted here
+        self.counter.step = -1  # construction's checks are "step -1"
         self.fake = dist.get_backend(self.group) == "fake"  # a simulated rank: no real peers
         self.step_config = config.step_config(n)
         first = next(module.parameters()).device  # control tensors too (NCCL: CUDA only)
@@ -198,7 +209,8 @@ class ZeroEngine(nn.Module):
             self.stage_of(u).post_backward(u)
 
     def forward(self, *args, **kwargs):
-        """The wrapped module's forward on micro-batch j = microstep·N + rank: floating inputs
+        """The wrapped module's forward on micro-batch j = microstep·N + rank (rank in the DP
+        group: d, shared by the N_m ranks of an MP group, docs/design.md §6): floating inputs
         cast to the compute dtype, torch's RNG seeded per micro-batch (zero/forward.py)."""
         if torch.is_grad_enabled() or self.config.stage == 3 or self.buffers:
             self.at("forward" if torch.is_grad_enabled() else "eval")  # else no collective
@@ -279,8 +291,7 @@ class ZeroEngine(nn.Module):
         inv = f32(1.0 / (scale * self.config.micro_batches))
         c = {h.device: torch.tensor(inv, device=h.device) for h in held}
         g = [h.float() * c[h.device] for h in held]
-        overflow, bad, loss, partials, used = self._exchange(held, g, inv)
-        norm = None
+        overflow, bad, loss, norm, used = self._exchange(held, g, inv)
         if overflow:
             if self.scaler is None and self.config.nonfinite == "raise":
                 raise FloatingPointError(
@@ -290,7 +301,6 @@ class ZeroEngine(nn.Module):
                 )
         else:
             self.last_reduced = held  # R as this rank holds it (valid until the next backward)
-            norm = global_norm(partials)
             coef = clip_coefficient(norm, self.config.clip_norm)
             if coef is not None:
                 for x in g:
@@ -312,6 +322,7 @@ class ZeroEngine(nn.Module):
                 self.stage_of(u).refresh_working(u)  # may launch its all-gather and return
             for stage in self.stages.values():
                 stage.finish_step()
+        norm = None if overflow else norm
         if self.scaler is not None:
             self.scaler = scaler_update(self.scaler, overflow, self.config.scaler)
         self.data_step, self.clock.microstep = self.data_step + 1, 0
@@ -321,19 +332,9 @@ class ZeroEngine(nn.Module):
         )
 
     def _exchange(self, held, g, inv: np.float32):
-        """[Note: one control exchange] (zero/control.py); this rank's losses are consumed."""
-        out = control.exchange(
-            self.units,
-            self._losses,
-            held,
-            g,
-            inv,
-            self.config.chunk,
-            self.device,
-            self.group,
-            self.counter,
-        )
-        self._losses = []
+        """[Note: one control exchange] (zero/control.py; with mp, zero/mp/control.py's too):
+        (overflow, bad, loss, norm, used); this rank's losses are consumed."""
+        out, self._losses = control.step_exchange(self, held, g, inv), []
         return out
 
     # -- checkpoints (zero/checkpoint/) --------------------------------------------------------

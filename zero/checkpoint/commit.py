@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..introspect import Introspect
+from ..mp.control import refuse_checkpoint
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -311,6 +312,7 @@ def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=N
     extra: any JSON value (a data loader's position, say), returned by load() as info.extra.
     Returns the committed step directory. Protocol: [Note: atomic commit].
     """
+    refuse_checkpoint(engine, "save")  # not at (N_d, N_m) yet: zero/mp/control.py
     if keep_last is not None and (
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):

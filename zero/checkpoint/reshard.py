@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..introspect import Introspect
+from ..mp.control import refuse_checkpoint
 from .commit import _buffers
 from .format import (
     CheckpointInfo,
@@ -162,6 +163,7 @@ def load(engine: Introspect, directory) -> CheckpointInfo:
     The RNG state is restored only at the world size it was saved at (docs/design.md §2: randomness
     comes from (seed, data step, micro-batch), never from the rank, so nothing depends on it).
     """
+    refuse_checkpoint(engine, "load")  # not at (N_d, N_m) yet: zero/mp/control.py
     engine.at("load")  # every rank loads together ([Note: collective fingerprints])
     _check_idle(engine, "load")
     info, error = None, None

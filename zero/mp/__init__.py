@@ -5,14 +5,15 @@
     layers.py       column- and row-parallel linears, vocabulary-parallel embedding and xent
     gpt.py          TPGPT: GPT's slice on one MP rank; split_state / join_states (exact)
     partitioned.py  P_a: activation checkpoints kept 1/N_m per MP rank, gathered to recompute
+    control.py      the engine's MP side: norm mask, the MP control exchange (ZeroEngine(mp=))
 
-Semantics, the error bound against N_m = 1 and the traffic table: docs/design.md §6. The engine
-does not use this package yet: ZeRO would run in ``MeshGroups.dp_group`` on a TPGPT, with the
-norm counting replicated parameters once (``gpt.counts_in_norm``).
+Semantics, the error bound against N_m = 1 and the traffic table: docs/design.md §6. ZeRO runs
+in ``MeshGroups.dp_group`` on a TPGPT: ``ZeroEngine(tp, config, group=g.dp_group, mp=ctx)``,
+with the norm counting replicated parameters once (``gpt.counts_in_norm``).
 """
 
 from .collectives import KIND, MPContext
-from .gpt import TPGPT, counts_in_norm, join_states, split_rule, split_state
+from .gpt import TPGPT, counts_in_norm, join_states, split_rule, split_state, tp_num_params
 from .mesh import Mesh, MeshGroups
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "join_states",
     "split_rule",
     "split_state",
+    "tp_num_params",
 ]

@@ -49,6 +49,17 @@ def counts_in_norm(name: str, m: int) -> bool:
     return split_rule(name) is not None or m == 0
 
 
+def tp_num_params(cfg: GPTConfig, n: int) -> int:
+    """Ψ_m, the parameter count of one MP rank's TPGPT slice (the tied head once): per block
+    12h²/N + 7h/N (QKV and MLP-in biases) + 2h (the output projections' replicated biases) +
+    (2 + 2)h (two LayerNorms), then V·h/N + S·h + 2h (biases as cfg.bias says). At N = 1 it is
+    zero.models.gpt_num_params."""
+    check_split(cfg, n)
+    h, b = cfg.n_embd, 1 if cfg.bias else 0
+    block = 12 * h * h // n + b * 7 * h // n + b * 2 * h + (2 + 2 * b) * h
+    return cfg.n_layer * block + cfg.vocab_size * h // n + cfg.block_size * h + (1 + b) * h
+
+
 def check_split(cfg: GPTConfig, n: int) -> None:
     """Refuse a GPT that N_m = n cannot split exactly (ValueError naming the field)."""
     if cfg.n_head % n:
@@ -201,6 +212,11 @@ class TPGPT(nn.Module):
 
     def unit_names(self) -> list[str]:
         return [f"transformer.h.{i}" for i in range(self.cfg.n_layer)]
+
+    def counts_in_norm(self, name: str) -> bool:
+        """Whether this rank's `name` enters the global gradient norm (the engine asks:
+        zero/mp/control.py); replicated parameters count on m = 0 only."""
+        return counts_in_norm(name, self.mp.rank)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         b, t = idx.shape
