@@ -89,6 +89,11 @@ class ZeroConfig:
     """ZeRO-R's P_a+cpu applied to data parallelism: the checkpointed unit inputs are kept in
     host memory (pinned on CUDA) and brought back for recomputation. Needs
     activation_checkpointing; on a CPU-only machine only the accounting changes."""
+    partition_activations: bool = False
+    """ZeRO-R's P_a (paper §6.1), with model parallelism (ZeroEngine(mp=...)): each checkpointed
+    unit input, replicated over the MP group, is kept as this MP rank's 1/N_m and all-gathered
+    before the recomputation (zero/mp/partitioned.py); with offload_activations the part is kept
+    in host memory (P_a+cpu). Bits unchanged. Needs activation_checkpointing."""
     offload_optimizer: bool = False
     """ZeRO-Offload: the fp32 master, the optimizer states and (stages 2-3) the reduced gradient
     shard live in host memory (pinned on CUDA) and the optimizer runs on the CPU; gradients go
@@ -159,6 +164,7 @@ class ZeroConfig:
             "overlap",
             "activation_checkpointing",
             "offload_activations",
+            "partition_activations",
             "offload_optimizer",
             "contiguous_memory",
             "broadcast_buffers",
@@ -171,6 +177,16 @@ class ZeroConfig:
             or self.dropout_seed < 0
         ):
             raise ValueError(f"dropout_seed={self.dropout_seed!r}: must be None or an integer >= 0")
+        if self.partition_activations and not self.activation_checkpointing:
+            raise ValueError(
+                "partition_activations=True: P_a partitions the checkpointed unit inputs; "
+                "allowed with activation_checkpointing=True"
+            )
+        if self.partition_activations and self.contiguous_memory:
+            raise ValueError(
+                "partition_activations=True with contiguous_memory=True: the checkpoint arena "
+                "holds whole checkpoints; allowed is one of the two"
+            )
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError(
                 "offload_activations=True: only checkpointed unit inputs are offloaded; "

@@ -85,6 +85,8 @@ class ZeroEngine(nn.Module):
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         n = self.world_size
         build.check_config(config, n)
+        if config.partition_activations and mp is None:
+            raise ValueError("partition_activations=True: P_a needs model parallelism (mp=)")
         self.mp = None if mp is None else MPStep(module, mp, config)
         self.counter = C.CommCounter() if mp is None else self.mp.counter  # MP's counted here
         self.counter.step = -1  # construction's checks are "step -1"
@@ -169,7 +171,7 @@ class ZeroEngine(nn.Module):
         self.activation_arena: CheckpointArena | None = None
         if config.activation_checkpointing:  # ZeRO-R (zero/zero_r/activations.py)
             self.activation_arena = checkpoint_units(
-                self.units, mods, config=config, counter=self.counter, device=device
+                self.units, mods, config=config, counter=self.counter, device=device, mp=mp
             )
 
     @property

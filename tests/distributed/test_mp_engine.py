@@ -437,3 +437,26 @@ def test_bad_input_is_refused_by_name():
     assert "must hold this same MPContext" in got["plain model"]
     for what in ("save", "load"):  # checkpoints at (N_d, N_m) are not built: refused
         assert got[what].startswith(f"mp=1 ranks: {what}() of a model-parallel engine"), got
+
+
+def test_p_a_in_the_engine_changes_no_bit():
+    """Stage 3 at N_d = 2, N_m = 2, two steps: without checkpointing, with it, with P_a and with
+    P_a+cpu, the same state digests and norms on every rank (P_a gathers back the bits it cut);
+    P_a's traffic is one all-gather of (N_m-1)·⌈X/N_m⌉ per checkpointed unit per micro-step,
+    and nothing else changes."""
+    from collections import Counter
+
+    ckpt = (("activation_checkpointing", True),)
+    p_a = (*ckpt, ("partition_activations", True))
+    runs = [(3, "fp32", 2, opts) for opts in ((), ckpt, p_a, (*p_a, ("offload_activations", True)))]
+    per_rank = get_pool(4).run(run_mp, 2, 2, runs, timeout_s=600)
+    x = BATCH * CFG["block_size"] * CFG["n_embd"]
+    want = Counter({("all_gather", "p_a", math.ceil(x / 2)): CFG["n_layer"] * (M // 2)})
+    for per_run in per_rank:
+        plain = per_run[0]
+        for rows in per_run[1:]:
+            for a, b in zip(plain, rows, strict=True):
+                assert (a["digest"], a["norm"]) == (b["digest"], b["norm"])
+        for a, b in zip(per_run[1], per_run[2], strict=True):
+            assert Counter(b["mp"]) - Counter(a["mp"]) == want
+            assert Counter(a["mp"]) - Counter(b["mp"]) == Counter()

@@ -56,11 +56,12 @@ def check_not_nested(names) -> None:
 
 
 def checkpoint_units(
-    units, modules: dict[str, torch.nn.Module], *, config, counter, device
+    units, modules: dict[str, torch.nn.Module], *, config, counter, device, mp=None
 ) -> CheckpointArena | None:
     """Run every non-root unit's forward under non-reentrant checkpointing (and, with
     config.offload_activations, keep its checkpointed inputs in host memory, counted in
-    `counter`; with config.contiguous_memory, copy them into the CheckpointArena returned)."""
+    `counter`; with config.contiguous_memory, copy them into the CheckpointArena returned;
+    with config.partition_activations, keep 1/N_m of each over the MP group `mp`: P_a)."""
     check_not_nested(list(config.units))
     offload, arena = config.offload_activations, None
     if config.contiguous_memory:  # M_D: checkpoints in one buffer (zero/zero_r/contiguous.py)
@@ -74,7 +75,11 @@ def checkpoint_units(
             continue
         m = modules[u.name]
         hooks = None  # a fresh hook context per call: each one records its unit's transfers
-        if offload:
+        if config.partition_activations:  # P_a (+cpu): zero/mp/partitioned.py
+            from ..mp.partitioned import PartitionedCheckpoints
+
+            hooks = functools.partial(PartitionedCheckpoints, mp, u.index, offload=offload)
+        elif offload:
             hooks = functools.partial(ActivationOffload, counter, u.index, arena)
         elif arena is not None:
             hooks = functools.partial(saved_tensors_hooks, arena.store, arena.load)
