@@ -16,6 +16,11 @@ from __future__ import annotations
 
 def all_cases(*, release: bool = True) -> list:
     """Every case, in running order (the fast subset is those with `fast=True`)."""
-    from . import diverge, signals, storage
+    from . import diverge, inputs, signals, storage
 
-    return [*signals.cases(release), *diverge.cases(release), *storage.cases(release)]
+    return [
+        *signals.cases(release),
+        *diverge.cases(release),
+        *storage.cases(release),
+        *inputs.cases(release),
+    ]

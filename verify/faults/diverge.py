@@ -18,7 +18,7 @@ from zero.watchdog import blamed
 from .core import PY, Case, Ctx, Result
 from .driver import AT_START
 
-TIMEOUT_S = 15
+TIMEOUT_S = 10
 """The driver's --timeout: the watchdog must name the rank within it."""
 
 KINDS = ("extra_backward", "skipped_step", "save_alone", "load_alone", "early_exit")

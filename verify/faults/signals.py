@@ -193,10 +193,10 @@ def cases(release: bool) -> list[Case]:
                       torchrun=torchrun, seed=seed)  # fmt: skip
         out.append(Case(name, "signals", how, right + ", 0 bytes lost", 240, run, fast=fast))
 
-    add("sigkill_rank1", 1, "kill", fast=True)
+    add("sigkill_rank1", 1, "kill")
     add("sigkill_rank0_mid_save", 0, "kill", mid_save=True)
     add("sigterm_rank1", 1, "term")
-    add("sigint_rank0", 0, "int")
+    add("sigint_rank0", 0, "int", fast=True)
     add("sigstop_rank1", 1, "stop")
     add("sigterm_launcher", "launcher", "term")
     add("sigint_launcher_mid_save", "launcher", "int", mid_save=True)

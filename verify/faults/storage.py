@@ -176,7 +176,7 @@ def cases(release: bool) -> list[Case]:
                             180, partial(damage_case, index=i), fast=name == "fifo"))  # fmt: skip
     out.append(Case("disk_full", "checkpoints", f"RLIMIT_FSIZE {FSIZE_LIMIT} B: EFBIG mid-save",
                     "error naming the file, no partial files, latest intact, resume bitwise",
-                    240, disk_full_case, fast=True))  # fmt: skip
+                    240, disk_full_case))  # fmt: skip
     if release:
         out.append(Case("two_jobs_one_out", "checkpoints", "a second job on a running job's --out",
                         "second refused in one line naming run.lock; first finishes bitwise",
