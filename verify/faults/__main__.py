@@ -37,6 +37,10 @@ def run_cases(cases, *, seed: int = 0, work: Path | None = None, echo=print) -> 
                 result = case.run(ctx)
             except Exception as exc:  # noqa: BLE001 - the suite's own failure, shown per case
                 result = Result("unclear", f"the case itself failed: {type(exc).__name__}: {exc}")
+            except BaseException:  # interrupted: leave nothing of the case running
+                for job in ctx.jobs:
+                    job.kill()
+                raise
             result = ctx.finish(result)
             result.seconds = time.monotonic() - started
             figures.add(case.name, result)

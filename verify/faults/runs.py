@@ -15,8 +15,9 @@ from pathlib import Path
 
 from .core import PY, REPO, Ctx, Job, torchrun_argv
 
-STEPS = 6
-"""Steps of every training case: enough for a checkpoint before and after a random point."""
+STEPS = 12
+"""Steps of every training case: a checkpoint before the random point, and a few seconds of
+work after it, so that the fault lands while the ranks still run."""
 
 LONG_STEPS = 40
 """Steps of the launcher cases: the ranks must still have work left when the launcher goes,
