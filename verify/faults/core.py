@@ -174,9 +174,17 @@ class Job:
         full_env = {**base, "TMPDIR": str(ctx.tmp), "PYTHONPATH": str(REPO), **(env or {})}
         full_env = {k: v for k, v in full_env.items() if v is not None}
         self._file = open(self.out_path, "wb")  # noqa: SIM115 - closed in kill()
+
+        def setup():
+            # as from a terminal: a shell running the suite in the background ignores SIGINT,
+            # and an ignored signal would stay ignored in every process started here
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if preexec is not None:
+                preexec()
+
         self.proc = subprocess.Popen(
             argv, cwd=cwd or REPO, env=full_env, stdout=self._file, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=setup,
         )  # fmt: skip
         self.pid = self.sid = self.proc.pid
         self.started = time.monotonic()
