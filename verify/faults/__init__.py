@@ -7,7 +7,7 @@ Families: signals to ranks and to the launcher (signals.py), divergent and stall
 (diverge.py, driven by driver.py), damaged, hostile and edited checkpoints, a full disk and
 two jobs on one output directory (storage.py), stale launcher variables, the bad inputs of
 verify/bad_inputs.py and a long run for leaks (inputs.py). core.py runs each case's processes
-in their own session under a deadline and cleans up whatever they leave; runs.py holds the
+in their own session, marked, under a deadline and cleans up whatever they leave; runs.py holds the
 undisturbed training run every bitwise verdict is compared with.
 """
 

@@ -2,12 +2,12 @@
 
 A case (`Case`) names one fault, says what the right outcome is and carries a deadline. Its
 `run(ctx)` returns a `Result`: one verdict of VERDICTS and the evidence. Every process a case
-starts goes through `Job`: a new session (so that it and every descendant, forked ranks and
-torchrun's workers included, can be found by session id), its own TMPDIR, and output captured
-to files. At the end of a case every process still in its sessions is counted as an orphan,
-killed and reaped, and the TMPDIR is checked for the launcher's rendezvous directories
-(`zero-spawn-*`, `zero-pool-*`) before it is removed. Nothing here trusts the code under test
-to clean up: that is what is being checked.
+starts goes through `Job`: a new session, an environment variable of its own (MARK: so that it
+and every descendant, forked ranks and torchrun's workers included, can be found), its own
+TMPDIR, and output captured to files. At the end of a case every marked process still alive is
+counted as an orphan, killed and reaped, and the TMPDIR is checked for the launcher's
+rendezvous directories (`zero-spawn-*`, `zero-pool-*`) before it is removed. Nothing here
+trusts the code under test to clean up: that is what is being checked.
 """
 
 from __future__ import annotations
@@ -93,23 +93,23 @@ class Ctx:
         return j
 
     def settle(self, job: Job, grace_s: float = SETTLE_S) -> int:
-        """After `job`'s leader ended: wait up to grace_s for the rest of its session to end,
+        """After `job`'s leader ended: wait up to grace_s for the rest of its processes to end,
         then count what is left as orphans (kept in self.orphans) and kill it."""
         end = time.monotonic() + grace_s
-        while session_pids(job.sid) and time.monotonic() < end:
+        while marked_pids(job.mark) and time.monotonic() < end:
             time.sleep(0.1)
-        left = [p for p in session_pids(job.sid) if p != job.pid]
+        left = [p for p in marked_pids(job.mark) if p != job.pid]
         self.orphans += len(left)
         job.kill()
         return len(left)
 
     def finish(self, result: Result) -> Result:
-        """Count and kill what is left of every session, check TMPDIR, remove the case's dir."""
+        """Count and kill what is left of every job, check TMPDIR, remove the case's dir."""
         time.sleep(0.2 if all(j.done() for j in self.jobs) else 0)
         orphans = set()
         for j in self.jobs:
-            if j.done():  # the launcher ended: whatever of its session is still there is orphan
-                orphans |= set(session_pids(j.sid))
+            if j.done():  # the launcher ended: whatever of its job is still there is orphan
+                orphans |= set(marked_pids(j.mark))
             j.kill()
         temps = [p.name for p in self.tmp.glob("zero-*")] if self.tmp.is_dir() else []
         result.orphans, result.temp_left = len(orphans) + self.orphans, len(temps)
@@ -122,13 +122,22 @@ class Ctx:
         return result
 
 
-def session_pids(sid: int) -> list[int]:
-    """Every live process in session `sid` (zombies included: they are not yet reaped)."""
+MARK = "FAULTS_JOB"
+"""The environment variable that marks every process of a job: forked ranks inherit it, and
+torchrun passes it to its workers, whatever session or process group they move to."""
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Every live process whose environment holds MARK=mark (zombies included)."""
+    needle = f"{MARK}={mark}".encode()
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
-            st = _stat(int(d))
-            if st is not None and st[3] == sid:
+            try:
+                env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if needle in env:
                 out.append(int(d))
     return out
 
@@ -171,7 +180,9 @@ class Job:
         self.tag = tag
         self.out_path = ctx.dir / f"{tag}.out"
         base = {k: v for k, v in os.environ.items() if k not in STRIP_ENV}
+        self.mark = f"{ctx.case.name}-{tag}-{os.getpid()}-{time.monotonic_ns()}"
         full_env = {**base, "TMPDIR": str(ctx.tmp), "PYTHONPATH": str(REPO), **(env or {})}
+        full_env[MARK] = self.mark
         full_env = {k: v for k, v in full_env.items() if v is not None}
         self._file = open(self.out_path, "wb")  # noqa: SIM115 - closed in kill()
 
@@ -206,9 +217,9 @@ class Job:
         return self.out_path.read_text(errors="replace")
 
     def kill(self) -> None:
-        """SIGKILL every process of the session (stopped ones too), then reap the leader."""
+        """SIGKILL every process of the job (stopped ones too), then reap the leader."""
         for _ in range(3):
-            pids = session_pids(self.sid)
+            pids = marked_pids(self.mark)
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)

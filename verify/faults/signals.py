@@ -25,7 +25,7 @@ from pathlib import Path
 
 from zero.watchdog import blamed
 
-from .core import Case, Ctx, Result, children, session_pids
+from .core import Case, Ctx, Result, children, marked_pids
 from .runs import LONG_STEPS, STEPS, bytes_lost, final_sha, resume
 
 RUN_TIMEOUT_S = 60
@@ -53,11 +53,11 @@ def saving(out: Path) -> bool:
 
 def rank_pids(job, torchrun: bool) -> dict[int, int]:
     """rank -> pid of the run's ranks: the launcher's forked children in start order, or under
-    torchrun the session's processes whose environment holds RANK."""
+    torchrun the job's processes whose environment holds RANK."""
     if not torchrun:
         return dict(enumerate(children(job.pid)))
     out = {}
-    for pid in session_pids(job.sid):
+    for pid in marked_pids(job.mark):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
