@@ -33,7 +33,6 @@ EXPECTED_TO_FAIL = {
     "sigkill_launcher": SHUTDOWN,
     "sigterm_launcher_mid_save": SHUTDOWN,
     "sigkill_launcher_mid_save": SHUTDOWN,
-    "torchrun_sigterm_launcher": SHUTDOWN,
 }
 """Cases that fail on today's code for want of the watchdog or the clean shutdown."""
 for _name in ("diverge_unit_order", "diverge_micro_batches"):  # named by construction checks

@@ -18,8 +18,9 @@ from zero.watchdog import blamed
 from .core import PY, Case, Ctx, Result
 from .driver import AT_START
 
-TIMEOUT_S = 10
-"""The driver's --timeout: the watchdog must name the rank within it."""
+TIMEOUT_S = 20
+"""The driver's --timeout: the watchdog must name the rank within it. It also bounds the whole
+local run (zero.launch.spawn), which on a loaded 2-core machine takes up to about 10 s."""
 
 KINDS = ("extra_backward", "skipped_step", "save_alone", "load_alone", "early_exit")
 
@@ -51,8 +52,8 @@ def cases(release: bool) -> list[Case]:
     out = []
     for stage in (2, 3):
         for kind in KINDS:
-            fast = stage == 2 and kind == "extra_backward"
-            if not (release or fast or kind == "early_exit"):
+            fast = stage == 2 and kind == "early_exit"  # the issue's plainest hang
+            if not (release or fast):
                 continue
             run = partial(diverge_case, kind=kind, stage=stage)
             out.append(Case(f"diverge_{kind}_s{stage}", "divergence",
@@ -60,8 +61,11 @@ def cases(release: bool) -> list[Case]:
                             f"error within {TIMEOUT_S} s, watchdog blames rank 1",
                             TIMEOUT_S + 90, run, fast=fast))  # fmt: skip
     for kind in ("unit_order", "micro_batches"):
+        if not (release or kind == "unit_order"):
+            continue
         run = partial(diverge_case, kind=kind, stage=2)
         fault = f"rank 1 built with another {kind.replace('_', ' ')}, stage 2"
         right = "error naming rank 1 (blame line, or the construction check)"
-        out.append(Case(f"diverge_{kind}", "divergence", fault, right, TIMEOUT_S + 90, run))
+        out.append(Case(f"diverge_{kind}", "divergence", fault, right, TIMEOUT_S + 90, run,
+                        fast=kind == "unit_order"))  # fmt: skip
     return out
