@@ -7,6 +7,8 @@
 #   make test-gpu        tests/gpu: NCCL and CUDA checks (skipped, with the reason, without CUDA)
 #   make coverage        python -m verify.linecoverage: the library's line coverage under
 #                        verify --quick --resume, against verify/uncovered.toml (about 2 minutes)
+#   make faults          python -m verify.faults --release: every fault case, with the figures
+#                        (the release tier; its fast subset runs in make test)
 #   make repro           the main job: python -m paper_figures (pass options with ARGS="...")
 #   make test-full       the release tier: every test, hypothesis profile "full"
 #   make format          ruff format + ruff check --fix
@@ -25,7 +27,7 @@ ARGS ?=
 PACKAGE_INITS := $(wildcard reference/__init__.py zero/__init__.py measure/__init__.py \
 	verify/__init__.py paper_figures/__init__.py teaching/__init__.py)
 
-.PHONY: coverage test test-unit test-distributed test-notebooks test-gpu test-full repro format lint strip-notebooks clean clean-venv
+.PHONY: coverage faults test test-unit test-distributed test-notebooks test-gpu test-full repro format lint strip-notebooks clean clean-venv
 
 # torch goes in first and pinned: asking pip for plain `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml $(PACKAGE_INITS)
@@ -58,6 +60,9 @@ test-full: lint
 
 coverage: $(STAMP)
 	$(VPY) -m verify.linecoverage $(ARGS)
+
+faults: $(STAMP)
+	$(VPY) -m verify.faults --release $(ARGS)
 
 repro: $(STAMP)
 	$(VPY) -m paper_figures $(ARGS)

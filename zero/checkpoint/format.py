@@ -119,9 +119,13 @@ def _write_durably(path: Path, chunks) -> tuple[str, int]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:
+            # a full disk (ENOSPC, EFBIG) says only "No space left on device": name the file,
+            # so that the error tells which file system is full
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     return digest.hexdigest(), size
 

@@ -1,0 +1,207 @@
+"""The survey of bad input (docs/design.md §5, "Bad input"): one row per bad value tried, for
+every configuration field and every command-line option, shared by the unit tests
+(tests/unit/test_bad_input.py) and the fault suite (verify/faults/inputs.py).
+
+Each is refused at the door: a ValueError naming the field in the API; exit status 2 and one
+line naming the option, with no traceback, on the command line. The rows are data (no test
+framework here): callers build their own parameters from them.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from measure.bench import BenchConfig
+from measure.simulate import SimulateConfig
+from reference.optim import Hyper
+from reference.precision import ScalerConfig
+from zero.config import ZeroConfig
+from zero.digits import DigitsConfig
+from zero.train import TrainConfig
+
+INF, NAN = math.inf, math.nan
+
+
+def api_rows() -> list[tuple]:
+    """(make, field, value): `make(**{field: value})` must raise a ValueError naming field."""
+    rows = []
+
+    def bad(make, field, *values):
+        for v in values:
+            rows.append((make, field, v))
+
+    for f in ("lr", "weight_decay", "momentum"):
+        bad(Hyper, f, INF, NAN, -1.0, "0.1", None)
+    bad(Hyper, "dampening", 2.0, NAN, -INF)
+    bad(Hyper, "eps", 0.0, INF, NAN, -1e-8)
+    bad(Hyper, "betas", (1.0, 0.9), (0.9,), (0.9, NAN), (0.9, INF), "ab", (True, 0.9))
+    bad(Hyper, "nesterov", "yes")
+    for f in ("init_scale", "min_scale"):
+        bad(ScalerConfig, f, INF, 0.0, NAN, -1.0)
+    bad(ScalerConfig, "backoff", 1.0, 0.0, NAN)
+    bad(ScalerConfig, "growth", 1.0, INF, NAN)
+    bad(ScalerConfig, "growth_interval", 0, 1.5, True)
+    bad(ZeroConfig, "stage", 4, -1, True, "2")
+    bad(ZeroConfig, "precision", "fp8", None)
+    bad(ZeroConfig, "reduce_dtype", "fp64")
+    bad(ZeroConfig, "optimizer", "lion")
+    bad(ZeroConfig, "groups", (None,), (), "adam", (Hyper(), 3))
+    bad(ZeroConfig, "group_of", 3)
+    bad(ZeroConfig, "micro_batches", 0, -2, 1.5)
+    bad(ZeroConfig, "clip_norm", INF, NAN, 0.0, -1.0)
+    bad(ZeroConfig, "scaler", None)
+    bad(ZeroConfig, "nonfinite", "ignore")
+    bad(ZeroConfig, "units", "everything", ("a", "a"), ("",))
+    bad(ZeroConfig, "persist_below", -1, 1.5)
+    bad(ZeroConfig, "chunk", 2**40, 100, 0, 64, True)
+    bad(ZeroConfig, "bucket_elements", 0, True, 2.5)
+    for f in ("deterministic", "overlap", "activation_checkpointing", "offload_optimizer"):
+        bad(ZeroConfig, f, "yes", None)
+    bad(ZeroConfig, "contiguous_memory", 1)
+    bad(ZeroConfig, "broadcast_buffers", None)
+    for f in ("lr",):
+        bad(TrainConfig, f, INF, NAN, 0.0, -1.0)
+    bad(TrainConfig, "weight_decay", INF, -0.1)
+    bad(TrainConfig, "timeout_s", INF, NAN, 0.0, -5.0, 1e30)
+    bad(TrainConfig, "val_fraction", 0.0, 1.0, NAN)
+    bad(TrainConfig, "steps", 0, -1, 1.5)
+    bad(TrainConfig, "nproc", 0, True)
+    bad(TrainConfig, "model", "huge")
+    bad(TrainConfig, "eval_every", -1)
+    bad(TrainConfig, "ckpt_every", -1)
+    bad(TrainConfig, "log_every", 0)
+    bad(TrainConfig, "eval_batches", 0)
+    bad(TrainConfig, "seed", -1)
+    bad(TrainConfig, "micro_batches", 0)
+    bad(TrainConfig, "out", "")
+    bad(TrainConfig, "resume", "yes")
+    bad(TrainConfig, "zero", None)
+    bad(DigitsConfig, "lr", INF, NAN, 0.0)
+    bad(DigitsConfig, "weight_decay", INF)
+    bad(DigitsConfig, "test_fraction", 1.0, NAN)
+    bad(DigitsConfig, "timeout_s", INF, 0.0)
+    bad(DigitsConfig, "steps", 0)
+    bad(DigitsConfig, "batch_size", 0)
+    bad(SimulateConfig, "params", INF, NAN, 0.0, -1.0)
+    bad(SimulateConfig, "steps", 0, -1)
+    bad(SimulateConfig, "world_size", 0, True)
+    bad(SimulateConfig, "rank", 64, -1)
+    bad(SimulateConfig, "stage", 4)
+    bad(SimulateConfig, "seq", 0)
+    bad(SimulateConfig, "batch", 0)
+    bad(SimulateConfig, "vocab_size", 0)
+    bad(SimulateConfig, "device", "tpu")
+    bad(SimulateConfig, "shape", {"n_layer": 0, "n_embd": 64, "n_head": 1}, {"layers": 2})
+    bad(BenchConfig, "lr", INF, NAN, 0.0)
+    bad(BenchConfig, "weight_decay", INF, -1.0)
+    bad(BenchConfig, "quiet_cores", NAN, -1.0)
+    bad(BenchConfig, "quiet_wait_s", INF, -1.0)
+    bad(BenchConfig, "timeout_s", INF, 0.0)
+    bad(BenchConfig, "repeats", 0)
+    bad(BenchConfig, "world_sizes", (0,), ())
+    return rows
+
+
+def cli_rows() -> list[tuple]:
+    """(prog, argv, field): `python -m prog *argv` must exit 2 with one line naming field;
+    {file}, {missing} and {text} in argv are paths that `paths(tmp)` makes."""
+    rows = []
+
+    def bad(prog, field, *argv):
+        rows.append((prog, list(argv), field))
+
+    t = "zero.train"
+    for v in ("inf", "nan", "-1", "0"):
+        bad(t, "lr", "--lr", v)
+    bad(t, "lr", "--lr", "fast")
+    bad(t, "weight_decay", "--weight-decay", "inf")
+    for v in ("inf", "nan", "0", "-5"):
+        bad(t, "timeout_s", "--timeout", v)
+    bad(t, "val_fraction", "--val-fraction", "nan")
+    bad(t, "val_fraction", "--val-fraction", "0.99", "--data", "{text}")
+    bad(t, "steps", "--steps", "0")
+    bad(t, "steps", "--steps", "1e3")
+    bad(t, "nproc", "--nproc", "0")
+    bad(t, "micro_batches", "--micro-batches", "0")
+    bad(t, "eval_every", "--eval-every", "-1")
+    bad(t, "ckpt_every", "--ckpt-every", "-1")
+    bad(t, "log_every", "--log-every", "0")
+    bad(t, "seed", "--seed", "-1")
+    for v in ("inf", "nan", "0", "-1"):
+        bad(t, "clip_norm", "--clip-norm", v)
+    for v in (str(2**40), "100", "0"):
+        bad(t, "chunk", "--chunk", v)
+    bad(t, "bucket_elements", "--bucket-elements", "0")
+    bad(t, "persist_below", "--persist-below", "-1")
+    bad(t, "reduce_dtype", "--reduce-dtype", "bf16")
+    bad(t, "offload_activations", "--offload-activations")
+    bad(t, "stage", "--stage", "5")
+    bad(t, "model", "--model", "huge")
+    bad(t, "precision", "--precision", "fp8")
+    bad(t, "optimizer", "--optimizer", "lion")
+    bad(t, "out", "--out", "{file}/sub")  # was reported after the training had run
+    bad(t, "data", "--data", "{missing}")
+    d = "zero.digits"
+    bad(d, "lr", "--lr", "inf")
+    bad(d, "timeout_s", "--timeout", "inf")
+    bad(d, "test_fraction", "--test-fraction", "1")
+    bad(d, "steps", "--steps", "0")
+    bad(d, "out", "--out", "{file}/sub")
+    v = "verify"
+    bad(v, "world_sizes", "--quick", "--world-sizes", "7", "--list")  # was "0/0 cells", exit 1
+    bad(v, "world_sizes", "--world-sizes", "0", "--list")
+    bad(v, "timeout", "--timeout", "inf", "--list")
+    bad(v, "timeout", "--timeout", "0", "--list")
+    bad(v, "steps", "--steps", "0", "--list")
+    bad(v, "stages", "--stages", "5", "--list")
+    bad(v, "json", "--json", "{file}/v.json", "--list")
+    bad(v, "baseline", "--baseline", "{missing}", "--list")
+    bad("verify.demo", "world_size", "--world-size", "0")
+    bad("verify.demo", "steps", "--steps", "0")
+    s = "measure.simulate"
+    bad(s, "steps", "--steps", "0")
+    bad(s, "params", "--params", "1e15")  # was minutes building a million-layer model
+    bad(s, "params", "--params", "inf")
+    bad(s, "params", "--params", "-1")
+    bad(s, "world_size", "--world-size", "0")
+    bad(s, "rank", "--rank", "64")
+    bad(s, "stage", "--stage", "4")
+    bad(s, "device", "--device", "tpu")
+    bad(s, "shape", "--shape", '{"n_layer": 0, "n_embd": 8, "n_head": 1}')
+    bad(s, "json", "--json", "{file}/r.json", "--params", "1e6", "--world-size", "1")
+    b = "measure.bench"
+    bad(b, "lr", "--lr", "inf")
+    bad(b, "timeout_s", "--timeout", "inf")
+    bad(b, "quiet_wait_s", "--quiet-wait-s", "nan")
+    bad(b, "world_sizes", "--world-sizes", "0")
+    bad(b, "systems", "--systems", "megatron")
+    bad(b, "json", "--json", "{file}/b.json")
+    bad(b, "from_json", "--from-json", "{missing}")
+    bad("paper_figures", "out", "--out", "{file}/sub")
+    bad("paper_figures", "profile", "--profile", "huge")
+    return rows
+
+
+def one_line_naming(text: str, field: str) -> bool:
+    """The refusal is one line, without a traceback, naming the field (as `field=`, `field[`
+    or its option `--field`)."""
+    text = text.strip()
+    names = (f"{field}=", f"{field}[", f"--{field.replace('_', '-')}")
+    return "\n" not in text and "Traceback" not in text and any(n in text for n in names)
+
+
+def paths(tmp: Path) -> dict[str, str]:
+    """The paths the command-line rows name: a file (so FILE/sub cannot be a folder), a missing
+    path, and a small text whose three 64 KiB pieces are all held out at --val-fraction 0.99."""
+    file = tmp / "a_file"
+    file.write_text("not a folder")
+    text = tmp / "small.txt"
+    text.write_bytes(b"print('hello')\n" * 13_000)
+    return {"file": str(file), "missing": str(tmp / "missing"), "text": str(text)}
+
+
+def fill(argv: list[str], where: dict[str, str]) -> list[str]:
+    for key, path in where.items():
+        argv = [a.replace("{" + key + "}", path) for a in argv]
+    return argv

@@ -1,0 +1,71 @@
+"""Divergent ranks: one rank issues other collectives than the rest (verify/faults/driver.py).
+
+The issue's list at stages 2 and 3: an extra backward, a skipped step, a save or a load by one
+rank alone, an early exit; and ranks whose collectives differ from the start: another unit
+order, another micro-batch count. The right outcome: the run ends within the driver's
+--timeout (plus start-up) with an error whose blame line (zero.watchdog.blamed) names exactly
+the diverging rank. A run that finishes anyway is a silent wrong result; one that outlives the
+case's deadline a hang; an error that blames no rank, or another, an unclear error.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+from zero.watchdog import blamed
+
+from .core import PY, Case, Ctx, Result
+from .driver import AT_START
+
+TIMEOUT_S = 20
+"""The driver's --timeout: the watchdog must name the rank within it. It also bounds the whole
+local run (zero.launch.spawn), which on a loaded 2-core machine takes up to about 10 s."""
+
+KINDS = ("extra_backward", "skipped_step", "save_alone", "load_alone", "early_exit")
+
+
+def diverge_case(ctx: Ctx, *, kind: str, stage: int, rank: int = 1, at: int = 2) -> Result:
+    argv = [PY, "-m", "verify.faults.driver", "--diverge", kind, "--rank", str(rank),
+            "--at-step", str(at), "--stage", str(stage), "--timeout", str(TIMEOUT_S)]  # fmt: skip
+    job = ctx.job(argv, tag="driver")
+    code = job.wait(ctx)
+    if code is None:
+        return Result("hang", f"no end within {ctx.case.deadline_s:g} s")
+    ctx.settle(job)
+    text = job.text()
+    if code == 0:
+        return Result("silent_wrong", "the run finished as if no rank had diverged")
+    who = blamed(text)
+    if who == {rank}:
+        line = next(x for x in text.splitlines() if "watchdog blames" in x)
+        return Result("refused", line.strip()[:160])
+    # a rank built differently is named by the engine's construction check (zero/engine.py)
+    check = re.search(rf"^\w+Error: rank {rank} disagrees with rank \d+ on .*$", text, re.M)
+    if not who and kind in AT_START and check:
+        return Result("refused", check.group(0)[:160])
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    return Result("unclear", f"blamed {sorted(who)}, not [{rank}]: {last[:160]}")
+
+
+def cases(release: bool) -> list[Case]:
+    out = []
+    for stage in (2, 3):
+        for kind in KINDS:
+            fast = stage == 2 and kind == "early_exit"  # the issue's plainest hang
+            if not (release or fast):
+                continue
+            run = partial(diverge_case, kind=kind, stage=stage)
+            out.append(Case(f"diverge_{kind}_s{stage}", "divergence",
+                            f"rank 1: {kind.replace('_', ' ')} at step 2, stage {stage}",
+                            f"error within {TIMEOUT_S} s, watchdog blames rank 1",
+                            TIMEOUT_S + 90, run, fast=fast))  # fmt: skip
+    for kind in ("unit_order", "micro_batches"):
+        if not (release or kind == "unit_order"):
+            continue
+        run = partial(diverge_case, kind=kind, stage=2)
+        fault = f"rank 1 built with another {kind.replace('_', ' ')}, stage 2"
+        right = "error naming rank 1 (blame line, or the construction check)"
+        out.append(Case(f"diverge_{kind}", "divergence", fault, right, TIMEOUT_S + 90, run,
+                        fast=kind == "unit_order"))  # fmt: skip
+    return out

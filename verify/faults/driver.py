@@ -1,0 +1,152 @@
+"""A small training run that can make one rank diverge, stall, leak or run long.
+
+    python -m verify.faults.driver --diverge extra_backward --rank 1 --at-step 3 --stage 2
+
+Two local ranks (zero.launch.spawn) train the GPT of the README through the public API
+(ZeroEngine, forward, backward, step) for --steps steps; at --at-step, rank --rank does what
+--diverge says and the other ranks go on as normal:
+
+    extra_backward  one forward and backward more than the step's micro-batches
+    skipped_step    the whole step skipped (no forward, backward or step)
+    save_alone      engine.save(...) by this rank alone
+    load_alone      engine.load(...) by this rank alone (of a checkpoint all saved at step 0)
+    early_exit      return from the run
+    unit_order      (from the start) the engine built with its units in reverse order
+    micro_batches   (from the start) twice the micro-batches per step
+    none            nothing: the undisturbed run
+
+The right outcome of every divergence is an error naming the diverging rank within --timeout
+(zero.watchdog's blame line). On success it prints one line, `ok SHA` (the master's sha256 on
+rank 0), and with --rss each rank's resident set size after every step as JSON (`rss [...]`).
+--leak-bytes keeps that many bytes per step alive on every rank: a planted leak, so that the
+suite's leak check is shown to fail on one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import re
+import tempfile
+from pathlib import Path
+
+DIVERGENCES = ("none", "extra_backward", "skipped_step", "save_alone", "load_alone",
+               "early_exit", "unit_order", "micro_batches")  # fmt: skip
+AT_START = ("unit_order", "micro_batches")
+
+
+def _rss_kib() -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1))
+
+
+def worker(rank: int, n: int, args) -> dict:
+    import torch
+
+    from reference import Hyper
+    from zero import ZeroConfig, ZeroEngine
+    from zero.models import GPT, GPTConfig, gpt_microbatches
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=32), seed=0)
+    me = rank == args.rank
+    units = tuple(model.unit_names())
+    m = 2 * n
+    if me and args.diverge == "unit_order":
+        units = units[::-1]
+    if me and args.diverge == "micro_batches":
+        m = 4 * n
+    extra = {name: args.timeout for name in timeout_fields()}
+    config = ZeroConfig(
+        stage=args.stage, deterministic=True, optimizer="adamw", groups=(Hyper(lr=3e-3),),
+        micro_batches=m, units=units, **extra,
+    )  # fmt: skip
+    engine = ZeroEngine(model, config)
+
+    def forward_backward(step, j):
+        x, y = gpt_microbatches(model.cfg, seed=0, data_step=step, count=j + 1, batch_size=4)[j]
+        _, loss = engine(x, y)
+        engine.backward(loss)
+
+    ckpt = Path(args.dir) / "ckpt"
+    if args.diverge == "load_alone":
+        engine.save(ckpt)  # every rank: a checkpoint for the lone load to read
+    keep, rss = [], []
+    per_rank = m // n
+    for step in range(args.steps):
+        if me and step == args.at_step:
+            if args.diverge == "early_exit":
+                return {"rank": rank, "exited": step}
+            if args.diverge == "skipped_step":
+                continue
+            if args.diverge == "save_alone":
+                engine.save(Path(args.dir) / "alone")
+            if args.diverge == "load_alone":
+                engine.load(ckpt)
+        for k in range(per_rank):
+            forward_backward(step, k * n + rank)
+        if me and step == args.at_step and args.diverge == "extra_backward":
+            forward_backward(step, rank)
+        engine.step()
+        if args.leak_bytes:
+            keep.append(bytearray(b"x" * args.leak_bytes))  # touched: resident
+        if args.rss:
+            rss.append(_rss_kib())
+    master, _ = engine.gather_state()
+    sha = hashlib.sha256(b"".join(master[k].numpy().tobytes() for k in sorted(master)))
+    del torch
+    return {"rank": rank, "sha": sha.hexdigest(), "rss": rss}
+
+
+def timeout_fields() -> list[str]:
+    """ZeroConfig's timeout fields (the watchdog's), if it has any: they get --timeout."""
+    from zero import ZeroConfig
+
+    return [f.name for f in dataclasses.fields(ZeroConfig) if "timeout" in f.name]
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(prog="python -m verify.faults.driver", description=__doc__)
+    p.add_argument("--diverge", choices=DIVERGENCES, default="none")
+    p.add_argument("--rank", type=int, default=1, help="the rank that diverges")
+    p.add_argument("--at-step", type=int, default=2, help="the step at which it diverges")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=15.0, help="seconds (--timeout of a run)")
+    p.add_argument("--rss", action="store_true", help="report each rank's RSS after each step")
+    p.add_argument("--leak-bytes", type=int, default=0, help="a planted leak per step and rank")
+    args = p.parse_args(argv)
+    for name, low in (("steps", 1), ("nproc", 1), ("at_step", 0), ("leak_bytes", 0)):
+        if getattr(args, name) < low:
+            raise ValueError(f"{name}={getattr(args, name)} is not allowed: expected >= {low}")
+    if not 0 <= args.rank < args.nproc:
+        raise ValueError(f"rank={args.rank} is not allowed: expected 0..{args.nproc - 1}")
+    return args
+
+
+def main(argv=None) -> int:
+    from zero.launch import spawn
+
+    args = parse(argv)
+    with tempfile.TemporaryDirectory(prefix="fault-driver-") as tmp:
+        args.dir = tmp
+        # With a watchdog timeout of the engine's own, the whole run's limit (spawn's) is set
+        # well above it, so that the watchdog, not the launcher's limit, ends a stalled run.
+        limit = 2 * args.timeout + 10 if timeout_fields() else args.timeout
+        results = spawn(worker, args.nproc, args, timeout_s=limit)
+    shas = {r.get("sha") for r in results}
+    if len(shas) != 1:  # ranks that disagree and still finished: the worst outcome
+        print(f"ranks disagree: {[r.get('sha', r) for r in results]}")
+        return 3
+    print(f"ok {results[0]['sha']}")
+    if args.rss:
+        print("rss " + json.dumps([r["rss"] for r in results]))
+    return 0
+
+
+if __name__ == "__main__":
+    from zero import cli
+
+    cli.run(main, "python -m verify.faults.driver")
