@@ -60,6 +60,8 @@ def api_rows() -> list[tuple]:
         bad(ZeroConfig, f, "yes", None)
     bad(ZeroConfig, "contiguous_memory", 1)
     bad(ZeroConfig, "broadcast_buffers", None)
+    bad(ZeroConfig, "watchdog", True, "every", None)
+    bad(ZeroConfig, "partition_activations", "yes")
     for f in ("lr",):
         bad(TrainConfig, f, INF, NAN, 0.0, -1.0)
     bad(TrainConfig, "weight_decay", INF, -0.1)
@@ -100,6 +102,7 @@ def api_rows() -> list[tuple]:
     bad(BenchConfig, "timeout_s", INF, 0.0)
     bad(BenchConfig, "repeats", 0)
     bad(BenchConfig, "world_sizes", (0,), ())
+    bad(BenchConfig, "watchdog", "sometimes", False)
     return rows
 
 

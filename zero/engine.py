@@ -79,14 +79,14 @@ class ZeroEngine(nn.Module):
         rank whose values do not matter); self.init_report says which rule gave each value.
         mp: a TP module's MPContext; `group` is then its DP group (zero/mp/control.py)."""
         super().__init__()
+        if config.partition_activations and mp is None:
+            raise ValueError("partition_activations=True: P_a needs model parallelism (mp=)")
         config = build.resolve_units(module, config)  # units="auto" spelled out
         self.module, self.config = module, config
         self.group = group if group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         n = self.world_size
         build.check_config(config, n)
-        if config.partition_activations and mp is None:
-            raise ValueError("partition_activations=True: P_a needs model parallelism (mp=)")
         self.mp = None if mp is None else MPStep(module, mp, config)
         self.counter = C.CommCounter() if mp is None else self.mp.counter  # MP's counted here
         self.counter.step = -1  # construction's checks are "step -1"

@@ -5,9 +5,7 @@ The fast subset (marker `faults`, in `make test`) runs the cheapest case of each
 the long-run leak check; the whole suite is the release tier (`-m full`, or `make faults`).
 Each case must end survived (bitwise, or resumed bitwise) or refused with a clear error, with
 0 bytes lost, no orphan process and no temp dir left; the bad-input case must have every row
-a one-line error. The cases that need the collective watchdog or the clean shutdown of the
-launcher are marked xfail(strict=True) until that work lands; a few whose outcome today is a
-race (the launcher names whichever rank reports first) are xfail(strict=False).
+a one-line error. EXPECTED_TO_FAIL and RACY list known exceptions by name (both empty).
 """
 
 import pytest
@@ -20,26 +18,14 @@ from verify.faults.signals import first_failure, names_rank
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(3600)]
 
-WATCHDOG = "needs the watchdog: a diverging or stopped rank named by a blame line"
-SHUTDOWN = "needs the clean shutdown: the launcher's ranks and temp dirs end with it"
-RACE = "today the launcher may name the surviving rank first; the watchdog's blame line fixes it"
-
-EXPECTED_TO_FAIL = {
-    **{c.name: WATCHDOG for c in all_cases() if c.family == "divergence"},
-    "sigstop_rank1": WATCHDOG,
-    "sigstop_rank0": WATCHDOG,
-    "torchrun_sigstop_rank1": WATCHDOG,
-    "sigterm_launcher": SHUTDOWN,
-    "sigkill_launcher": SHUTDOWN,
-    "sigterm_launcher_mid_save": SHUTDOWN,
-    "sigkill_launcher_mid_save": SHUTDOWN,
-}
-"""Cases that fail on today's code for want of the watchdog or the clean shutdown."""
-for _name in ("diverge_unit_order", "diverge_micro_batches"):  # named by construction checks
-    EXPECTED_TO_FAIL.pop(_name)
-RACY = {"sigkill_rank1": RACE, "sigterm_rank1": RACE, "sigkill_rank0_mid_save": RACE,
-        "sigkill_rank1_mid_save": RACE, "torchrun_sigkill_rank1": RACE}  # fmt: skip
-"""Cases whose outcome today depends on which rank's report reaches the launcher first."""
+EXPECTED_TO_FAIL: dict[str, str] = {}
+"""Cases known to fail, by name, with the reason (xfail strict): none. Before the collective
+watchdog and the clean shutdown, the divergences, the stopped ranks and the signals to the
+launcher were here; a case that must be listed again says why."""
+RACY: dict[str, str] = {}
+"""Cases whose outcome depends on timing (xfail, not strict): none. The launcher used to name
+whichever rank reported first, sometimes the survivor of a killed rank; the watchdog's blame
+line now names the killed one."""
 
 
 def _params(cases):

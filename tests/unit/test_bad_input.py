@@ -51,6 +51,12 @@ def test_calls_are_refused_by_name():
         spawn(print, 1, timeout_s=INF)  # was an OverflowError
     with pytest.raises(ValueError, match=r"^timeout_s=nan"):
         WorkerPool(1, timeout_s=NAN)
+    with pytest.raises(ValueError, match=r"^deadline_s=-1"):
+        spawn(print, 1, timeout_s=5, deadline_s=-1)
+    with pytest.raises(ValueError, match=r"^partition_activations=True: P_a needs"):
+        ZeroEngine(
+            nn.Linear(2, 2), ZeroConfig(activation_checkpointing=True, partition_activations=True)
+        )
     with pytest.raises(ValueError, match=r"^keep_steps=0"):
         CommCounter(keep_steps=0)
 

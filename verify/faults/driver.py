@@ -25,7 +25,6 @@ suite's leak check is shown to fail on one.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import re
@@ -57,10 +56,9 @@ def worker(rank: int, n: int, args) -> dict:
         units = units[::-1]
     if me and args.diverge == "micro_batches":
         m = 4 * n
-    extra = {name: args.timeout for name in timeout_fields()}
     config = ZeroConfig(
         stage=args.stage, deterministic=True, optimizer="adamw", groups=(Hyper(lr=3e-3),),
-        micro_batches=m, units=units, **extra,
+        micro_batches=m, units=units,
     )  # fmt: skip
     engine = ZeroEngine(model, config)
 
@@ -99,13 +97,6 @@ def worker(rank: int, n: int, args) -> dict:
     return {"rank": rank, "sha": sha.hexdigest(), "rss": rss}
 
 
-def timeout_fields() -> list[str]:
-    """ZeroConfig's timeout fields (the watchdog's), if it has any: they get --timeout."""
-    from zero import ZeroConfig
-
-    return [f.name for f in dataclasses.fields(ZeroConfig) if "timeout" in f.name]
-
-
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m verify.faults.driver", description=__doc__)
     p.add_argument("--diverge", choices=DIVERGENCES, default="none")
@@ -132,10 +123,11 @@ def main(argv=None) -> int:
     args = parse(argv)
     with tempfile.TemporaryDirectory(prefix="fault-driver-") as tmp:
         args.dir = tmp
-        # With a watchdog timeout of the engine's own, the whole run's limit (spawn's) is set
-        # well above it, so that the watchdog, not the launcher's limit, ends a stalled run.
-        limit = 2 * args.timeout + 10 if timeout_fields() else args.timeout
-        results = spawn(worker, args.nproc, args, timeout_s=limit)
+        # --timeout is each collective's (the watchdog then names the rank); the whole run's
+        # limit sits well above it, so that the watchdog, not the launcher's limit, ends it
+        results = spawn(
+            worker, args.nproc, args, timeout_s=args.timeout, deadline_s=2 * args.timeout + 60
+        )
     shas = {r.get("sha") for r in results}
     if len(shas) != 1:  # ranks that disagree and still finished: the worst outcome
         print(f"ranks disagree: {[r.get('sha', r) for r in results]}")
