@@ -206,6 +206,39 @@ def format_profile(records: list[dict], *, markdown: bool = False) -> str:
     return _render(head, rows, markdown)
 
 
+PHASE_PARTS = (
+    ("forward", "forward"),
+    ("backward.rest", "backward"),
+    ("backward.hooks", "hooks"),
+    ("backward.finalize", "finalize"),
+    ("update.reduce", "reduce"),
+    ("update.refresh", "all-gather"),
+    ("update.finish", "ag-wait"),
+    ("update.optimizer", "optimizer"),
+    ("update.control", "control"),
+    ("update.other", "update, rest"),
+)
+"""The disjoint parts of a profiled step (key, label), in the order a step runs them: they sum
+to forward + backward + update (PROFILE_COLUMNS says what each holds). A peer's update is one
+part ("update, rest"), its backward one ("backward")."""
+
+
+def phase_parts(record: dict) -> dict[str, float]:
+    """The record's profile split into PHASE_PARTS (ms), or {} when it was not profiled."""
+    prof = record["result"].get("profile_ms") or {}
+    if not prof:
+        return {}
+    inner = ("backward.hooks", "backward.finalize")
+    updates = ("update.reduce", "update.refresh", "update.finish", "update.optimizer")
+    parts = {k: prof.get(k, 0.0) for k in (*inner, *updates, "update.control")}
+    parts["forward"] = prof["forward"]
+    parts["backward.rest"] = prof["backward"] - sum(prof.get(k, 0.0) for k in inner)
+    parts["update.other"] = prof["update"] - sum(
+        prof.get(k, 0.0) for k in (*updates, "update.control")
+    )
+    return {k: parts[k] for k, _ in PHASE_PARTS}
+
+
 def format_memory(records: list[dict], *, markdown: bool = False) -> str:
     """Peak tensor bytes per rank (MiB) of the records that carry the memory pass: the peak, the
     bytes alive between steps, the analytic states and saved activations, and the ratios."""
