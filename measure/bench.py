@@ -1,12 +1,19 @@
 """python -m measure.bench: one training step of our stages 0-3 timed beside torch DDP,
-ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO-1/2/3, same GPT, same data, same N, one run.
+ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO-1/2/3, same GPT, same data, same N, one run,
+then each system's peak tensor bytes per rank. DeepSpeed runs where it is installed
+(`DS_BUILD_OPS=0 pip install deepspeed`; on a CPU the benchmark sets DS_ACCELERATOR=cpu); where
+it is not, its rows say "not installed" and the other systems run.
 
     python -m measure.bench --model anchor --world-sizes 2 4 --repeats 8 --steps 6 --json b.json
+    python -m measure.bench --model mid --world-sizes 2 4 --json mid.json   # 26.3M, fewer steps
     python -m measure.bench --from-json b.json --markdown          # the tables again, from records
     torchrun --standalone --nproc-per-node 1 -m measure.bench --world-sizes 1   # one GPU, NCCL
 
 Systems (SYSTEMS): zero-s{0..3} (fast mode), zero-s{0..3}-det (deterministic), ddp,
 zero-redundancy, fsdp2, fsdp2-reshard, deepspeed-s{1,2,3}; fp32 AdamW, M = N.
+Memory (--memory, on by default; [Note: the memory pass]): peak MiB per rank, measured by
+measure/tensor_memory.py, beside the analytic model states of the system's sharding level
+(zero/memory.py) and the activations autograd saves; ×DDP and ×best peer at the same level.
 Legend: N ranks; ms/step the slowest rank's step, median over repeats × steps (IQR its spread);
 ×DDP / ×fast / ×s2 / ×<peer> ratios of medians; MFU model FLOPs ÷ step time ÷ measured peak
 (measure/mfu.py); Δloss the largest loss difference from DDP. Every system, column and rule is

@@ -182,6 +182,9 @@ def test_the_command_line_is_the_config(capsys):
     argv += ["--repeats", "1", "--steps", "2", "--profile", "--retries", "0", "--timeout", "60"]
     cfg, args = bench.parse([*argv, "--quiet-wait-s", "0", "--json", "out.json"])
     assert cfg == dataclasses.replace(SMALL, timeout_s=60.0) and args.json == "out.json"
+    with pytest.raises(SystemExit):
+        bench.parse(["--help"])
+    assert "pip install deepspeed" in " ".join(capsys.readouterr().out.split())  # how to get it
     with pytest.raises(SystemExit) as exc:
         bench.parse(["--world-sizes", "0"])
     assert exc.value.code == 2 and "world_sizes=(0,)" in capsys.readouterr().err
