@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     start = [torch.randn(args.numel, generator=gen) for _ in range(2)]
     start += [torch.randn(args.numel, generator=gen), torch.rand(args.numel, generator=gen)]
     variants = {"previous (64K, allocating)": _previous}
-    for k in (14, 15, 16, 17, 18):
+    for k in (14, 15, 16, 17, 18, 19, 20, 22):
         mark = " (current)" if 1 << k == optim.BLOCK else ""
         variants[f"blocks 2^{k}{mark}"] = _current(1 << k)
     variants["fused (fast mode)"] = _fused

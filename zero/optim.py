@@ -90,15 +90,16 @@ def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Ten
             )
 
 
-BLOCK = 1 << 16
-"""[Note: in-place blocks] The deterministic update runs in blocks of 64K elements, in place,
+BLOCK = 1 << 18
+"""[Note: in-place blocks] The deterministic update runs in blocks of 256K elements, in place,
 each operation the reference's own, on the whole block, in the reference's order: an
 elementwise op rounds the same whether it writes a new tensor, its operand or a workspace, and
 + and · are commutative in IEEE arithmetic, so no bit changes. A block's operands and the
-workspace (256 KiB per fp32 array) stay in cache across the ten or so passes, where
-whole-shard tensors would stream through memory on every pass; the workspace is allocated once
-per call, not per block. Smaller blocks pay more Python per element: measure/optim_speed.py
-times the choice against the kernel before these notes."""
+workspace (1 MiB per fp32 array) stay in cache across the fourteen passes, where whole-shard
+tensors would stream through memory on every pass (about twice the time on a 3.7M-element
+shard); the workspace is allocated once per call, not per block. Smaller blocks pay more
+Python per element. measure/optim_speed.py times the choice (2^17-2^19 were level, and 2^16
+slower, on the 2-core machine) against the kernel before these notes."""
 
 
 class _Workspace:
