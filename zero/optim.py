@@ -71,8 +71,8 @@ def _sqrt(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 # (MACHINE_NOTES: off by 1 ulp on ~18% of inputs). The reference takes NumPy's float32 sqrt,
 # which is the processor's IEEE sqrt instruction (correctly rounded, like CUDA's default sqrt),
 # so on CPU the engine calls the same NumPy function on the tensor's memory. (It went through
-# float64 before, whose sqrt rounds back to float32 exactly too: the same bits, three passes and
-# ~5x the time.)
+# float64 before, whose sqrt rounds back to float32 exactly too: the same bits in three passes,
+# the float64 sqrt the slowest of the step's operations; measure/optim_speed.py compares them.)
 
 
 def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
