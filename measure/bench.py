@@ -1,12 +1,19 @@
 """python -m measure.bench: one training step of our stages 0-3 timed beside torch DDP,
-ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO-1/2/3, same GPT, same data, same N, one run.
+ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO-1/2/3, same GPT, same data, same N, one run,
+then each system's peak tensor bytes per rank. DeepSpeed runs where it is installed
+(`DS_BUILD_OPS=0 pip install deepspeed`; on a CPU the benchmark sets DS_ACCELERATOR=cpu); where
+it is not, its rows say "not installed" and the other systems run.
 
     python -m measure.bench --model anchor --world-sizes 2 4 --repeats 8 --steps 6 --json b.json
+    python -m measure.bench --model mid --world-sizes 2 4 --json mid.json   # 26.3M, fewer steps
     python -m measure.bench --from-json b.json --markdown          # the tables again, from records
     torchrun --standalone --nproc-per-node 1 -m measure.bench --world-sizes 1   # one GPU, NCCL
 
 Systems (SYSTEMS): zero-s{0..3} (fast mode), zero-s{0..3}-det (deterministic), ddp,
 zero-redundancy, fsdp2, fsdp2-reshard, deepspeed-s{1,2,3}; fp32 AdamW, M = N.
+Memory (--memory, on by default; [Note: the memory pass]): peak MiB per rank, measured by
+measure/tensor_memory.py, beside the analytic model states of the system's sharding level
+(zero/memory.py) and the activations autograd saves; ×DDP and ×best peer at the same level.
 Legend: N ranks; ms/step the slowest rank's step, median over repeats × steps (IQR its spread);
 ×DDP / ×fast / ×s2 / ×<peer> ratios of medians; MFU model FLOPs ÷ step time ÷ measured peak
 (measure/mfu.py); Δloss the largest loss difference from DDP. Every system, column and rule is
@@ -50,11 +57,14 @@ from zero.models import GPT, GPTConfig, gpt_microbatches
 from zero.results import make_record, provenance, read_json, write_json
 from zero.train import train_steps
 
-from . import mfu
+from . import mfu, tensor_memory
 from .bench_table import (
     OURS,
+    SHARDING_LEVEL,
     SYSTEMS,
     add_ratios,
+    analytic_states_bytes,
+    format_memory,
     format_profile,
     format_table,
 )
@@ -67,22 +77,47 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True, kw_only=True)
 class BenchModel:
-    """A workload: the GPT and its micro-batch size."""
+    """A workload: the GPT, its micro-batch size, and how long a run of it is by default."""
 
     gpt: GPTConfig
     """The model (zero.models.GPT); sequences are gpt.block_size tokens long."""
     batch_size: int
     """B: sequences per micro-batch; each rank runs one micro-batch per step (M = N)."""
+    repeats: int = 5
+    """BenchConfig.repeats when the command leaves it out."""
+    steps: int = 6
+    """BenchConfig.steps when the command leaves it out."""
 
 
+# [Note: bench model sizes] Our GPT ties the output layer to the token embedding, so
+#   Ψ = V·d + T·d + L·(12d² + 13d) + 2d
+# (per block: qkv 3d² + 3d, attention projection d² + d, MLP 8d² + 5d, two LayerNorms 4d; then
+# the final LayerNorm). Vocabulary 2048 and sequence 128 at every size but the test's: the sizes
+# differ in depth and width only, so a larger one weighs communication and the optimizer (Ψ)
+# more against the activations (B·T·d·L).
 MODELS = {
-    # The default GPTConfig, ~0.12M parameters: a step takes milliseconds, for tests.
+    # The default GPTConfig, Ψ = 120,576: a step takes milliseconds, for tests.
     "small": BenchModel(gpt=GPTConfig(), batch_size=4),
     # The anchor GPT that the issue's targets (step time ÷ DDP's) were measured on:
-    # 4 layers, d 256, seq 128, B 8; vocabulary 2048 makes Ψ = 3,716,608 (3.72M).
+    # 4 layers, d 256, 4 heads: Ψ = 524,288 + 32,768 + 4·789,760 + 512 = 3,716,608 (3.72M).
     "anchor": BenchModel(
         gpt=GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=256),
         batch_size=8,
+        repeats=8,
+    ),
+    # 8 layers, d 512, 8 heads: Ψ = 1,048,576 + 65,536 + 8·3,152,384 + 1,024 = 26,334,208.
+    "mid": BenchModel(
+        gpt=GPTConfig(vocab_size=2048, block_size=128, n_layer=8, n_head=8, n_embd=512),
+        batch_size=8,
+        repeats=4,
+        steps=3,
+    ),
+    # 14 layers, d 768, 12 heads: Ψ = 1,572,864 + 98,304 + 14·7,087,872 + 1,536 = 100,902,912.
+    "large": BenchModel(
+        gpt=GPTConfig(vocab_size=2048, block_size=128, n_layer=14, n_head=12, n_embd=768),
+        batch_size=8,
+        repeats=3,
+        steps=2,
     ),
 }
 
@@ -92,16 +127,18 @@ class BenchConfig:
     """What to time, and how often."""
 
     model: str = "anchor"
-    """A key of MODELS: 'small' (seconds, for tests) or 'anchor' (the 3.72M-parameter GPT)."""
+    """A key of MODELS: 'small' (seconds, for tests), 'anchor' (3.72M parameters), 'mid'
+    (26.3M) or 'large' (101M); [Note: bench model sizes]."""
     systems: tuple[str, ...] = SYSTEMS
     """Which of SYSTEMS to time; the ratios need 'ddp' (×DDP) and the fast stage (×fast)."""
     world_sizes: tuple[int, ...] = (2, 4)
     """N values, each >= 1; one pool of N ranks each, all systems built in it. At N = 1 there is
     no communication: the step is the systems' software overhead around the same compute."""
-    repeats: int = 5
-    """Rounds of [Note: alternating repeats]; the spread is over repeats × steps samples."""
-    steps: int = 6
-    """Timed steps per repeat (each system, each round)."""
+    repeats: int | None = None
+    """Rounds of [Note: alternating repeats]; the spread is over repeats × steps samples.
+    None: the model's own default (BenchModel.repeats: fewer at the larger sizes)."""
+    steps: int | None = None
+    """Timed steps per repeat (each system, each round); None: the model's (BenchModel.steps)."""
     warmup: int = 1
     """Untimed steps at the start of every repeat (two more after building each system)."""
     lr: float = 1e-3
@@ -120,6 +157,9 @@ class BenchConfig:
     """Longest wait for a quiet machine before a repeat (it then runs anyway, recorded)."""
     profile: bool = False
     """After timing, time each system's phases over `steps` more steps (module docstring)."""
+    memory: bool = True
+    """After timing, build each system once more and measure its peak tensor bytes per rank over
+    MEMORY_STEPS steps (measure/tensor_memory.py says what that sees); --no-memory skips it."""
     watchdog: str = "calls"
     """Our engine's ZeroConfig.watchdog ('calls', 'collectives' or 'off'): a run with 'off'
     beside one with the default measures what the watchdog's checks cost."""
@@ -129,6 +169,9 @@ class BenchConfig:
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r}: allowed are {tuple(MODELS)}")
+        for name in ("repeats", "steps"):  # frozen: set once, before anyone reads it
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(MODELS[self.model], name))
         bad = [s for s in self.systems if s not in SYSTEMS]
         if bad or not self.systems or len(set(self.systems)) != len(self.systems):
             raise ValueError(f"systems={self.systems!r}: allowed are distinct names from {SYSTEMS}")
@@ -464,6 +507,11 @@ def prepare_deepspeed(rank: int, n: int) -> str | None:
     return why
 
 
+def _make(name: str, rank: int, n: int, cfg: BenchConfig) -> _Trainer:
+    kind = _Ours if name in OURS else _DeepSpeed if name.startswith("deep") else _TorchPeer
+    return kind(name, rank, n, cfg)
+
+
 def _build(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
     """Build one system in this rank (and warm it up), or say why it cannot run."""
     if name.startswith("deepspeed"):
@@ -471,8 +519,7 @@ def _build(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
         if why is not None:
             return {"status": why}
     try:
-        kind = _Ours if name in OURS else _DeepSpeed if name.startswith("deep") else _TorchPeer
-        trainer = kind(name, rank, n, cfg)
+        trainer = _make(name, rank, n, cfg)
         # DDP rebuilds its buckets, and allocators settle, in the first steps
         losses = [trainer.step(trainer.batch()) for _ in range(BUILD_WARMUP)]
     except Exception:
@@ -538,6 +585,59 @@ def _profile(rank: int, n: int, name: str, steps: int) -> dict:
             ph.seconds["step"] = time.perf_counter() - t0
         out.append(dict(ph.seconds))
     return {"phases": out, "cpu_s": time.process_time() - cpu0}
+
+
+MEMORY_STEPS = 3
+"""Steps of the memory pass: the first allocates the optimizer states of torch.optim (lazily),
+the second is the first steady one, the third shows drift ([Note: the memory pass])."""
+
+
+def _memory(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
+    """[Note: the memory pass] A fresh copy of system `name`, built and stepped MEMORY_STEPS
+    times inside measure.tensor_memory.tracking, so that every byte it holds was allocated in the
+    block: "peak_bytes" is the most tensor bytes alive at once during the steps, "resident_bytes"
+    those alive after the last, "build_peak_bytes" the construction's peak, "drift_bytes" the
+    growth from the second step's end to the third's (0 in steady state; see tensor_memory's
+    docstring for what would make it positive). "activation_bytes": what autograd saves for
+    backward in a plain GPT's forward of this rank's micro-batch (measure.resident)."""
+    from measure.resident import saved_activations
+
+    device = _device()
+    cpu0 = time.process_time()
+    probe = _Trainer(name, rank, n, cfg)
+    model, batch = probe.model(), probe.batch()
+    with saved_activations(model.parameters()) as saved:
+        model(*batch)
+    acts = saved.nbytes
+    del model, batch, saved
+    gc.collect()
+    states = None
+    with tensor_memory.tracking(device) as (mark, trace):
+        mark("build")
+        trainer = _make(name, rank, n, cfg)
+        for i in range(MEMORY_STEPS):
+            batch = trainer.batch()
+            mark(f"step {i + 1}")
+            trainer.step(batch)
+            del batch
+        mark("end")
+        if isinstance(trainer, _Ours):
+            report = trainer.engine.memory_report()  # model states; comm_buffers are transient
+            states = sum(report.get(k, 0) for k in ("params", "frozen", "grads", "master"))
+            states += report["optimizer"]
+        del trainer
+        gc.collect()
+    last = f"step {MEMORY_STEPS}"
+    return {
+        "peak_bytes": trace.peak("step 1"),
+        "resident_bytes": trace.end(last),
+        "build_peak_bytes": trace.peak_of("build"),
+        "drift_bytes": trace.end(last) - trace.end(f"step {MEMORY_STEPS - 1}"),
+        "engine_states_bytes": states,
+        "activation_bytes": acts,
+        "method": tensor_memory.method(device),
+        "cpu_s": time.process_time() - cpu0,
+    }
 
 
 def _peak(rank: int, n: int) -> dict:
@@ -627,14 +727,23 @@ def bench_world(n: int, cfg: BenchConfig, *, pool=None, say=print) -> list[dict]
         for name in ready:
             per_rank, _ = _undisturbed(world, meter, cfg, _profile, name, cfg.steps)
             profiles[name] = [x["phases"] for x in per_rank]
+    memory = {}
+    if cfg.memory:
+        world.run(_drop_all)  # the timed copies are not needed any more: room for the fresh ones
+        for name in ready:
+            memory[name] = world.run(_memory, name, cfg)
+            say(
+                f"  N={n} {name}: peak {max(m['peak_bytes'] for m in memory[name]) / 2**20:.1f} MiB"
+            )
     world.run(_drop_all)
     prov = provenance()
     return [
         _record(
-            name, n, cfg, built[name], timings.get(name), profiles.get(name), prov, redone, peaks
+            name, n, cfg, built[name], timings.get(name), profiles.get(name), prov, redone, peaks,
+            memory.get(name),
         )
         for name in cfg.systems
-    ]
+    ]  # fmt: skip
 
 
 def _undisturbed(world: _World, meter, cfg: BenchConfig, fn, *args) -> tuple[list, list]:
@@ -732,7 +841,7 @@ def _base_config(name: str, n: int, cfg: BenchConfig) -> dict:
     }
 
 
-def _record(name, n, cfg, built, timing, profile, prov, redone, peaks) -> dict:
+def _record(name, n, cfg, built, timing, profile, prov, redone, peaks, memory=None) -> dict:
     config = _base_config(name, n, cfg)
     first = built[0]
     if first["status"] != "ok" or timing is None:
@@ -784,7 +893,28 @@ def _record(name, n, cfg, built, timing, profile, prov, redone, peaks) -> dict:
     )
     if profile is not None:
         result["profile_ms"] = _profile_summary(profile)
+    if memory is not None:
+        result["memory"] = _memory_summary(name, n, config["num_params"], memory)
     return make_record(config=config, result=result, kind=KIND, provenance=prov)
+
+
+def _memory_summary(name: str, n: int, num_params: int, per_rank: list[dict]) -> dict:
+    """The memory pass's figures, the largest over ranks (the rank a budget must fit), with
+    every rank's peak and the analytic model states of the system's sharding level."""
+    states = [m["engine_states_bytes"] for m in per_rank]
+    return {
+        "peak_bytes": max(m["peak_bytes"] for m in per_rank),
+        "rank_peak_bytes": [m["peak_bytes"] for m in per_rank],
+        "resident_bytes": max(m["resident_bytes"] for m in per_rank),
+        "build_peak_bytes": max(m["build_peak_bytes"] for m in per_rank),
+        "drift_bytes": max(m["drift_bytes"] for m in per_rank),
+        "activation_bytes": max(m["activation_bytes"] for m in per_rank),
+        "engine_states_bytes": None if None in states else max(states),
+        "analytic_states_bytes": analytic_states_bytes(name, n, num_params),
+        "sharding_level": SHARDING_LEVEL[name],
+        "steps": MEMORY_STEPS,
+        "method": per_rank[0]["method"],
+    }
 
 
 def _backend(device: str) -> str:
@@ -855,6 +985,8 @@ def main(argv=None) -> int:
         print(format_table(records, markdown=args.markdown))
         if any("profile_ms" in r["result"] for r in records):
             print("\n" + format_profile(records, markdown=args.markdown))
+        if any("memory" in r["result"] for r in records):
+            print("\n" + format_memory(records, markdown=args.markdown))
         return 0
     lead = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone prints and writes
 
@@ -867,6 +999,8 @@ def main(argv=None) -> int:
     say(format_table(records, markdown=args.markdown))
     if cfg.profile:
         say("\n" + format_profile(records, markdown=args.markdown))
+    if cfg.memory:
+        say("\n" + format_memory(records, markdown=args.markdown))
     psi = next((r["config"]["num_params"] for r in records if "num_params" in r["config"]), 0)
     say(
         f"model {cfg.model}: Ψ = {psi:,}, B = {cfg.workload.batch_size}, "

@@ -8,6 +8,8 @@ The legend of every column: benchmarks/cpu-2core-2026-11.md, section "How the st
 
 from __future__ import annotations
 
+from zero.memory import model_state_breakdown
+
 OURS = (
     "zero-s0",
     "zero-s1",
@@ -37,6 +39,38 @@ PEER_LABELS = {
     "deepspeed-s3": "DS-3",
 }
 """Short column headings of the ×<peer> ratios."""
+
+
+SHARDING_LEVEL = {
+    **{name: int(name[6]) for name in OURS},
+    "ddp": 0,
+    "zero-redundancy": 1,
+    "deepspeed-s1": 1,
+    "deepspeed-s2": 2,
+    "fsdp2": 3,
+    "fsdp2-reshard": 3,
+    "deepspeed-s3": 3,
+}
+"""Which ZeRO stage's states each system partitions: what its memory is compared at. FSDP2
+shards parameters at rest either way; without resharding it keeps them gathered from forward
+to the end of backward, which its measured peak shows."""
+
+
+def analytic_states_bytes(name: str, n: int, num_params: int) -> float:
+    """zero/memory.py's model states per rank of `name`'s sharding level at N = n, in the
+    benchmark's configuration: fp32 working parameters and gradients, no separate master (the
+    working copy is it), AdamW's two fp32 states, M = N (no partial sums), no padding."""
+    return model_state_breakdown(
+        num_params=num_params,
+        world_size=n,
+        stage=SHARDING_LEVEL[name],
+        param_bytes=4,
+        grad_bytes=4,
+        master_bytes=0,
+        optimizer_states=2,
+        state_bytes=4,
+        accumulation=1,
+    ).total
 
 
 def _loss_by_step(res: dict) -> dict[int, float]:
@@ -78,6 +112,29 @@ def add_ratios(records: list[dict]) -> None:
             two = ok.get((name.replace("-s3", "-s2"), n))
             if name.startswith("zero-s3") and two:
                 res["ratio_vs_stage2"] = mine / two["result"]["median_ms"]
+    for (name, n), rec in ok.items():
+        if "memory" in rec["result"]:
+            _memory_ratios(name, n, rec["result"]["memory"], ok)
+
+
+def _memory_ratios(name: str, n: int, mem: dict, ok: dict) -> None:
+    """Peak over DDP's, over the best peer's at the same sharding level (ours), and over the
+    accounted bytes (analytic states + saved activations)."""
+
+    def peak(system):
+        rec = ok.get((system, n))
+        return rec["result"].get("memory", {}).get("peak_bytes") if rec else None
+
+    ddp = peak("ddp")
+    mem["peak_vs_ddp"] = mem["peak_bytes"] / ddp if ddp else None
+    level = SHARDING_LEVEL[name]
+    peers = [p for p in PEERS if SHARDING_LEVEL[p] == level and peak(p)]
+    best = min(peers, key=peak) if peers else None
+    mem["best_peer_at_level"] = best
+    mem["peak_vs_best_peer"] = mem["peak_bytes"] / peak(best) if name in OURS and best else None
+    accounted = mem["analytic_states_bytes"] + mem["activation_bytes"]
+    mem["accounted_bytes"] = accounted
+    mem["peak_over_accounted"] = mem["peak_bytes"] / accounted
 
 
 def format_table(records: list[dict], *, markdown: bool = False) -> str:
@@ -146,6 +203,71 @@ def format_profile(records: list[dict], *, markdown: bool = False) -> str:
             prof["update.other"] = prof["update"] - sum(prof.get(f"update.{k}", 0.0) for k in parts)
         row = [rec["config"]["system"], str(rec["config"]["world_size"])]
         rows.append(row + [f"{prof[k]:.0f}" if k in prof else "" for k, _ in PROFILE_COLUMNS])
+    return _render(head, rows, markdown)
+
+
+PHASE_PARTS = (
+    ("forward", "forward"),
+    ("backward.rest", "backward"),
+    ("backward.hooks", "hooks"),
+    ("backward.finalize", "finalize"),
+    ("update.reduce", "reduce"),
+    ("update.refresh", "all-gather"),
+    ("update.finish", "ag-wait"),
+    ("update.optimizer", "optimizer"),
+    ("update.control", "control"),
+    ("update.other", "update, rest"),
+)
+"""The disjoint parts of a profiled step (key, label), in the order a step runs them: they sum
+to forward + backward + update (PROFILE_COLUMNS says what each holds). A peer's update is one
+part ("update, rest"), its backward one ("backward")."""
+
+
+def phase_parts(record: dict) -> dict[str, float]:
+    """The record's profile split into PHASE_PARTS (ms), or {} when it was not profiled."""
+    prof = record["result"].get("profile_ms") or {}
+    if not prof:
+        return {}
+    inner = ("backward.hooks", "backward.finalize")
+    updates = ("update.reduce", "update.refresh", "update.finish", "update.optimizer")
+    parts = {k: prof.get(k, 0.0) for k in (*inner, *updates, "update.control")}
+    parts["forward"] = prof["forward"]
+    parts["backward.rest"] = prof["backward"] - sum(prof.get(k, 0.0) for k in inner)
+    parts["update.other"] = prof["update"] - sum(
+        prof.get(k, 0.0) for k in (*updates, "update.control")
+    )
+    return {k: parts[k] for k, _ in PHASE_PARTS}
+
+
+def format_memory(records: list[dict], *, markdown: bool = False) -> str:
+    """Peak tensor bytes per rank (MiB) of the records that carry the memory pass: the peak, the
+    bytes alive between steps, the analytic states and saved activations, and the ratios."""
+    head = ["system", "N", "level", "peak MiB", "between steps", "states", "activations"]
+    head += ["÷accounted", "×DDP", "×best peer", "drift"]
+    rows = []
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    ratio = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+    for rec in records:
+        mem = rec["result"].get("memory")
+        if not mem:
+            continue
+        best = mem.get("best_peer_at_level")
+        versus = ratio(mem.get("peak_vs_best_peer"))
+        rows.append(
+            [
+                rec["config"]["system"],
+                str(rec["config"]["world_size"]),
+                str(mem["sharding_level"]),
+                mib(mem["peak_bytes"]),
+                mib(mem["resident_bytes"]),
+                mib(mem["analytic_states_bytes"]),
+                mib(mem["activation_bytes"]),
+                ratio(mem.get("peak_over_accounted")),
+                ratio(mem.get("peak_vs_ddp")),
+                versus if versus == "—" else f"{versus} ({PEER_LABELS.get(best, best)})",
+                f"{mem['drift_bytes']}",
+            ]
+        )
     return _render(head, rows, markdown)
 
 

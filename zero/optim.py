@@ -3,8 +3,8 @@
 Deterministic mode executes reference/optim.py's sequence ([Note: op-ordered optimizers] there)
 with primitive torch ops: tensor-tensor arithmetic, multiplication by float32 scalars computed
 once per step (reference.optim.step_scalars), no fused ops. On CPU, torch's float32 sqrt is not
-correctly rounded, so the sqrt goes through float64, whose rounding back to float32 is exact
-(a float64 sqrt of a float32 rounds correctly to float32). The result is the reference's bits.
+correctly rounded, so the sqrt is NumPy's, the reference's own ([Note: correctly rounded sqrt]).
+The result is the reference's bits.
 
 Fast mode hands the same shard to torch's own kernels (the fused Adam/AdamW on CPU and CUDA),
 whose bound against the reference is verify/bounds.optimizer_step_error.
@@ -16,6 +16,7 @@ no gradient in a step are left out of its runs ([Note: skipping unused parameter
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.optim import adam as torch_adam
 from torch.optim import adamw as torch_adamw
@@ -58,51 +59,85 @@ def _scalars(kind: str, hp: Hyper, t: int, device) -> dict[str, torch.Tensor]:
     }
 
 
-def _sqrt(v: torch.Tensor) -> torch.Tensor:
-    """A new tensor: sqrt(v), correctly rounded to float32."""
-    if v.device.type == "cpu":  # MACHINE_NOTES: CPU float32 sqrt is off by 1 ulp on ~18%
-        return v.double().sqrt_().float()
-    return torch.sqrt(v)  # CUDA's float32 sqrt is IEEE correctly rounded by default
+def _sqrt(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = sqrt(v), correctly rounded to float32 ([Note: correctly rounded sqrt])."""
+    if v.device.type == "cpu":
+        np.sqrt(v.numpy(), out=out.numpy())  # the reference's own operation, on shared memory
+        return out
+    return torch.sqrt(v, out=out)  # CUDA's float32 sqrt is IEEE correctly rounded by default
+
+
+# [Note: correctly rounded sqrt] torch's float32 sqrt on CPU is not correctly rounded
+# (MACHINE_NOTES: off by 1 ulp on ~18% of inputs). The reference takes NumPy's float32 sqrt,
+# which is the processor's IEEE sqrt instruction (correctly rounded, like CUDA's default sqrt),
+# so on CPU the engine calls the same NumPy function on the tensor's memory. (It went through
+# float64 before, whose sqrt rounds back to float32 exactly too: the same bits in three passes,
+# the float64 sqrt the slowest of the step's operations; measure/optim_speed.py compares them.)
 
 
 def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
     """reference.optim.step, in place on tensors p (fp32 master), g and state (views allowed)."""
     s = _scalars(kind, hp, t, p.device)
-    if kind == "sgd":
-        if hp.weight_decay:
-            g = g + s["wd"] * p
-        if hp.momentum:
-            buf = state["momentum_buffer"]
-            if t == 1:
-                buf.copy_(g)
-            else:
-                buf.copy_(buf * s["mom"] + g * s["one_minus_damp"])
-            g = g + s["mom"] * buf if hp.nesterov else buf
-        p.copy_(p - s["lr"] * g)
-        return
+    ws = _Workspace(min(BLOCK, p.numel()), p.device, kind, hp)
     for lo in range(0, p.numel(), BLOCK):
         sl = slice(lo, lo + BLOCK)
-        _adam_block(kind, hp, s, p[sl], g[sl], state["exp_avg"][sl], state["exp_avg_sq"][sl])
+        if kind == "sgd":
+            buf = state["momentum_buffer"][sl] if hp.momentum else None
+            _sgd_block(hp, s, t, p[sl], g[sl], buf, ws)
+        else:
+            _adam_block(
+                kind, hp, s, p[sl], g[sl], state["exp_avg"][sl], state["exp_avg_sq"][sl], ws
+            )
 
 
-BLOCK = 1 << 16
-"""[Note: in-place Adam blocks] The deterministic Adam/AdamW update runs in blocks of 64K
-elements, in place, each operation the reference's own (an elementwise op rounds the same
-whether it writes a new tensor or its operand; + and · are commutative in IEEE arithmetic). The
-temporaries then stay in cache instead of streaming six shard-sized tensors through memory."""
+BLOCK = 1 << 18
+"""[Note: in-place blocks] The deterministic update runs in blocks of 256K elements, in place,
+each operation the reference's own, on the whole block, in the reference's order: an
+elementwise op rounds the same whether it writes a new tensor, its operand or a workspace, and
++ and · are commutative in IEEE arithmetic, so no bit changes. A block's operands and the
+workspace (1 MiB per fp32 array) stay in cache across the fourteen passes, where whole-shard
+tensors would stream through memory on every pass (about twice the time on a 3.7M-element
+shard); the workspace is allocated once per call, not per block. Smaller blocks pay more
+Python per element. measure/optim_speed.py times the choice (2^17-2^19 were level, and 2^16
+slower, on the 2-core machine) against the kernel before these notes."""
 
 
-def _adam_block(kind, hp: Hyper, s, p, g, m, v) -> None:
+class _Workspace:
+    """Block-sized scratch tensors, reused by every block of one call."""
+
+    def __init__(self, n: int, device, kind: str, hp: Hyper):
+        self.tmp = torch.empty(n, dtype=torch.float32, device=device)
+        self.g = torch.empty(n, dtype=torch.float32, device=device) if hp.weight_decay else None
+        self.d = torch.empty(n, dtype=torch.float32, device=device)
+
+
+def _sgd_block(hp: Hyper, s, t: int, p, g, buf, ws: _Workspace) -> None:
+    n = p.numel()
+    if hp.weight_decay:  # g + s(wd)·p, into the workspace: g may be the caller's gradient
+        g = torch.mul(p, s["wd"], out=ws.g[:n]).add_(g)
+    if hp.momentum:
+        if t == 1:
+            buf.copy_(g)
+        else:  # buf·s(mom) + g·s(1 - dampening)
+            buf.mul_(s["mom"]).add_(torch.mul(g, s["one_minus_damp"], out=ws.tmp[:n]))
+        if hp.nesterov:  # g + s(mom)·buf
+            g = torch.mul(buf, s["mom"], out=ws.tmp[:n]).add_(g)
+        else:
+            g = buf
+    p.sub_(torch.mul(g, s["lr"], out=ws.d[:n]))
+
+
+def _adam_block(kind, hp: Hyper, s, p, g, m, v, ws: _Workspace) -> None:
+    n = p.numel()
+    tmp, d = ws.tmp[:n], ws.d[:n]
     if kind == "adamw":
         if hp.weight_decay:
             p.mul_(s["decay"])
-    elif hp.weight_decay:
-        g = g + s["wd"] * p  # a new tensor: g may be the caller's gradient
-    tmp = g * s["one_minus_b1"]
-    m.mul_(s["b1"]).add_(tmp)
-    torch.mul(g, g, out=tmp)
-    v.mul_(s["b2"]).add_(tmp.mul_(s["one_minus_b2"]))
-    d = _sqrt(v).mul_(s["inv_sqrt_bc2"]).add_(s["eps"])
+    elif hp.weight_decay:  # g + s(wd)·p, into the workspace: g may be the caller's gradient
+        g = torch.mul(p, s["wd"], out=ws.g[:n]).add_(g)
+    m.mul_(s["b1"]).add_(torch.mul(g, s["one_minus_b1"], out=tmp))
+    v.mul_(s["b2"]).add_(torch.mul(g, g, out=tmp).mul_(s["one_minus_b2"]))
+    _sqrt(v, d).mul_(s["inv_sqrt_bc2"]).add_(s["eps"])
     p.sub_(torch.div(m, d, out=d).mul_(s["step_size"]))
 
 

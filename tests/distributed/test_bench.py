@@ -10,10 +10,12 @@ import statistics
 import sys
 
 import pytest
+import torch
 
 from measure import bench, mfu
 from measure.bench import BenchConfig, format_table, run_bench
 from zero.launch import WorkerPool, get_pool
+from zero.models import GPT
 from zero.results import SCHEMA_VERSION, read_json, write_json
 
 SMALL = BenchConfig(
@@ -180,6 +182,97 @@ def test_the_command_line_is_the_config(capsys):
     argv += ["--repeats", "1", "--steps", "2", "--profile", "--retries", "0", "--timeout", "60"]
     cfg, args = bench.parse([*argv, "--quiet-wait-s", "0", "--json", "out.json"])
     assert cfg == dataclasses.replace(SMALL, timeout_s=60.0) and args.json == "out.json"
+    with pytest.raises(SystemExit):
+        bench.parse(["--help"])
+    assert "pip install deepspeed" in " ".join(capsys.readouterr().out.split())  # how to get it
     with pytest.raises(SystemExit) as exc:
         bench.parse(["--world-sizes", "0"])
     assert exc.value.code == 2 and "world_sizes=(0,)" in capsys.readouterr().err
+
+
+def test_tensor_memory_peak_is_exact_on_a_known_pattern():
+    """The running sum of the allocator's events: each phase's peak and end in bytes, worked
+    out by hand from the sizes below; a tensor alive before the block is invisible, even when
+    it is freed inside."""
+    from measure.tensor_memory import tracking
+
+    before = torch.ones(1000)
+    with tracking("cpu") as (mark, trace):
+        mark("a")
+        a = torch.empty(1000)  # 4000 bytes
+        b = torch.empty(300, dtype=torch.float64)  # 2400
+        del before  # allocated before the block: no event
+        mark("b")
+        c = torch.empty(10)  # 40: 6440 alive
+        del a  # 2440
+        d = torch.empty(5000, dtype=torch.uint8)  # 7440: the peak of b
+        del b, d  # 40 alive at the end of b
+        mark("c")
+        x = torch.ones(250, requires_grad=True)  # 1000
+        y = x * 2  # 1000
+        y.sum().backward()  # autograd's allocations are seen: x.grad (1000) stays
+        del y
+    assert trace.marks == ["a", "b", "c"]
+    assert trace.phase_peak[:2] == [6400, 7440] and trace.phase_end[:2] == [6400, 40]
+    assert trace.end("c") == 40 + 1000 + 1000 and trace.peak("b") == 7440
+    # x, y and x.grad at once, besides 0-dim float32 tensors (the sum, its seed gradient, the
+    # wrapped scalar 2 and autograd's copies of it): at most 8 of those, 4 bytes each
+    assert 40 + 3000 <= trace.peak_of("c") <= 40 + 3000 + 8 * 4
+    del c, x
+    with pytest.raises(ValueError, match="mark"):
+        with tracking("cpu") as (mark, _):
+            mark("a")
+            mark("a")
+
+
+def test_model_sizes_are_the_stated_parameter_counts():
+    """[Note: bench model sizes]: Ψ = V·d + T·d + L·(12d² + 13d) + 2d, against the built
+    model's count, and the larger models' shorter default runs."""
+    stated = {"small": 120_576, "anchor": 3_716_608, "mid": 26_334_208, "large": 100_902_912}
+    for name, psi in stated.items():
+        g = bench.MODELS[name].gpt
+        d = g.n_embd
+        formula = (g.vocab_size + g.block_size) * d + g.n_layer * (12 * d * d + 13 * d) + 2 * d
+        assert formula == psi == GPT(g, device="meta").num_params(), name
+    cfg = BenchConfig(model="large")
+    assert (cfg.repeats, cfg.steps) == (3, 2) and BenchConfig(model="large", steps=1).steps == 1
+    assert SMALL.workload is bench.MODELS["small"]  # the test path stays the small model
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_memory_pass_records_peaks_beside_the_analytic_states(records):
+    ours, ddp = (r["result"]["memory"] for r in records)
+    psi = records[0]["config"]["num_params"]
+    for mem in (ours, ddp):
+        assert mem["peak_bytes"] == max(mem["rank_peak_bytes"]) and len(mem["rank_peak_bytes"]) == 2
+        assert mem["peak_bytes"] >= mem["resident_bytes"] > 0
+        assert mem["activation_bytes"] > 0 and mem["sharding_level"] == 0
+        assert mem["analytic_states_bytes"] == 16 * psi  # fp32 AdamW, stage 0: (4 + 4 + 8)Ψ
+        assert mem["accounted_bytes"] == mem["analytic_states_bytes"] + mem["activation_bytes"]
+        assert mem["peak_over_accounted"] == mem["peak_bytes"] / mem["accounted_bytes"]
+        assert "profiler" in mem["method"]
+    # our stage 0 holds at least its model states (the engine's accounting, which has padding)
+    assert ours["peak_bytes"] >= ours["engine_states_bytes"] >= ours["analytic_states_bytes"]
+    assert ddp["peak_vs_ddp"] == 1.0 and ddp["engine_states_bytes"] is None
+    assert ours["peak_vs_ddp"] == ours["peak_bytes"] / ddp["peak_bytes"]
+    assert ours["best_peer_at_level"] == "ddp" and ours["peak_vs_best_peer"] == ours["peak_vs_ddp"]
+    head, *rows = bench.format_memory(records).splitlines()
+    assert head.split()[:4] == ["system", "N", "level", "peak"]
+    assert [r.split()[3] for r in rows] == [f"{m['peak_bytes'] / 2**20:.2f}" for m in (ours, ddp)]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_peaks_above_its_model_states(stage):
+    """Measured by the memory pass alone (no timing): stage k's peak holds at least the model
+    states of the analytic model and of the engine's accounting."""
+    cfg = dataclasses.replace(SMALL, systems=(f"zero-s{stage}",), profile=False)
+    per_rank = get_pool(2).run(bench._memory, f"zero-s{stage}", cfg, timeout_s=120)
+    psi = GPT(cfg.workload.gpt, device="meta").num_params()
+    analytic = bench.analytic_states_bytes(f"zero-s{stage}", 2, psi)
+    assert analytic < 16 * psi  # sharded
+    for m in per_rank:
+        assert m["peak_bytes"] >= m["engine_states_bytes"] >= analytic
+        assert m["build_peak_bytes"] > 0

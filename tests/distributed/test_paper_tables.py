@@ -311,6 +311,7 @@ def test_throughput_and_perf_model_sections_render_their_records(tmp_path):
         [r for r in ours if r["result"]["status"] == "ok"]
     )
     assert out.figure("throughput_cpu").stat().st_size > 10_000
+    assert out.figure("throughput_phases").stat().st_size > 10_000  # the records have profiles
     perf_model.run(profile="quick", out=out)
     payload = json.loads(out.result("perf_model").read_text())
     rows = perf_model.index_rows(payload)

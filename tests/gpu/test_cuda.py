@@ -68,3 +68,47 @@ def test_the_bench_runs_on_one_gpu_under_torchrun(tmp_path):
     assert {"zero-s0", "ddp"} <= systems
     assert all(r["result"]["status"] == "ok" for r in records)
     assert all(r["config"].get("device", "").startswith("cuda") for r in records)
+    # the memory pass on CUDA: the allocator's peak, at least the model states
+    ours = next(r["result"]["memory"] for r in records if r["config"]["system"] == "zero-s0")
+    assert "cuda" in ours["method"]
+    assert ours["peak_bytes"] >= ours["engine_states_bytes"] >= ours["analytic_states_bytes"]
+
+
+def test_tensor_memory_on_cuda_is_the_allocators_peak():
+    """Sizes in whole 512-byte blocks (the caching allocator's rounding): exact phase peaks."""
+    from measure.tensor_memory import tracking
+
+    with tracking("cuda") as (mark, trace):
+        mark("a")
+        a = torch.empty(1 << 20, device="cuda")  # 4 MiB
+        b = torch.empty(1 << 19, device="cuda")  # 2 MiB
+        mark("b")
+        del a
+        c = torch.empty(1 << 18, device="cuda")  # 1 MiB: 3 alive
+        del b, c
+    assert trace.phase_peak == [6 * MiB, 6 * MiB] and trace.phase_end == [6 * MiB, 0]
+
+
+def test_deterministic_optimizer_blocks_on_cuda_give_the_reference_bits():
+    """zero/optim.py's torch kernel with CUDA's sqrt, against reference/optim.py."""
+    import numpy as np
+
+    from reference import optim as ref
+    from reference.optim import Hyper
+    from zero import optim
+
+    rng = np.random.default_rng(0)
+    n = 2 * optim.BLOCK + 777
+    for kind, hp in (("adamw", Hyper(lr=1e-2, weight_decay=0.1)), ("adam", Hyper(lr=1e-2))):
+        p = rng.standard_normal(n).astype(np.float32)
+        g = (rng.standard_normal(n) * 2.0 ** rng.integers(-12, 12, n)).astype(np.float32)
+        st = {
+            k: np.abs(rng.standard_normal(n)).astype(np.float32) for k in ("exp_avg", "exp_avg_sq")
+        }
+        want_p, want = ref.step(kind, p, g, st, hp, 3)
+        tp = torch.from_numpy(p).cuda()
+        ts = {k: torch.from_numpy(v).cuda() for k, v in st.items()}
+        optim.deterministic_step(kind, hp, 3, tp, torch.from_numpy(g).cuda(), ts)
+        assert np.array_equal(tp.cpu().numpy().view(np.uint32), want_p.view(np.uint32)), kind
+        for k in want:
+            assert np.array_equal(ts[k].cpu().numpy().view(np.uint32), want[k].view(np.uint32))

@@ -1,0 +1,108 @@
+"""zero/optim.py's deterministic kernel ([Note: in-place blocks], [Note: correctly rounded sqrt])
+gives reference/optim.py's bits: hypothesis draws the shard size (odd sizes, sizes around the
+block edges), the block size, the step, the values' scale and the gradient's dtype, for SGD,
+Adam and AdamW with and without weight decay and momentum."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reference import optim as ref
+from reference.optim import Hyper
+from zero import optim as zero_optim
+from zero.partition import Run
+
+
+@contextlib.contextmanager
+def block_size(size: int):
+    saved, zero_optim.BLOCK = zero_optim.BLOCK, size
+    try:
+        yield
+    finally:
+        zero_optim.BLOCK = saved
+
+
+CASES = {
+    "sgd-plain": ("sgd", Hyper(lr=0.1)),
+    "sgd-momentum-wd": ("sgd", Hyper(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    "sgd-dampening": ("sgd", Hyper(lr=0.05, momentum=0.8, dampening=0.3)),
+    "sgd-nesterov-wd": ("sgd", Hyper(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1)),
+    "adam": ("adam", Hyper(lr=1e-2)),
+    "adam-l2": ("adam", Hyper(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99))),
+    "adamw": ("adamw", Hyper(lr=1e-2, weight_decay=0.1)),
+    "adamw-no-decay": ("adamw", Hyper(lr=3e-3, eps=1e-6, betas=(0.5, 0.9))),
+}
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bits(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).view(np.uint32)
+
+
+def check(case: str, n: int, t: int, seed: int, grad_dtype: str) -> None:
+    kind, hp = CASES[case]
+    rng = np.random.default_rng(seed)
+    p = rng.standard_normal(n).astype(np.float32)
+    scale = 2.0 ** rng.integers(-12, 12, n)  # gradients over 24 binades
+    g_low = torch.from_numpy((rng.standard_normal(n) * scale).astype(np.float32))
+    g_low = g_low.to(GRAD_DTYPES[grad_dtype])  # the reduced gradient in its dtype
+    g = g_low.float().numpy()  # exact: every bf16/fp16 value is a float32
+    state = {
+        k: np.abs(rng.standard_normal(n)).astype(np.float32) for k in ref.state_names(kind, hp)
+    }
+    if t == 1 and kind != "sgd":
+        state = ref.init_state(kind, hp, (n,))
+    want_p, want_state = ref.step(kind, p, g, state, hp, t)
+    tp = torch.from_numpy(p.copy())
+    tstate = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
+    # through step_runs, as the engine calls it (grad[sl].float() of the reduced gradient)
+    zero_optim.step_runs(
+        kind, (hp,), [(Run(start=0, stop=n, group=0), t)], tp, g_low, tstate, deterministic=True
+    )
+    assert np.array_equal(bits(tp.numpy()), bits(want_p)), (case, n, t)
+    for k in want_state:
+        assert np.array_equal(bits(tstate[k].numpy()), bits(want_state[k])), (case, k)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    case=st.sampled_from(sorted(CASES)),
+    block=st.sampled_from([1, 7, 64, 1000]),
+    n=st.integers(1, 3000),
+    t=st.integers(1, 6),
+    seed=st.integers(0, 2**32 - 1),
+    grad_dtype=st.sampled_from(sorted(GRAD_DTYPES)),
+)
+def test_blocks_give_the_reference_bits(case, block, n, t, seed, grad_dtype):
+    """Many blocks, a ragged last one, one block larger than the shard: always the reference's
+    bits (a small BLOCK puts the block edges where hypothesis can reach them)."""
+    with block_size(block):
+        check(case, n, t, seed, grad_dtype)
+
+
+@pytest.mark.parametrize("case", ["sgd-nesterov-wd", "adam-l2", "adamw"])
+def test_the_real_block_size_gives_the_reference_bits(case):
+    """The kernel's own BLOCK: two full blocks and an odd remainder."""
+    check(case, 2 * zero_optim.BLOCK + 12_345, t=4, seed=7, grad_dtype="fp32")
+
+
+def test_a_changed_operation_order_is_caught():
+    """The check can fail: Adam's moment update written as m + (g - m)·(1 - b1) (lerp's order,
+    the same value in exact arithmetic) gives other bits on some element."""
+    original = zero_optim._adam_block
+
+    def lerp_order(kind, hp, s, p, g, m, v, ws):
+        m0 = m.clone()
+        original(kind, hp, s, p, g, m, v, ws)
+        m.copy_(m0 + (g - m0) * s["one_minus_b1"])
+
+    zero_optim._adam_block = lerp_order
+    try:
+        with pytest.raises(AssertionError):
+            check("adamw", 3000, 3, 1, "fp32")
+    finally:
+        zero_optim._adam_block = original
