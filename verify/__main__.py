@@ -213,6 +213,20 @@ def parity_section(args, say) -> tuple[list[dict], list[dict]] | None:
     return parity.run_section(cells, timeout_s=args.timeout, say=say)
 
 
+def watchdog_section(args, say) -> list[dict] | None:
+    """The watchdog section (verify/watchdog_cells.py) with --quick and --complete: a diverging
+    rank must be named, the right one, on every rank."""
+    if not (args.quick or args.complete) or args.parity:
+        return None
+    from . import watchdog_cells
+
+    cells = watchdog_cells.CELLS
+    if args.world_sizes is not None:
+        cells = [c for c in cells if c.world_size in args.world_sizes]
+    say("watchdog (rank 1 diverges; every rank must name it):")
+    return watchdog_cells.run_section(timeout_s=args.timeout, say=say, cells=cells)
+
+
 def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
     """Rows whose final state digest differs from the same cell's in the report at `path`.
     Cells are matched by their full configuration. A Cell field added since that report counts
@@ -281,10 +295,16 @@ def main(argv=None) -> int:
         say(f"parity: {sum(r['passed'] for r in par[0])}/{len(par[0])} cells passed, "
             f"{sum(r['passed'] for r in par[1])}/{len(par[1])} digest groups, "
             f"{report['timing']['parity_s']} s")  # fmt: skip
+    watch = watchdog_section(args, say)
+    if watch is not None:  # the watchdog section (verify/watchdog_cells.py)
+        report["watchdog"] = watch
+        say(f"watchdog: {sum(r['passed'] for r in watch)}/{len(watch)} cells passed")
     report["provenance"] = provenance()
     timing = report["timing"]
     every = [r for name in SECTIONS for r in report.get(name) or []]
-    every += [r for name in ("parity", "parity_invariance") for r in report.get(name) or []]
+    every += [
+        r for name in ("parity", "parity_invariance", "watchdog") for r in report.get(name) or []
+    ]
     failed = [r for r in every if not r["passed"]]
     cell_rows = report["cells"] + report["injected"]
     ok = sum(r["passed"] for r in cell_rows)

@@ -215,3 +215,28 @@ def test_under_torchrun_the_stopped_rank_is_blamed(tmp_path):
     assert blamed(rest) == {1}, rest[-3000:]
     assert "stopped" in rest
     assert took < TIMEOUT_S + 10, took  # the timeout, the heartbeat survey, and slack
+
+
+@pytest.mark.dist
+def test_verify_watchdog_section_passes_and_has_teeth():
+    """verify's watchdog cells (verify/watchdog_cells.py) pass; with the majority rule broken
+    (every rank blamed whenever the calls differ) the majority cell fails."""
+    from verify import watchdog_cells
+
+    rows = watchdog_cells.run_section(timeout_s=120, say=lambda *a: None)
+    assert [r["passed"] for r in rows] == [True] * len(watchdog_cells.CELLS)
+    cell = next(c for c in watchdog_cells.CELLS if c.fault == "extra_eval")
+    planted = watchdog_cells.get_pool(cell.world_size).run(_planted_majority, cell, timeout_s=120)
+    assert not all(r["blamed"] == [1] for r in planted)
+
+
+def _planted_majority(rank, n, cell):
+    from verify import watchdog_cells
+    from zero import watchdog
+
+    real = watchdog._odd_ones
+    watchdog._odd_ones = lambda keys, leavers: list(range(len(keys)))
+    try:
+        return watchdog_cells.diverge(rank, n, cell)
+    finally:
+        watchdog._odd_ones = real

@@ -1,0 +1,103 @@
+"""verify's watchdog section: ranks that stop agreeing must be named, the right one, on every rank.
+
+Each cell builds the project's small MLP on N gloo ranks, trains a step, and then makes rank 1
+diverge in one way. What must happen is built from the cell alone: every rank raises
+zero.watchdog.CollectiveError at the same exchange, whose `blamed` is exactly {1}, and no rank
+hangs or goes on training. Before the watchdog each of these hung until the timeout, aborted a
+healthy rank inside gloo, or (equal-size units reduced in another order) summed the wrong
+units silently. The cells exercise the watchdog's boundary check, its legality rules, the
+majority rule and the trace to the first differing collective; stalls and deaths, which need
+a timeout to pass, are the fault suite's (python -m verify.faults).
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from zero.config import ZeroConfig
+from zero.engine import ZeroEngine
+from zero.launch import get_pool
+from zero.models import MLP, MLPConfig, mlp_microbatches
+from zero.watchdog import CollectiveError
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchCell:
+    fault: str  # what rank 1 does: see diverge()
+    world_size: int
+    stage: int
+    mode: str = "calls"  # ZeroConfig.watchdog
+
+    @property
+    def label(self) -> str:
+        return f"{self.fault} N={self.world_size} stage {self.stage} watchdog={self.mode}"
+
+
+CELLS = (
+    WatchCell(fault="extra_backward", world_size=2, stage=2),
+    WatchCell(fault="skipped_step", world_size=2, stage=3),
+    WatchCell(fault="extra_eval", world_size=4, stage=3),
+    WatchCell(fault="unit_order", world_size=4, stage=2),
+    WatchCell(fault="unit_order_sizes", world_size=4, stage=1, mode="collectives"),
+)
+"""One cell per rule: a call the step does not allow (backward beyond M/N; step() before
+them), a majority against one rank (an evaluation forward the others do not make), and the
+trace of equal calls with other collectives, at the boundaries ('calls') and before every
+collective ('collectives', where the units' sizes differ and a boundary check would come too
+late)."""
+
+
+def _engine(cell: WatchCell, n: int):
+    equal = cell.fault == "unit_order"  # two hidden layers of one size: 48·48 + 48 each
+    model = MLP(MLPConfig(d_in=48 if equal else 16, d_hidden=48, d_out=4, n_layer=3))
+    cfg = ZeroConfig(
+        stage=cell.stage,
+        micro_batches=2 * n,
+        units=tuple(model.unit_names()),
+        chunk=128,
+        watchdog=cell.mode,
+    )
+    return model, ZeroEngine(model, cfg)
+
+
+def diverge(rank: int, n: int, cell: WatchCell) -> dict:
+    """One rank's part of a cell: its verdict of what the watchdog said on this rank."""
+    model, eng = _engine(cell, n)
+    bad = rank == 1
+    if bad and cell.fault.startswith("unit_order"):
+        i, j = (next(k for k, u in enumerate(eng.units) if u.name == x) for x in model.unit_names())
+        eng.units[i], eng.units[j] = eng.units[j], eng.units[i]  # launched in another order
+    try:
+        for step in range(3):
+            batches = mlp_microbatches(model.cfg, seed=0, data_step=step, count=2 * n, batch_size=4)
+            mine = [batches[k * n + rank] for k in range(2)]
+            if bad and step == 1 and cell.fault == "extra_backward":
+                mine.append(mine[0])
+            if bad and step == 1 and cell.fault == "extra_eval":
+                with torch.no_grad():  # at stage 3 an evaluation forward gathers: collective
+                    eng(*mine[0])
+            for x in mine:
+                _, loss = eng(*x)
+                eng.backward(loss)
+            if not (bad and step == 1 and cell.fault == "skipped_step"):
+                eng.step()
+    except CollectiveError as exc:
+        return {"blamed": list(exc.blamed), "message": str(exc).splitlines()[0][:200]}
+    except Exception:
+        return {"blamed": None, "message": traceback.format_exc(limit=3)[-300:]}
+    return {"blamed": None, "message": "trained on: no rank was named"}
+
+
+def run_section(*, timeout_s: float, say, cells=CELLS) -> list[dict]:
+    """Every cell on its pool; a row per cell: passed when every rank named exactly rank 1."""
+    rows = []
+    for cell in cells:
+        per_rank = get_pool(cell.world_size).run(diverge, cell, timeout_s=timeout_s)
+        passed = all(r["blamed"] == [1] for r in per_rank)
+        why = "" if passed else next(r["message"] for r in per_rank if r["blamed"] != [1])
+        rows.append({"cell": cell.label, "passed": passed, "message": per_rank[0]["message"]})
+        say(f"  {cell.label:<56} {'PASS' if passed else 'FAIL ' + why}")
+    return rows
