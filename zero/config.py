@@ -126,13 +126,13 @@ class ZeroConfig:
     forward draws from the process's own RNG stream, which differs per rank."""
     watchdog: str = "calls"
     """How closely ranks check that they issue the same collectives ([Note: collective
-    fingerprints], zero/watchdog.py). 'calls': before each forward, backward, step, save and load
-    the ranks all-gather five integers (the call, the data step and micro-step, the count and a
-    hash of every collective so far), so a rank making another call, or having issued other
-    collectives, is named at once instead of hanging or aborting a peer. 'collectives': the same
-    before every collective (twice the calls: for finding a divergence inside a call, such as a
-    unit run on one rank only). 'off': no checks; heartbeats still name a stopped or dead rank
-    when a collective fails."""
+    fingerprints], zero/watchdog.py). 'calls': once per micro-step (at its forward) and before
+    each step, save and load, the ranks all-gather five integers (the call, the data step and
+    micro-step, the count and a hash of every collective so far), so a rank making another
+    call, or having issued other collectives, is named at once instead of hanging or aborting a
+    peer. 'collectives': the same before every collective as well (for finding a divergence
+    inside a call, such as a unit run on one rank only). 'off': no checks; heartbeats still
+    name a stopped or dead rank when a collective fails."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
