@@ -22,13 +22,15 @@ TIMEOUT_S = 20
 """The driver's --timeout: the watchdog must name the rank within it. It also bounds the whole
 local run (zero.launch.spawn), which on a loaded 2-core machine takes up to about 10 s."""
 
-KINDS = ("extra_backward", "skipped_step", "save_alone", "load_alone", "early_exit")
+KINDS = ("extra_backward", "skipped_step", "skipped_iteration", "save_alone", "load_alone",
+         "early_exit")  # fmt: skip
 
 
-NPROC = {"save_alone": 3, "load_alone": 3}
-"""World sizes other than 2: a save or load by one rank alone is symmetric at N = 2 (one rank
-saves, the other does not), so the watchdog names both ranks there, each with its call; at
-N = 3 the two that agree are the majority and the odd one is blamed alone."""
+NPROC = {"save_alone": 3, "load_alone": 3, "skipped_iteration": 3}
+"""World sizes other than 2: a save or load by one rank alone, or an iteration skipped by one
+rank, is symmetric at N = 2 (one rank saves, the other does not; one rank is one step ahead of
+the other), so the watchdog names both ranks there, each with its call; at N = 3 the two that
+agree are the majority and the odd one is blamed alone."""
 
 
 def diverge_case(ctx: Ctx, *, kind: str, stage: int, rank: int = 1, at: int = 2) -> Result:

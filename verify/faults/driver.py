@@ -2,12 +2,16 @@
 
     python -m verify.faults.driver --diverge extra_backward --rank 1 --at-step 3 --stage 2
 
-Two local ranks (zero.launch.spawn) train the GPT of the README through the public API
+Local ranks (zero.launch.spawn; --nproc, 2 by default) train the GPT of the README through the public API
 (ZeroEngine, forward, backward, step) for --steps steps; at --at-step, rank --rank does what
 --diverge says and the other ranks go on as normal:
 
     extra_backward  one forward and backward more than the step's micro-batches
-    skipped_step    the whole step skipped (no forward, backward or step)
+    skipped_step    step() not called (its forwards and backwards run): the next forward
+                    is one the step does not allow
+    skipped_iteration  a whole iteration skipped (no forward, backward or step): the rank then
+                    trains on later data and ends one step early; at N = 2 that is symmetric
+                    with the other rank training one step more, so the suite runs it at N = 3
     save_alone      engine.save(...) by this rank alone
     load_alone      engine.load(...) by this rank alone (of a checkpoint all saved at step 0)
     early_exit      return from the run
@@ -31,7 +35,8 @@ import re
 import tempfile
 from pathlib import Path
 
-DIVERGENCES = ("none", "extra_backward", "skipped_step", "save_alone", "load_alone",
+DIVERGENCES = ("none", "extra_backward", "skipped_step", "skipped_iteration", "save_alone",
+               "load_alone",
                "early_exit", "unit_order", "micro_batches")  # fmt: skip
 AT_START = ("unit_order", "micro_batches")
 
@@ -76,7 +81,7 @@ def worker(rank: int, n: int, args) -> dict:
         if me and step == args.at_step:
             if args.diverge == "early_exit":
                 return {"rank": rank, "exited": step}
-            if args.diverge == "skipped_step":
+            if args.diverge == "skipped_iteration":
                 continue
             if args.diverge == "save_alone":
                 engine.save(Path(args.dir) / "alone")
@@ -86,7 +91,8 @@ def worker(rank: int, n: int, args) -> dict:
             forward_backward(step, k * n + rank)
         if me and step == args.at_step and args.diverge == "extra_backward":
             forward_backward(step, rank)
-        engine.step()
+        if not (me and step == args.at_step and args.diverge == "skipped_step"):
+            engine.step()
         if args.leak_bytes:
             keep.append(bytearray(b"x" * args.leak_bytes))  # touched: resident
         if args.rss:
