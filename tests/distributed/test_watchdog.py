@@ -166,6 +166,7 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
     return out
 
 
+@pytest.mark.full  # about a minute; the fault suite's torchrun_sigstop_rank1 case as well
 @pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_under_torchrun_the_stopped_rank_is_blamed(tmp_path):
