@@ -3,8 +3,8 @@
     python -m verify.faults.driver --diverge extra_backward --rank 1 --at-step 3 --stage 2
 
 Local ranks (zero.launch.spawn; --nproc, 2 by default) train the GPT of the README through the
-public API (ZeroEngine, forward, backward, step) for --steps steps; at --at-step, rank --rank does what
---diverge says and the other ranks go on as normal:
+public API (ZeroEngine, forward, backward, step) for --steps steps; at --at-step, rank --rank
+does what --diverge says and the other ranks go on as normal:
 
     extra_backward  one forward and backward more than the step's micro-batches
     skipped_step    step() not called (its forwards and backwards run): the next forward
