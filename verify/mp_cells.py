@@ -8,7 +8,7 @@ from the config alone (its own counter), on the reference's working copy. Per st
     loss_bound), norm (bits), skip and step counts (verify.harness.check_reported);
   - the counted traffic: kind "model" = verify.expect.expected_traffic for the slice in the DP
     group, kind "mp" = expected_mp_traffic (recomputation and P_a included), one MP control
-    all-gather of 2 + (parameters) float64 values, and P_a+cpu's host copies;
+    all-gather of (N_m-1)·(2 + parameters) float64 values, and P_a+cpu's host copies;
   - after the last step, memory_report() = verify.expect.expected_memory for the slice.
 Across cells: at fixed (N_m, precision) one digest per MP index and step over N_d, stages and
 P_a on/off (world-size invariance over DP; P_a changes no bit). docs/verification.md,
@@ -133,6 +133,18 @@ def _plant_p_a_order(n: int):
     return lambda: setattr(pm, "all_gather", real)
 
 
+class _Without:
+    """The engine's counter without the records of the checks' own gathers (gather_state and
+    state_digest after a step are collectives at stage 3, counted in the next step): what
+    traffic_of_step reads of it."""
+
+    def __init__(self, counter, reads: set[int]):
+        self.counter, self.reads = counter, reads
+
+    def of_step(self, step: int, kind: str = "model"):
+        return [r for r in self.counter.of_step(step, kind) if id(r) not in self.reads]
+
+
 def run_cell(rank: int, world: int, cell: MPCell) -> dict:
     """One rank's part of a cell: per step its digest, norm and first mismatch ('' if none)."""
     undo = _plant_p_a_order(cell.mp) if cell.plant == "p_a_order" else None
@@ -170,7 +182,7 @@ def _run(cell: MPCell) -> dict:
         model.cfg, BATCH, mp, k, checkpointed=ckpt, p_a=cell.p_a != "off"
     )
     x_part = math.ceil(BATCH * CFG["block_size"] * CFG["n_embd"] / mp)
-    steps, first = [], ""
+    steps, first, reads = [], "", set()
     for step in range(cell.steps):
         batches = gpt_microbatches(model.cfg, seed=1, data_step=step, count=M, batch_size=BATCH)
         scale = None if states[0].scaler is None else states[0].scaler.scale
@@ -183,6 +195,7 @@ def _run(cell: MPCell) -> dict:
             _, loss = eng(*batches[i * dp + g.d])  # micro-batch j = i·N_d + d
             eng.backward(loss)
         res = eng.step()
+        before = len(eng.counter.records)
         want = states[g.m]
         why = check_reported(step, eng, res, want, info, losses, _same_bits)
         master, opt = eng.gather_state()
@@ -192,7 +205,7 @@ def _run(cell: MPCell) -> dict:
                 ref = want.master[n] if key == "master" else want.opt[n][key]
                 if not why and not np.array_equal(got.numpy().view(np.uint32), ref.view(np.uint32)):
                     why = f"step {step}: {key} of {n!r} differs from reference/mp.py"
-        c = eng.counter
+        c = _Without(eng.counter, reads)
         got_mp = sorted((r.op, r.phase, r.elements) for r in c.of_step(step, "mp"))
         control = [(r.op, r.elements) for r in c.of_step(step, "control") if r.phase == "mp_step"]
         moved = sorted((r.phase, r.elements) for r in c.of_step(step, "offload"))
@@ -207,13 +220,15 @@ def _run(cell: MPCell) -> dict:
                 E.expected_traffic(zcfg, spec, dp, g.d, forward=True),
             ),
             "" if got_mp == want_mp else f"mp traffic: engine {got_mp}, expected {want_mp}",
-            "" if control == [("all_gather", 2 + len(spec.names))] else f"mp control {control}",
+            "" if control == [("all_gather", (mp - 1) * (2 + len(spec.names)))]
+            else f"mp control {control}",
             "" if moved == want_moved else f"P_a+cpu host copies: {moved}, expected {want_moved}",
         )  # fmt: skip
         why = why or next((f"step {step}: {w}" for w in checks if w), "")
         first = first or why
         clipped = info.norm is not None and float(info.norm) > CLIP
         steps.append({"digest": state_digest(eng, res), "norm": res.norm, "clipped": clipped})
+        reads = {id(r) for r in eng.counter.records[before:]}  # this check's gathers
     got = {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"}
     want_mem = E.expected_memory(zcfg, spec, dp)
     if not first and {k: got.get(k) for k in want_mem} != want_mem:
