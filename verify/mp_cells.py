@@ -42,6 +42,7 @@ class MPCell:
     p_a: str = "off"  # "off", "on" (P_a), "cpu" (P_a+cpu)
     steps: int = 2
     plant: str | None = None
+    from_gpt: bool = False  # the slice cut from the whole GPT(seed) (TPGPT.from_gpt), not built
 
     @property
     def world_size(self) -> int:
@@ -51,7 +52,8 @@ class MPCell:
     def label(self) -> str:
         p_a = {"off": "", "on": " P_a", "cpu": " P_a+cpu"}[self.p_a]
         plant = f" plant={self.plant}" if self.plant else ""
-        return f"N_d={self.dp} N_m={self.mp} stage {self.stage} {self.precision}{p_a}{plant}"
+        how = " from_gpt" if self.from_gpt else ""
+        return f"N_d={self.dp} N_m={self.mp} stage {self.stage} {self.precision}{p_a}{how}{plant}"
 
     def options(self) -> dict:
         if self.p_a == "off":
@@ -80,17 +82,21 @@ def _same_bits(ours, theirs) -> str:
     )
 
 
-def setup(dp, mp, stage, precision, **kw):
-    """(groups, model, initial values, config, engine) of one rank of a (dp, mp) mesh."""
+def setup(dp, mp, stage, precision, *, from_gpt=False, **kw):
+    """(groups, model, initial values, config, engine) of one rank of a (dp, mp) mesh; the
+    slice built alone (TPGPT.build) or cut from the whole GPT (from_gpt: the same bits)."""
     from zero.collectives import CommCounter
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import GPTConfig
+    from zero.models import GPT, GPTConfig
     from zero.mp import TPGPT, MPContext
 
     g = mesh_groups(dp, mp)
     ctx = MPContext.of(g.mp_group, counter=CommCounter(keep_steps=None))
-    model = TPGPT.build(GPTConfig(**CFG), ctx, seed=3)
+    if from_gpt:
+        model = TPGPT.from_gpt(GPT(GPTConfig(**CFG), seed=3), ctx)
+    else:
+        model = TPGPT.build(GPTConfig(**CFG), ctx, seed=3)
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     units = tuple(model.unit_names())
     zcfg = ZeroConfig(
@@ -162,13 +168,15 @@ def _run(cell: MPCell) -> dict:
     from reference.step import init_state, working_copy
     from zero.config import TORCH_DTYPES
     from zero.models import gpt_microbatches
-    from zero.mp import counts_in_norm
+    from zero.mp import counts_in_norm, tp_num_params
 
     from . import expect as E
     from .harness import check_reported, state_digest
 
     dp, mp = cell.dp, cell.mp
-    g, model, init, zcfg, eng = setup(dp, mp, cell.stage, cell.precision, **cell.options())
+    g, model, init, zcfg, eng = setup(
+        dp, mp, cell.stage, cell.precision, from_gpt=cell.from_gpt, **cell.options()
+    )
     if cell.plant == "double":  # the replicated parameters counted on every MP rank
         eng.mp.rule = lambda name: True
     spec, rcfg = E.reference_spec(model, zcfg), E.reference_step_config(zcfg, dp)
@@ -229,6 +237,10 @@ def _run(cell: MPCell) -> dict:
         clipped = info.norm is not None and float(info.norm) > CLIP
         steps.append({"digest": state_digest(eng, res), "norm": res.norm, "clipped": clipped})
         reads = {id(r) for r in eng.counter.records[before:]}  # this check's gathers
+    if not first and spec.numel != tp_num_params(model.cfg, mp):  # the closed form's count
+        first = (
+            f"the slice has {spec.numel} parameters, tp_num_params {tp_num_params(model.cfg, mp)}"
+        )
     got = {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"}
     want_mem = E.expected_memory(zcfg, spec, dp)
     if not first and {k: got.get(k) for k in want_mem} != want_mem:
@@ -267,10 +279,11 @@ def row(cell: MPCell, per_rank: list[dict]) -> dict:
 
 
 def quick_cells() -> list[MPCell]:
-    """Stages 0 and 3 on each mesh (1 and 2 once each), fp32; one bf16 cell; P_a and P_a+cpu at
+    """Stages 0 and 3 on each mesh (1 and 2 once each), fp32 (the stage-1 cell cuts its slice
+    from the whole GPT: the same digests as the built ones); two bf16 cells; P_a and P_a+cpu at
     stage 3 on (2, 2), each bitwise equal to the same cell without P_a."""
     plan = [(1, 2, 0), (1, 2, 1), (1, 2, 3), (2, 2, 0), (2, 2, 3), (2, 1, 0), (2, 1, 2), (2, 1, 3)]
-    cells = [MPCell(dp=d, mp=m, stage=s) for d, m, s in plan]
+    cells = [MPCell(dp=d, mp=m, stage=s, from_gpt=(d, m, s) == (1, 2, 1)) for d, m, s in plan]
     cells += [
         MPCell(dp=2, mp=2, stage=2, precision="bf16"),
         MPCell(dp=1, mp=2, stage=3, precision="bf16"),
