@@ -367,6 +367,10 @@ def main(argv=None) -> int:
             from .parity import markdown as parity_markdown
 
             text += parity_markdown(*par)
+        if mp is not None:
+            from .mp_cells import markdown as mp_markdown
+
+            text += mp_markdown(*mp)
         write_atomic(args.markdown, text)
     return 1 if failed or changed or not every else 0
 

@@ -346,3 +346,19 @@ def run_section(cells: list[MPCell], *, timeout_s: float = 900, say=print):
         say(f"  N_m={r['mp']} {r['precision']}: one digest per m over N_d {r['dp']}, stages "
             f"{r['stages']} and P_a ({r['cells']} cells)  {mark}")  # fmt: skip
     return ordered, inv
+
+
+def markdown(rows: list[dict], inv: list[dict]) -> str:
+    lines = ["", "## Model-parallel cells", "", "| cell | clipped | passed | first failure |"]
+    lines.append("|---|---|---|---|")
+    for r in rows:
+        clip = "".join("c" if x else "." for x in r.get("clipped", []))
+        lines.append(f"| {r['label']} | {clip} | {r['passed']} | {r['first_failure']} |")
+    lines += [
+        "",
+        "| N_m | precision | N_d | stages | cells | one digest per m |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['mp']} | {r['precision']} | {r['dp']} | {r['stages']} | {r['cells']} | "
+              f"{r['passed']} |" for r in inv]  # fmt: skip
+    return "\n".join(lines) + "\n"
