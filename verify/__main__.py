@@ -20,7 +20,9 @@ Sections of the report (verify/report.py): "cells" (gradients from backward), "i
 (gradients fed in by verify/inject.py), "world_size_invariance" (verify/invariance.py) and,
 with --resume, "resume" (checkpoint resume and resharding, from verify/resume.py when present);
 the presets and --parity add "parity" and "parity_invariance" (the engine against plain PyTorch
-on several model families, verify/parity.py).
+on several model families, verify/parity.py); the presets and --mp add "mp" and "mp_invariance"
+(ZeRO inside the DP group of each tensor-parallel slice against reference/mp.py,
+verify/mp_cells.py; --no-mp leaves it out of a preset).
 """
 
 from __future__ import annotations
@@ -99,6 +101,14 @@ def parse(argv=None) -> argparse.Namespace:
         help="only the parity-with-plain-PyTorch section (verify/parity.py): its quick cells, "
         "or every cell with --complete (the presets include it)",
     )
+    p.add_argument(
+        "--mp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the model-parallel section (verify/mp_cells.py): ZeRO in the DP group of each "
+        "tensor-parallel slice against reference/mp.py; its quick cells, or every cell with "
+        "--complete, and nothing else (as --parity); the presets include it, --no-mp leaves it out",
+    )
     p.add_argument("--json", default=None, help="write the JSON report here")
     p.add_argument("--markdown", default=None, help="write the Markdown report here")
     p.add_argument(
@@ -148,7 +158,7 @@ def cells_for(args) -> list[Cell]:
 
 def plan(args) -> tuple[list[Cell], list[dict]]:
     """(cells, invariance runs) that this invocation runs."""
-    if args.parity:  # the parity section alone (parity_section)
+    if args.parity or mp_alone(args):  # one section alone (parity_section, mp_section)
         return [], []
     if args.quick or args.complete:
         cells, runs = matrix.quick() if args.quick else matrix.complete()
@@ -200,7 +210,7 @@ def resume_section(args, say) -> list[dict] | None:
 def parity_section(args, say) -> tuple[list[dict], list[dict]] | None:
     """The parity section (verify/parity.py): (rows, invariance rows), or None when this
     invocation has none. --quick and --parity run the quick cells, --complete every cell."""
-    if not (args.parity or args.quick or args.complete):
+    if not (args.parity or args.quick or args.complete) or (mp_alone(args) and not args.parity):
         return None
     from . import parity
 
@@ -213,10 +223,33 @@ def parity_section(args, say) -> tuple[list[dict], list[dict]] | None:
     return parity.run_section(cells, timeout_s=args.timeout, say=say)
 
 
+def mp_alone(args) -> bool:
+    """--mp (as --parity): the model-parallel section alone, its quick cells or with --complete
+    every cell; the presets run it by default and --no-mp leaves it out."""
+    return args.mp is True
+
+
+def mp_section(args, say) -> tuple[list[dict], list[dict]] | None:
+    """The model-parallel section (verify/mp_cells.py): (rows, invariance rows), or None when
+    this invocation has none (--no-mp, --parity alone, or no preset without --mp)."""
+    preset = args.mp is None and (args.quick or args.complete) and not args.parity
+    if not (args.mp is True or preset):
+        return None
+    from . import mp_cells
+
+    cells = mp_cells.complete_cells() if args.complete else mp_cells.quick_cells()
+    if args.world_sizes is not None:
+        cells = [c for c in cells if c.world_size in args.world_sizes]
+    if args.list:
+        say(f"mp: {len(cells)} cells")
+        return None
+    return mp_cells.run_section(cells, timeout_s=args.timeout, say=say)
+
+
 def watchdog_section(args, say) -> list[dict] | None:
     """The watchdog section (verify/watchdog_cells.py) with --quick and --complete: a diverging
     rank must be named, the right one, on every rank."""
-    if not (args.quick or args.complete) or args.parity:
+    if not (args.quick or args.complete) or args.parity or mp_alone(args):
         return None
     from . import watchdog_cells
 
@@ -280,6 +313,7 @@ def main(argv=None) -> int:
         for line in matrix.coverage(cells):
             say(line)
         parity_section(args, say)
+        mp_section(args, say)
         return 0
     report = run_matrix(
         cells, runs, timeout_s=args.timeout, say=say, invariance_sizes=args.world_sizes
@@ -295,6 +329,14 @@ def main(argv=None) -> int:
         say(f"parity: {sum(r['passed'] for r in par[0])}/{len(par[0])} cells passed, "
             f"{sum(r['passed'] for r in par[1])}/{len(par[1])} digest groups, "
             f"{report['timing']['parity_s']} s")  # fmt: skip
+    t0 = time.time()
+    mp = mp_section(args, say)
+    if mp is not None:  # the model-parallel section (verify/mp_cells.py)
+        report["mp"], report["mp_invariance"] = mp
+        report["timing"]["mp_s"] = round(time.time() - t0, 1)
+        say(f"mp: {sum(r['passed'] for r in mp[0])}/{len(mp[0])} cells passed, "
+            f"{sum(r['passed'] for r in mp[1])}/{len(mp[1])} digest groups, "
+            f"{report['timing']['mp_s']} s")  # fmt: skip
     watch = watchdog_section(args, say)
     if watch is not None:  # the watchdog section (verify/watchdog_cells.py)
         report["watchdog"] = watch
@@ -303,12 +345,14 @@ def main(argv=None) -> int:
     timing = report["timing"]
     every = [r for name in SECTIONS for r in report.get(name) or []]
     every += [
-        r for name in ("parity", "parity_invariance", "watchdog") for r in report.get(name) or []
+        r
+        for name in ("parity", "parity_invariance", "mp", "mp_invariance", "watchdog")
+        for r in report.get(name) or []
     ]
     failed = [r for r in every if not r["passed"]]
     cell_rows = report["cells"] + report["injected"]
     ok = sum(r["passed"] for r in cell_rows)
-    if not args.parity:  # --parity runs no matrix cells
+    if not (args.parity or mp_alone(args)):  # --parity, --mp alone run no matrix cells
         say(f"{ok}/{len(cell_rows)} cells passed in {timing['total_s']:.1f} s")
     for name in SECTIONS[2:]:
         if report.get(name):
@@ -323,6 +367,10 @@ def main(argv=None) -> int:
             from .parity import markdown as parity_markdown
 
             text += parity_markdown(*par)
+        if mp is not None:
+            from .mp_cells import markdown as mp_markdown
+
+            text += mp_markdown(*mp)
         write_atomic(args.markdown, text)
     return 1 if failed or changed or not every else 0
 

@@ -315,3 +315,30 @@ def first_difference(what: str, ours: dict, want: dict) -> str:
         if ours.get(key) != want.get(key):
             return f"{what} {key}: engine {ours.get(key)}, expected {want.get(key)}"
     return ""
+
+
+def expected_mp_traffic(
+    cfg, batch: int, n: int, k: int, *, checkpointed: int = 0, p_a: bool = False
+) -> list[tuple[str, str, int]]:
+    """The MP collectives (kind "mp") of one step of k micro-batches of a TP GPT (zero/mp/gpt.py)
+    at N_m = n, deterministic mode, as sorted (op, phase, elements): docs/design.md §6's table.
+
+    Legend: L blocks, X = b·s·h a block's activation, T = b·s tokens. Per micro-batch: forward
+    2L g-sums of X (a block's attention-out and MLP-out) and one embedding sum of X, the cross
+    entropy's max over T (a ring all-reduce, 2(n-1)·⌈T/n⌉) and its two sums of T; backward
+    2L + 1 f-sums of X (a block's QKV and MLP-in, the tied head). A deterministic sum is an
+    all-gather of (n-1)·X. With `checkpointed` blocks recomputed in backward, each adds 1 g-sum
+    ("mp_fwd"), not 2: torch's non-reentrant checkpoint stops recomputing once every tensor
+    backward needs is back, before the MLP's sum (zero/mp/partitioned.py). P_a adds one
+    all-gather "p_a" of (n-1)·⌈X/n⌉ per checkpointed block (its input's parts)."""
+    h, t, layers = cfg.n_embd, batch * cfg.block_size, cfg.n_layer
+    x = t * h
+    one = (
+        [("all_gather", "mp_fwd", (n - 1) * x)] * (2 * layers + checkpointed)
+        + [("all_gather", "mp_embed", (n - 1) * x)]
+        + [("all_gather", "mp_xent", (n - 1) * t)] * 2
+        + [("all_reduce", "mp_xent", 2 * (n - 1) * math.ceil(t / n))]
+        + [("all_gather", "mp_bwd", (n - 1) * x)] * (2 * layers + 1)
+        + [("all_gather", "p_a", (n - 1) * math.ceil(x / n))] * (checkpointed if p_a else 0)
+    )
+    return sorted(one * k)

@@ -19,70 +19,23 @@ k = M/N_d, L blocks, X = b·s·h, T = b·s.
 """
 
 import math
-import struct
 
 import numpy as np
 import pytest
 import torch
 
+from verify import mp_cells
+from verify.mp_cells import BATCH, CFG, CHUNK, M
 from zero.launch import get_pool
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
-CFG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
-BATCH, M, CHUNK, CLIP = 2, 4, 128, 0.05
-_GROUPS: dict = {}  # per worker: the mesh's groups, created once per (dp, mp)
-
-
-def _groups(dp, mp):
-    from zero.mp import Mesh
-
-    if (dp, mp) not in _GROUPS:
-        _GROUPS[(dp, mp)] = Mesh(dp=dp, mp=mp).groups()
-    return _GROUPS[(dp, mp)]
-
-
-def _bits(x) -> int:
-    return None if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _setup(dp, mp, stage, precision, **kw):
-    from zero.collectives import CommCounter
-    from zero.config import ZeroConfig
-    from zero.engine import ZeroEngine
-    from zero.models import GPTConfig
-    from zero.mp import TPGPT, MPContext
-
-    g = _groups(dp, mp)
-    ctx = MPContext.of(g.mp_group, counter=CommCounter(keep_steps=None))
-    model = TPGPT.build(GPTConfig(**CFG), ctx, seed=3)
-    init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
-    zcfg = ZeroConfig(
-        stage=stage,
-        precision=precision,
-        micro_batches=M,
-        chunk=CHUNK,
-        clip_norm=CLIP,
-        units=tuple(model.unit_names()),
-        **kw,
-    )
-    return g, model, init, zcfg, ZeroEngine(model, zcfg, group=g.dp_group, mp=ctx)
+_groups, _bits, _setup = mp_cells.mesh_groups, mp_cells.float_bits, mp_cells.setup
 
 
 def _reference_grads(g, cfg, working, batches, dtype, scale):
-    """Every slice's micro-batch gradients on the reference's working copies: each MP group
-    runs all M micro-batches on a probe TPGPT (its own counter), then gathers the slices."""
-    import torch.distributed as dist
-
-    from verify.harness import microbatch_grads
-    from zero.collectives import CommCounter
-    from zero.mp import TPGPT, MPContext
-
-    probe = TPGPT.build(cfg, MPContext.of(g.mp_group, counter=CommCounter()), seed=None)
-    mine = [microbatch_grads(probe, working, b, dtype, scale) for b in batches]
-    every = [None] * g.mesh.mp
-    dist.all_gather_object(every, mine, group=g.mp_group)
-    return every
+    """Every slice's micro-batch gradients (verify/mp_cells.py's reference side)."""
+    return mp_cells.reference_grads(g, cfg, working, batches, dtype, scale)[1]
 
 
 def run_mp(rank, world, dp, mp, runs):
@@ -212,18 +165,11 @@ def test_used_flags_are_the_maximum_over_the_mp_group():
 
 def mp_traffic(n, k):
     """docs/design.md §6's table for one step of k micro-batches (deterministic mode), as
-    sorted (op, phase, elements) records: per micro-batch 2L g-sums and one embedding sum of X,
-    the cross entropy's max and two sums of T in forward, 2L + 1 f-sums of X in backward."""
-    h, t, layers = CFG["n_embd"], BATCH * CFG["block_size"], CFG["n_layer"]
-    x = t * h
-    one = (
-        [("all_gather", "mp_fwd", (n - 1) * x)] * (2 * layers)
-        + [("all_gather", "mp_embed", (n - 1) * x)]
-        + [("all_gather", "mp_xent", (n - 1) * t)] * 2
-        + [("all_reduce", "mp_xent", 2 * (n - 1) * math.ceil(t / n))]
-        + [("all_gather", "mp_bwd", (n - 1) * x)] * (2 * layers + 1)
-    )
-    return sorted(one * k)
+    sorted (op, phase, elements) records: verify/expect.py's expected_mp_traffic."""
+    from verify.expect import expected_mp_traffic
+    from zero.models import GPTConfig
+
+    return expected_mp_traffic(GPTConfig(**CFG), BATCH, n, k)
 
 
 def _matrix(mp, runs):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from torchrun import torchrun
 
-from verify import matrix, parity
+from verify import matrix, mp_cells, parity
 from verify.__main__ import main
 from verify.harness import Cell
 
@@ -174,6 +174,9 @@ def test_quick_preset_passes_and_has_teeth(tmp_path, capsys):
     assert {r["config"]["family"] for r in data["parity"]} == set(parity.FAMILIES)
     assert all(r["passed"] for r in data["parity"] + data["parity_invariance"])
     assert "## Parity with plain PyTorch" in text
+    # the model-parallel section (verify/mp_cells.py): its quick cells, all passing
+    assert len(data["mp"]) == len(mp_cells.quick_cells()) and data["mp_invariance"]
+    assert all(r["passed"] for r in data["mp"] + data["mp_invariance"])
     printed = capsys.readouterr().out
     assert re.search(r"\d+/\d+ cells passed", printed)
     print(f"--quick took {took:.0f} s")  # visible with -s; the CLI's JSON keeps timing too

@@ -1,0 +1,53 @@
+"""verify's model-parallel section (verify/mp_cells.py): its quick cells pass with clipping
+active on every step, one digest per MP index over N_d, stages and P_a on/off; and planted
+engine bugs fail their cells: the replicated parameters counted in the norm on every MP rank,
+and P_a's gather assembling the MP ranks' parts in the wrong order."""
+
+import pytest
+
+from verify import mp_cells
+from verify.mp_cells import MPCell, run_section
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+
+def test_quick_mp_section_passes():
+    rows, inv = run_section(mp_cells.quick_cells(), say=lambda *a: None)
+    assert len(rows) == len(mp_cells.quick_cells())
+    for r in rows:
+        assert r["passed"], (r["label"], r["first_failure"])
+        assert all(r["clipped"]) and len(r["clipped"]) == r["config"]["steps"], r["label"]
+    meshes = {(r["config"]["dp"], r["config"]["mp"]) for r in rows}
+    assert meshes == {(1, 2), (2, 2), (2, 1)}
+    assert {r["config"]["p_a"] for r in rows} == {"off", "on", "cpu"}
+    by = {(r["mp"], r["precision"]): r for r in inv}
+    assert all(r["passed"] for r in inv), inv
+    # N_m = 2 fp32: one digest per m over N_d 1 and 2, stages 0-3 and P_a on and off
+    assert by[(2, "fp32")]["dp"] == [1, 2] and by[(2, "fp32")]["stages"] == [0, 1, 3]
+    assert by[(1, "fp32")]["stages"] == [0, 2, 3] and by[(2, "bf16")]["dp"] == [1, 2]
+    # the slices differ: two MP indices, two digest sequences
+    two = next(r for r in rows if r["config"]["mp"] == 2)
+    assert len(two["digests"]) == 2 and two["digests"][0] != two["digests"][1]
+
+
+@pytest.mark.parametrize(
+    "cell, why",
+    [
+        (MPCell(dp=1, mp=2, stage=1, steps=1, plant="double"), "global norm"),
+        (MPCell(dp=2, mp=2, stage=3, steps=1, p_a="on", plant="p_a_order"), ""),
+    ],
+)
+def test_planted_bug_fails_the_cell(cell, why):
+    (r,), _ = run_section([cell], say=lambda *a: None)
+    assert not r["passed"]
+    assert why in r["first_failure"], r["first_failure"]
+
+
+def test_mp_flag_runs_only_this_section(capsys):
+    from verify.__main__ import main
+
+    assert main(["--mp", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert f"mp: {len(mp_cells.quick_cells())} cells" in out and "parity" not in out
+    assert main(["--quick", "--no-mp", "--list"]) == 0
+    assert "mp:" not in capsys.readouterr().out

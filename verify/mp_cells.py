@@ -1,0 +1,364 @@
+"""verify's model-parallel section: ZeRO inside the DP group of each tensor-parallel slice.
+
+A cell (MPCell) trains the TP GPT (zero/mp/gpt.py) on N_d·N_m gloo ranks for S steps with
+clipping active. The reference side is reference/mp.py's step on every slice, fed with the MP
+model's micro-batch gradients: each MP group runs all M micro-batches on a probe TPGPT built
+from the config alone (its own counter), on the reference's working copy. Per step and rank:
+  - the master and optimizer states bitwise = the reference's slice; the reported loss (within
+    loss_bound), norm (bits), skip and step counts (verify.harness.check_reported);
+  - the counted traffic: kind "model" = verify.expect.expected_traffic for the slice in the DP
+    group, kind "mp" = expected_mp_traffic (recomputation and P_a included), one MP control
+    all-gather of (N_m-1)·(2 + parameters) float64 values, and P_a+cpu's host copies;
+  - after the last step, memory_report() = verify.expect.expected_memory for the slice.
+Across cells: at fixed (N_m, precision) one digest per MP index and step over N_d, stages and
+P_a on/off (world-size invariance over DP; P_a changes no bit). docs/verification.md,
+"Model-parallel cells". Legend: N_d, N_m, (d, m), M, k = M/N_d, L blocks, X = b·s·h.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+CFG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+BATCH, M, CHUNK, CLIP = 2, 4, 128, 0.05
+"""The model and step: CLIP is far below the first steps' norms (about 1.2), so every step
+clips (each row records it)."""
+PLANTS = ("double", "p_a_order")
+"""Engine bugs a cell must catch: the replicated parameters counted in the norm on every MP
+rank; P_a's gather returning the MP ranks' parts in the wrong order."""
+_GROUPS: dict = {}  # per worker process: the mesh's groups, created once per (dp, mp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MPCell:
+    dp: int
+    mp: int
+    stage: int
+    precision: str = "fp32"
+    p_a: str = "off"  # "off", "on" (P_a), "cpu" (P_a+cpu)
+    steps: int = 2
+    plant: str | None = None
+    from_gpt: bool = False  # the slice cut from the whole GPT(seed) (TPGPT.from_gpt), not built
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.mp
+
+    @property
+    def label(self) -> str:
+        p_a = {"off": "", "on": " P_a", "cpu": " P_a+cpu"}[self.p_a]
+        plant = f" plant={self.plant}" if self.plant else ""
+        how = " from_gpt" if self.from_gpt else ""
+        return f"N_d={self.dp} N_m={self.mp} stage {self.stage} {self.precision}{p_a}{how}{plant}"
+
+    def options(self) -> dict:
+        if self.p_a == "off":
+            return {}
+        on = dict(activation_checkpointing=True, partition_activations=True)
+        return {**on, "offload_activations": True} if self.p_a == "cpu" else on
+
+
+def mesh_groups(dp, mp):
+    """This rank's groups of a (dp, mp) mesh, created once per worker process."""
+    from zero.mp import Mesh
+
+    if (dp, mp) not in _GROUPS:
+        _GROUPS[(dp, mp)] = Mesh(dp=dp, mp=mp).groups()
+    return _GROUPS[(dp, mp)]
+
+
+def float_bits(x) -> int | None:
+    return None if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _same_bits(ours, theirs) -> str:
+    """check_reported's norm comparison: the same float64 bits (docs/design.md §6's norm)."""
+    return (
+        "" if float_bits(ours) == float_bits(theirs) else f"engine {ours!r}, reference {theirs!r}"
+    )
+
+
+def setup(dp, mp, stage, precision, *, from_gpt=False, **kw):
+    """(groups, model, initial values, config, engine) of one rank of a (dp, mp) mesh; the
+    slice built alone (TPGPT.build) or cut from the whole GPT (from_gpt: the same bits)."""
+    from zero.collectives import CommCounter
+    from zero.config import ZeroConfig
+    from zero.engine import ZeroEngine
+    from zero.models import GPT, GPTConfig
+    from zero.mp import TPGPT, MPContext
+
+    g = mesh_groups(dp, mp)
+    ctx = MPContext.of(g.mp_group, counter=CommCounter(keep_steps=None))
+    if from_gpt:
+        model = TPGPT.from_gpt(GPT(GPTConfig(**CFG), seed=3), ctx)
+    else:
+        model = TPGPT.build(GPTConfig(**CFG), ctx, seed=3)
+    init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
+    units = tuple(model.unit_names())
+    zcfg = ZeroConfig(
+        stage=stage, precision=precision, micro_batches=M, chunk=CHUNK, clip_norm=CLIP,
+        units=units, **kw,
+    )  # fmt: skip
+    return g, model, init, zcfg, ZeroEngine(model, zcfg, group=g.dp_group, mp=ctx)
+
+
+def reference_grads(g, cfg, working, batches, dtype, scale):
+    """Every slice's (losses, micro-batch gradients) on the reference's working copies: each
+    MP group runs all M micro-batches on a probe TPGPT (its own counter), then gathers them."""
+    import torch.distributed as dist
+
+    from verify.harness import microbatch_loss_and_grads
+    from zero.collectives import CommCounter
+    from zero.mp import TPGPT, MPContext
+
+    probe = TPGPT.build(cfg, MPContext.of(g.mp_group, counter=CommCounter()), seed=None)
+    pairs = [microbatch_loss_and_grads(probe, working, b, dtype, scale) for b in batches]
+    every = [None] * g.mesh.mp
+    dist.all_gather_object(every, [gr for _, gr in pairs], group=g.mp_group)
+    return [x for x, _ in pairs], every
+
+
+def _plant_p_a_order(n: int):
+    """P_a's gather with the N parts rotated (rank m's part read as rank m+1's); returns the
+    undo (the pools are long-lived: the next cell must run the real code)."""
+    import zero.mp.partitioned as pm
+
+    real = pm.all_gather
+
+    def rotated(out, part, **kw):
+        done = real(out, part, **kw)
+        done.wait()
+        out.copy_(out.view(n, -1).roll(1, 0).reshape(-1))
+        return done
+
+    pm.all_gather = rotated
+    return lambda: setattr(pm, "all_gather", real)
+
+
+class _Without:
+    """The engine's counter without the records of the checks' own gathers (gather_state and
+    state_digest after a step are collectives at stage 3, counted in the next step): what
+    traffic_of_step reads of it."""
+
+    def __init__(self, counter, reads: set[int]):
+        self.counter, self.reads = counter, reads
+
+    def of_step(self, step: int, kind: str = "model"):
+        return [r for r in self.counter.of_step(step, kind) if id(r) not in self.reads]
+
+
+def run_cell(rank: int, world: int, cell: MPCell) -> dict:
+    """One rank's part of a cell: per step its digest, norm and first mismatch ('' if none)."""
+    undo = _plant_p_a_order(cell.mp) if cell.plant == "p_a_order" else None
+    try:
+        return _run(cell)
+    finally:
+        if undo:
+            undo()
+
+
+def _run(cell: MPCell) -> dict:
+    import torch.distributed as dist
+
+    from reference.mp import mp_train_step
+    from reference.step import init_state, working_copy
+    from zero.config import TORCH_DTYPES
+    from zero.models import gpt_microbatches
+    from zero.mp import counts_in_norm, tp_num_params
+
+    from . import expect as E
+    from .harness import check_reported, state_digest
+
+    dp, mp = cell.dp, cell.mp
+    g, model, init, zcfg, eng = setup(
+        dp, mp, cell.stage, cell.precision, from_gpt=cell.from_gpt, **cell.options()
+    )
+    if cell.plant == "double":  # the replicated parameters counted on every MP rank
+        eng.mp.rule = lambda name: True
+    spec, rcfg = E.reference_spec(model, zcfg), E.reference_step_config(zcfg, dp)
+    every_init, specs = [None] * mp, [None] * mp
+    dist.all_gather_object(every_init, init, group=g.mp_group)
+    dist.all_gather_object(specs, spec, group=g.mp_group)
+    states = [init_state(x, s, rcfg) for x, s in zip(every_init, specs)]
+    k, blocks = M // dp, model.cfg.n_layer
+    ckpt = blocks if zcfg.activation_checkpointing else 0
+    want_mp = E.expected_mp_traffic(
+        model.cfg, BATCH, mp, k, checkpointed=ckpt, p_a=cell.p_a != "off"
+    )
+    x_part = math.ceil(BATCH * CFG["block_size"] * CFG["n_embd"] / mp)
+    steps, first, reads = [], "", set()
+    for step in range(cell.steps):
+        batches = gpt_microbatches(model.cfg, seed=1, data_step=step, count=M, batch_size=BATCH)
+        scale = None if states[0].scaler is None else states[0].scaler.scale
+        working = working_copy(states[g.m], rcfg)
+        losses, grads = reference_grads(
+            g, model.cfg, working, batches, TORCH_DTYPES[cell.precision], scale
+        )
+        states, info = mp_train_step(states, grads, specs, rcfg, counts_in_norm)
+        for i in range(k):
+            _, loss = eng(*batches[i * dp + g.d])  # micro-batch j = i·N_d + d
+            eng.backward(loss)
+        res = eng.step()
+        before = len(eng.counter.records)
+        want = states[g.m]
+        why = check_reported(step, eng, res, want, info, losses, _same_bits)
+        master, opt = eng.gather_state()
+        for n in spec.names:
+            ours = [("master", master[n])] + [(key, opt[n][key]) for key in sorted(want.opt[n])]
+            for key, got in ours:
+                ref = want.master[n] if key == "master" else want.opt[n][key]
+                if not why and not np.array_equal(got.numpy().view(np.uint32), ref.view(np.uint32)):
+                    why = f"step {step}: {key} of {n!r} differs from reference/mp.py"
+        c = _Without(eng.counter, reads)
+        got_mp = sorted((r.op, r.phase, r.elements) for r in c.of_step(step, "mp"))
+        control = [(r.op, r.elements) for r in c.of_step(step, "control") if r.phase == "mp_step"]
+        moved = sorted((r.phase, r.elements) for r in c.of_step(step, "offload"))
+        want_moved = (
+            sorted([("p_a_down", x_part), ("p_a_up", x_part)] * blocks * k)
+            if cell.p_a == "cpu"
+            else []
+        )
+        checks = (
+            E.first_difference(
+                "traffic", E.traffic_of_step(c, step),
+                E.expected_traffic(zcfg, spec, dp, g.d, forward=True),
+            ),
+            "" if got_mp == want_mp else f"mp traffic: engine {got_mp}, expected {want_mp}",
+            "" if control == [("all_gather", (mp - 1) * (2 + len(spec.names)))]
+            else f"mp control {control}",
+            "" if moved == want_moved else f"P_a+cpu host copies: {moved}, expected {want_moved}",
+        )  # fmt: skip
+        why = why or next((f"step {step}: {w}" for w in checks if w), "")
+        first = first or why
+        clipped = info.norm is not None and float(info.norm) > CLIP
+        steps.append({"digest": state_digest(eng, res), "norm": res.norm, "clipped": clipped})
+        reads = {id(r) for r in eng.counter.records[before:]}  # this check's gathers
+    if not first and spec.numel != tp_num_params(model.cfg, mp):  # the closed form's count
+        first = (
+            f"the slice has {spec.numel} parameters, tp_num_params {tp_num_params(model.cfg, mp)}"
+        )
+    got = {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"}
+    want_mem = E.expected_memory(zcfg, spec, dp)
+    if not first and {k: got.get(k) for k in want_mem} != want_mem:
+        first = f"memory_report {got}, expected {want_mem}"
+    return {"d": g.d, "m": g.m, "steps": steps, "first": first}
+
+
+def run_cells(rank: int, world: int, cells: list[MPCell]) -> list[dict]:
+    out = []
+    for cell in cells:
+        try:
+            out.append(run_cell(rank, world, cell))
+        except Exception as exc:  # noqa: BLE001 - reported as the cell's failure
+            out.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
+    return out
+
+
+def row(cell: MPCell, per_rank: list[dict]) -> dict:
+    """One cell's report row; passed only if every rank passed and the ranks of one MP index
+    hold one digest per step (the DP group's ranks gather one full state)."""
+    config = asdict(cell)
+    err = next((r["error"] for r in per_rank if "error" in r), "")
+    if err:
+        return {"config": config, "label": cell.label, "passed": False, "first_failure": err}
+    first = next((f"rank {i}: {r['first']}" for i, r in enumerate(per_rank) if r["first"]), "")
+    digests: dict[int, list] = {}
+    for r in per_rank:
+        mine = [s["digest"] for s in r["steps"]]
+        if digests.setdefault(r["m"], mine) != mine:
+            first = first or f"the DP ranks of m={r['m']} end in different digests"
+    lead = per_rank[0]["steps"]
+    return {"config": config, "label": cell.label, "passed": not first, "first_failure": first,
+            "digests": [digests[m] for m in sorted(digests)],
+            "clipped": [s["clipped"] for s in lead],
+            "norms": [s["norm"] for s in lead]}  # fmt: skip
+
+
+def quick_cells() -> list[MPCell]:
+    """Stages 0 and 3 on each mesh (1 and 2 once each), fp32 (the stage-1 cell cuts its slice
+    from the whole GPT: the same digests as the built ones); two bf16 cells; P_a and P_a+cpu at
+    stage 3 on (2, 2), each bitwise equal to the same cell without P_a."""
+    plan = [(1, 2, 0), (1, 2, 1), (1, 2, 3), (2, 2, 0), (2, 2, 3), (2, 1, 0), (2, 1, 2), (2, 1, 3)]
+    cells = [MPCell(dp=d, mp=m, stage=s, from_gpt=(d, m, s) == (1, 2, 1)) for d, m, s in plan]
+    cells += [
+        MPCell(dp=2, mp=2, stage=2, precision="bf16"),
+        MPCell(dp=1, mp=2, stage=3, precision="bf16"),
+    ]
+    return cells + [MPCell(dp=2, mp=2, stage=3, p_a=p) for p in ("on", "cpu")]
+
+
+def complete_cells() -> list[MPCell]:
+    """Every stage × fp32/bf16 × (N_d, N_m) ∈ {(1,2), (2,2), (2,1)} × P_a off/on."""
+    return [
+        MPCell(dp=d, mp=m, stage=s, precision=p, p_a=a)
+        for d, m in ((1, 2), (2, 2), (2, 1))
+        for s in range(4)
+        for p in ("fp32", "bf16")
+        for a in ("off", "on")
+    ]
+
+
+def invariance(rows: list[dict]) -> list[dict]:
+    """Cells of one (N_m, precision, steps) without a plant must hold one digest per MP index
+    and step over N_d, stages and P_a on/off."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        c = r["config"]
+        if c["plant"] is None and "digests" in r:
+            groups.setdefault((c["mp"], c["precision"], c["steps"]), []).append(r)
+    out = []
+    for (mp, precision, _), rs in groups.items():
+        passed = len({str(r["digests"]) for r in rs}) == 1
+        out.append({"mp": mp, "precision": precision, "cells": len(rs), "passed": passed,
+                    "dp": sorted({r["config"]["dp"] for r in rs}),
+                    "stages": sorted({r["config"]["stage"] for r in rs})})  # fmt: skip
+    return out
+
+
+def run_section(cells: list[MPCell], *, timeout_s: float = 900, say=print):
+    """(rows, invariance rows) of the MP section; cells batched per world size."""
+    from .run import pool_run
+
+    say("model parallelism (engine = reference/mp.py bitwise; traffic, memory; clip c/.):")
+    rows: dict[int, dict] = {}
+    for n in sorted({c.world_size for c in cells}):
+        mine = [i for i, c in enumerate(cells) if c.world_size == n]
+        try:
+            per_rank = pool_run(n, run_cells, [cells[i] for i in mine], timeout_s)
+        except Exception as exc:  # a world that died fails its cells
+            per_rank = [[{"error": f"world N={n} failed: {str(exc).splitlines()[0]}"}] * len(mine)]
+        if per_rank is None:
+            say(f"(mp at N={n} skipped: this torchrun world has another size)")
+            continue
+        for j, i in enumerate(mine):
+            rows[i] = r = row(cells[i], [p[j] for p in per_rank])
+            clip = "".join("c" if x else "." for x in r.get("clipped", []))
+            verdict = "PASS" if r["passed"] else "FAIL " + r["first_failure"]
+            say(f"  {r['label']:<48} clip {clip:<4} {verdict}")
+    ordered = [rows[i] for i in sorted(rows)]
+    inv = invariance(ordered)
+    for r in inv:
+        mark = "PASS" if r["passed"] else "FAIL digests differ"
+        say(f"  N_m={r['mp']} {r['precision']}: one digest per m over N_d {r['dp']}, stages "
+            f"{r['stages']} and P_a ({r['cells']} cells)  {mark}")  # fmt: skip
+    return ordered, inv
+
+
+def markdown(rows: list[dict], inv: list[dict]) -> str:
+    lines = ["", "## Model-parallel cells", "", "| cell | clipped | passed | first failure |"]
+    lines.append("|---|---|---|---|")
+    for r in rows:
+        clip = "".join("c" if x else "." for x in r.get("clipped", []))
+        lines.append(f"| {r['label']} | {clip} | {r['passed']} | {r['first_failure']} |")
+    lines += [
+        "",
+        "| N_m | precision | N_d | stages | cells | one digest per m |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['mp']} | {r['precision']} | {r['dp']} | {r['stages']} | {r['cells']} | "
+              f"{r['passed']} |" for r in inv]  # fmt: skip
+    return "\n".join(lines) + "\n"
