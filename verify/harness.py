@@ -803,6 +803,19 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     return verdict
 
 
+def each_cell(run_one, rank: int, n: int, cells) -> list[dict]:
+    """run_one(rank, n, cell) for every cell of a section (parity, model parallelism) on this
+    rank; a cell that raises is reported as its failure ({"error": its first line}) and the
+    next one runs."""
+    out = []
+    for cell in cells:
+        try:
+            out.append(run_one(rank, n, cell))
+        except Exception as exc:  # noqa: BLE001 - reported as the cell's failure
+            out.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
+    return out
+
+
 def run_cells(rank: int, world_size: int, cells: list[Cell]) -> list[dict]:
     """Every cell of one world size, in one pass over the same process group.
 

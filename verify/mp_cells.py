@@ -249,13 +249,9 @@ def _run(cell: MPCell) -> dict:
 
 
 def run_cells(rank: int, world: int, cells: list[MPCell]) -> list[dict]:
-    out = []
-    for cell in cells:
-        try:
-            out.append(run_cell(rank, world, cell))
-        except Exception as exc:  # noqa: BLE001 - reported as the cell's failure
-            out.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
-    return out
+    from .harness import each_cell  # here: the module stays light to import
+
+    return each_cell(run_cell, rank, world, cells)
 
 
 def row(cell: MPCell, per_rank: list[dict]) -> dict:

@@ -31,7 +31,7 @@ from zero.train import default_loss
 
 from .anchors import REF_NORM_DEPTH, STATES, U64, U, norm_rel_error, ratio
 from .bounds import gamma, optimizer_step_error
-from .harness import GROUPS, MODELS, loss_bound, state_digest
+from .harness import GROUPS, MODELS, each_cell, loss_bound, state_digest
 
 CHECKS = ("loss", "norm", "master", *STATES, "buffers")
 PLANTS = ("coupled_decay", "no_mean")
@@ -427,13 +427,7 @@ def run_cell(rank: int, n: int, cell: ParityCell) -> dict:
 
 
 def run_cells(rank: int, n: int, cells: list[ParityCell]) -> list[dict]:
-    out = []
-    for cell in cells:
-        try:
-            out.append(run_cell(rank, n, cell))
-        except Exception as exc:  # noqa: BLE001 - reported as the cell's failure
-            out.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
-    return out
+    return each_cell(run_cell, rank, n, cells)
 
 
 def row(cell: ParityCell, per_rank: list[dict]) -> dict:

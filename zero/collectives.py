@@ -167,6 +167,19 @@ def _record(counter: CommCounter, op: str, elements: int, padding: int, like, **
     )
 
 
+def count_transfer(counter, t: torch.Tensor, *, phase: str, op: str, unit: int) -> None:
+    """Count one host<->device copy of t (kind 'offload'; op 'd2h' or 'h2d')."""
+    counter.add(
+        op=op,
+        phase=phase,
+        kind="offload",
+        unit=unit,
+        elements=t.numel(),
+        padding=0,
+        nbytes=t.numel() * t.element_size(),
+    )
+
+
 def _launch(fn, *args, group, async_op, rec, **kwargs):
     with guard(rec, group):
         work = fn(*args, group=group, async_op=async_op, **kwargs)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..collectives import all_gather
+from ..collectives import all_gather, count_transfer
 from .collectives import KIND, MPContext
 
 
@@ -47,15 +47,7 @@ class PartitionedCheckpoints(saved_tensors_hooks):
         n, m = mp.size, mp.rank
 
         def moved(t: torch.Tensor, phase: str, op: str) -> None:
-            mp.counter.add(
-                op=op,
-                phase=phase,
-                kind="offload",
-                unit=unit,
-                elements=t.numel(),
-                padding=0,
-                nbytes=t.numel() * t.element_size(),
-            )
+            count_transfer(mp.counter, t, phase=phase, op=op, unit=unit)
 
         def pack(t: torch.Tensor):
             flat = t.detach().reshape(-1)

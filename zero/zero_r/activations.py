@@ -40,6 +40,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
+from .. import collectives as C
 from .contiguous import CheckpointArena
 
 
@@ -114,15 +115,7 @@ class ActivationOffload(saved_tensors_hooks):
 
     def __init__(self, counter, unit: int, arena=None):
         def record(t: torch.Tensor, phase: str, op: str) -> None:
-            counter.add(
-                op=op,
-                phase=phase,
-                kind="offload",
-                unit=unit,
-                elements=t.numel(),
-                padding=0,
-                nbytes=t.numel() * t.element_size(),
-            )
+            C.count_transfer(counter, t, phase=phase, op=op, unit=unit)
 
         def pack(t: torch.Tensor):
             record(t, "activation_down", "d2h")
