@@ -229,21 +229,25 @@ def mp_alone(args) -> bool:
     return args.mp is True
 
 
-def mp_section(args, say) -> tuple[list[dict], list[dict]] | None:
-    """The model-parallel section (verify/mp_cells.py): (rows, invariance rows), or None when
-    this invocation has none (--no-mp, --parity alone, or no preset without --mp)."""
+def mp_section(args, say) -> tuple[list[dict], list[dict], list[dict]] | None:
+    """The model-parallel section: (rows, invariance rows) of verify/mp_cells.py and the rows
+    of verify/mp_lockstep.py (N_m > 1 against N_m = 1), or None when this invocation has none
+    (--no-mp, --parity alone, or no preset without --mp)."""
     preset = args.mp is None and (args.quick or args.complete) and not args.parity
     if not (args.mp is True or preset):
         return None
-    from . import mp_cells
+    from . import mp_cells, mp_lockstep
 
     cells = mp_cells.complete_cells() if args.complete else mp_cells.quick_cells()
+    ops = mp_lockstep.complete_cells() if args.complete else mp_lockstep.quick_cells()
     if args.world_sizes is not None:
         cells = [c for c in cells if c.world_size in args.world_sizes]
+        ops = [c for c in ops if c.world_size in args.world_sizes]
     if args.list:
-        say(f"mp: {len(cells)} cells")
+        say(f"mp: {len(cells)} cells, {len(ops)} operator cells against N_m = 1")
         return None
-    return mp_cells.run_section(cells, timeout_s=args.timeout, say=say)
+    rows, inv = mp_cells.run_section(cells, timeout_s=args.timeout, say=say)
+    return rows, inv, mp_lockstep.run_section(ops, timeout_s=args.timeout, say=say)
 
 
 def watchdog_section(args, say) -> list[dict] | None:
@@ -332,10 +336,11 @@ def main(argv=None) -> int:
     t0 = time.time()
     mp = mp_section(args, say)
     if mp is not None:  # the model-parallel section (verify/mp_cells.py)
-        report["mp"], report["mp_invariance"] = mp
+        report["mp"], report["mp_invariance"], report["mp_operators"] = mp
         report["timing"]["mp_s"] = round(time.time() - t0, 1)
         say(f"mp: {sum(r['passed'] for r in mp[0])}/{len(mp[0])} cells passed, "
             f"{sum(r['passed'] for r in mp[1])}/{len(mp[1])} digest groups, "
+            f"{sum(r['passed'] for r in mp[2])}/{len(mp[2])} operator cells against N_m = 1, "
             f"{report['timing']['mp_s']} s")  # fmt: skip
     watch = watchdog_section(args, say)
     if watch is not None:  # the watchdog section (verify/watchdog_cells.py)
@@ -346,7 +351,14 @@ def main(argv=None) -> int:
     every = [r for name in SECTIONS for r in report.get(name) or []]
     every += [
         r
-        for name in ("parity", "parity_invariance", "mp", "mp_invariance", "watchdog")
+        for name in (
+            "parity",
+            "parity_invariance",
+            "mp",
+            "mp_invariance",
+            "mp_operators",
+            "watchdog",
+        )  # fmt: skip
         for r in report.get(name) or []
     ]
     failed = [r for r in every if not r["passed"]]
@@ -369,8 +381,9 @@ def main(argv=None) -> int:
             text += parity_markdown(*par)
         if mp is not None:
             from .mp_cells import markdown as mp_markdown
+            from .mp_lockstep import markdown as operators_markdown
 
-            text += mp_markdown(*mp)
+            text += mp_markdown(*mp[:2]) + operators_markdown(mp[2])
         write_atomic(args.markdown, text)
     return 1 if failed or changed or not every else 0
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 CFG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+"""The GPT of the cells at N_m <= 2; at N_m = 4 the same with 4 heads (heads are split whole)."""
 BATCH, M, CHUNK, CLIP = 2, 4, 128, 0.05
 """The model and step: CLIP is far below the first steps' norms (about 1.2), so every step
 clips (each row records it)."""
@@ -62,6 +63,14 @@ class MPCell:
         return {**on, "offload_activations": True} if self.p_a == "cpu" else on
 
 
+def model_config(mp: int):
+    """The cells' GPTConfig at N_m = mp: CFG, with as many heads as MP ranks where it has
+    fewer."""
+    from zero.models import GPTConfig
+
+    return GPTConfig(**{**CFG, "n_head": max(CFG["n_head"], mp)})
+
+
 def mesh_groups(dp, mp):
     """This rank's groups of a (dp, mp) mesh, created once per worker process."""
     from zero.mp import Mesh
@@ -88,15 +97,15 @@ def setup(dp, mp, stage, precision, *, from_gpt=False, **kw):
     from zero.collectives import CommCounter
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import GPT, GPTConfig
+    from zero.models import GPT
     from zero.mp import TPGPT, MPContext
 
     g = mesh_groups(dp, mp)
     ctx = MPContext.of(g.mp_group, counter=CommCounter(keep_steps=None))
     if from_gpt:
-        model = TPGPT.from_gpt(GPT(GPTConfig(**CFG), seed=3), ctx)
+        model = TPGPT.from_gpt(GPT(model_config(mp), seed=3), ctx)
     else:
-        model = TPGPT.build(GPTConfig(**CFG), ctx, seed=3)
+        model = TPGPT.build(model_config(mp), ctx, seed=3)
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     units = tuple(model.unit_names())
     zcfg = ZeroConfig(
@@ -189,7 +198,7 @@ def _run(cell: MPCell) -> dict:
     want_mp = E.expected_mp_traffic(
         model.cfg, BATCH, mp, k, checkpointed=ckpt, p_a=cell.p_a != "off"
     )
-    x_part = math.ceil(BATCH * CFG["block_size"] * CFG["n_embd"] / mp)
+    x_part = math.ceil(BATCH * model.cfg.block_size * model.cfg.n_embd / mp)
     steps, first, reads = [], "", set()
     for step in range(cell.steps):
         batches = gpt_microbatches(model.cfg, seed=1, data_step=step, count=M, batch_size=BATCH)
@@ -276,24 +285,28 @@ def row(cell: MPCell, per_rank: list[dict]) -> dict:
 
 def quick_cells() -> list[MPCell]:
     """Stages 0 and 3 on each mesh (1 and 2 once each), fp32 (the stage-1 cell cuts its slice
-    from the whole GPT: the same digests as the built ones); two bf16 cells; P_a and P_a+cpu at
+    from the whole GPT: the same digests as the built ones); two bf16 cells and two fp16 cells
+    (loss scaling: the first step overflows and is skipped on every rank); P_a and P_a+cpu at
     stage 3 on (2, 2), each bitwise equal to the same cell without P_a."""
     plan = [(1, 2, 0), (1, 2, 1), (1, 2, 3), (2, 2, 0), (2, 2, 3), (2, 1, 0), (2, 1, 2), (2, 1, 3)]
     cells = [MPCell(dp=d, mp=m, stage=s, from_gpt=(d, m, s) == (1, 2, 1)) for d, m, s in plan]
     cells += [
         MPCell(dp=2, mp=2, stage=2, precision="bf16"),
         MPCell(dp=1, mp=2, stage=3, precision="bf16"),
+        MPCell(dp=1, mp=2, stage=0, precision="fp16"),
+        MPCell(dp=2, mp=2, stage=3, precision="fp16"),
     ]
     return cells + [MPCell(dp=2, mp=2, stage=3, p_a=p) for p in ("on", "cpu")]
 
 
 def complete_cells() -> list[MPCell]:
-    """Every stage × fp32/bf16 × (N_d, N_m) ∈ {(1,2), (2,2), (2,1)} × P_a off/on."""
+    """Every stage × fp32/bf16/fp16 × (N_d, N_m) ∈ {(1,2), (2,2), (2,1), (1,4)} × P_a off/on
+    (at N_m = 1, P_a keeps the whole checkpoint: the plain activation checkpointing)."""
     return [
         MPCell(dp=d, mp=m, stage=s, precision=p, p_a=a)
-        for d, m in ((1, 2), (2, 2), (2, 1))
+        for d, m in ((1, 2), (2, 2), (2, 1), (1, 4))
         for s in range(4)
-        for p in ("fp32", "bf16")
+        for p in ("fp32", "bf16", "fp16")
         for a in ("off", "on")
     ]
 

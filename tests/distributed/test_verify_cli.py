@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from torchrun import torchrun
 
-from verify import matrix, mp_cells, parity
+from verify import matrix, mp_cells, mp_lockstep, parity
 from verify.__main__ import main
 from verify.harness import Cell
 
@@ -177,6 +177,9 @@ def test_quick_preset_passes_and_has_teeth(tmp_path, capsys):
     # the model-parallel section (verify/mp_cells.py): its quick cells, all passing
     assert len(data["mp"]) == len(mp_cells.quick_cells()) and data["mp_invariance"]
     assert all(r["passed"] for r in data["mp"] + data["mp_invariance"])
+    # and N_m = 2 against N_m = 1, operator by operator (verify/mp_lockstep.py)
+    assert len(data["mp_operators"]) == len(mp_lockstep.quick_cells())
+    assert all(r["passed"] for r in data["mp_operators"]) and "## Model parallelism against" in text
     printed = capsys.readouterr().out
     assert re.search(r"\d+/\d+ cells passed", printed)
     print(f"--quick took {took:.0f} s")  # visible with -s; the CLI's JSON keeps timing too
