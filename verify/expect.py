@@ -240,6 +240,29 @@ def optimizer_states(config) -> int:
     return max(len(state_names(config.optimizer, hp)) for hp in config.groups)
 
 
+def expected_offload_copies(config, spec, n: int, *, skipped: bool) -> list[tuple[str, int]]:
+    """offload_optimizer's counted host copies of one deterministic step, sorted (phase,
+    elements): per unit, its master's extent (the padded unit at stage 0 and for stage 3's
+    persistent units, shard L_u otherwise) down once ("grad_down", the reduced gradient the
+    host optimizer reads) and, unless the step is skipped, up once ("param_up", the updated
+    master rounded to the compute dtype). Fast mode's running sum adds a download per
+    micro-step, not modelled here."""
+    if not config.offload_optimizer:
+        return []
+    out = []
+    for lay in spec.layouts:
+        stage = 0 if persistent(config, lay) else config.stage
+        extent = lay.padded_numel(n) if stage == 0 else lay.shard_numel(n)
+        out += [("grad_down", extent)] + ([] if skipped else [("param_up", extent)])
+    return sorted(out)
+
+
+def arena_span(numel: int, precision: str, align: int = 256) -> int:
+    """Bytes one checkpoint of numel elements takes in a CheckpointArena: its bytes rounded up
+    to the arenas' 256-byte alignment (docs/design.md §2's layout alignment)."""
+    return -(-numel * DTYPE_BYTES[precision] // align) * align
+
+
 def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
     """engine.memory_report()'s model-state categories (comm_buffers, which depend on what is
     in flight, are not modelled): per unit, zero.memory.model_state_breakdown at the unit's

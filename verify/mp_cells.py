@@ -8,7 +8,8 @@ from the config alone (its own counter), on the reference's working copy. Per st
     loss_bound), norm (bits), skip and step counts (verify.harness.check_reported);
   - the counted traffic: kind "model" = verify.expect.expected_traffic for the slice in the DP
     group, kind "mp" = expected_mp_traffic (recomputation and P_a included), one MP control
-    all-gather of (N_m-1)·(2 + parameters) float64 values, and P_a+cpu's host copies;
+    all-gather of (N_m-1)·(2 + parameters) float64 values, and the host copies of P_a+cpu and
+    of offload_optimizer (verify.expect.expected_offload_copies);
   - after the last step, memory_report() = verify.expect.expected_memory for the slice.
 Across cells: at fixed (N_m, precision) one digest per MP index and step over N_d, stages and
 P_a on/off (world-size invariance over DP; P_a changes no bit). docs/verification.md,
@@ -28,6 +29,8 @@ CFG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
 BATCH, M, CHUNK, CLIP = 2, 4, 128, 0.05
 """The model and step: CLIP is far below the first steps' norms (about 1.2), so every step
 clips (each row records it)."""
+EXTRAS = ("offload_optimizer", "contiguous_memory")
+"""Options that compose with MP: ZeRO-Offload's host optimizer, ZeRO-R's M_D arenas."""
 PLANTS = ("double", "p_a_order")
 """Engine bugs a cell must catch: the replicated parameters counted in the norm on every MP
 rank; P_a's gather returning the MP ranks' parts in the wrong order."""
@@ -44,6 +47,7 @@ class MPCell:
     steps: int = 2
     plant: str | None = None
     from_gpt: bool = False  # the slice cut from the whole GPT(seed) (TPGPT.from_gpt), not built
+    extra: tuple[str, ...] = ()  # ZeroConfig flags set True: EXTRAS
 
     @property
     def world_size(self) -> int:
@@ -54,12 +58,14 @@ class MPCell:
         p_a = {"off": "", "on": " P_a", "cpu": " P_a+cpu"}[self.p_a]
         plant = f" plant={self.plant}" if self.plant else ""
         how = " from_gpt" if self.from_gpt else ""
+        how += "".join(f" {x}" for x in self.extra)
         return f"N_d={self.dp} N_m={self.mp} stage {self.stage} {self.precision}{p_a}{how}{plant}"
 
     def options(self) -> dict:
+        extra = dict.fromkeys(self.extra, True)
         if self.p_a == "off":
-            return {}
-        on = dict(activation_checkpointing=True, partition_activations=True)
+            return extra
+        on = dict(activation_checkpointing=True, partition_activations=True, **extra)
         return {**on, "offload_activations": True} if self.p_a == "cpu" else on
 
 
@@ -226,20 +232,19 @@ def _run(cell: MPCell) -> dict:
         got_mp = sorted((r.op, r.phase, r.elements) for r in c.of_step(step, "mp"))
         control = [(r.op, r.elements) for r in c.of_step(step, "control") if r.phase == "mp_step"]
         moved = sorted((r.phase, r.elements) for r in c.of_step(step, "offload"))
-        want_moved = (
-            sorted([("p_a_down", x_part), ("p_a_up", x_part)] * blocks * k)
-            if cell.p_a == "cpu"
-            else []
+        want_moved = sorted(
+            ([("p_a_down", x_part), ("p_a_up", x_part)] * blocks * k if cell.p_a == "cpu" else [])
+            + E.expected_offload_copies(zcfg, spec, dp, skipped=info.skipped)
         )
         checks = (
             E.first_difference(
                 "traffic", E.traffic_of_step(c, step),
-                E.expected_traffic(zcfg, spec, dp, g.d, forward=True),
+                E.expected_traffic(zcfg, spec, dp, g.d, forward=True, skipped=info.skipped),
             ),
             "" if got_mp == want_mp else f"mp traffic: engine {got_mp}, expected {want_mp}",
             "" if control == [("all_gather", (mp - 1) * (2 + len(spec.names)))]
             else f"mp control {control}",
-            "" if moved == want_moved else f"P_a+cpu host copies: {moved}, expected {want_moved}",
+            "" if moved == want_moved else f"host copies: {moved}, expected {want_moved}",
         )  # fmt: skip
         why = why or next((f"step {step}: {w}" for w in checks if w), "")
         first = first or why
@@ -250,6 +255,14 @@ def _run(cell: MPCell) -> dict:
         first = (
             f"the slice has {spec.numel} parameters, tp_num_params {tp_num_params(model.cfg, mp)}"
         )
+    arena = eng.activation_arena  # M_D: one slot per block of ⌈X/N_m⌉ (P_a) or X elements
+    if not first and arena is not None:
+        x = BATCH * model.cfg.block_size * model.cfg.n_embd
+        size = E.arena_span(x_part if cell.p_a != "off" else x, cell.precision)
+        if (arena.nbytes, arena.misses) != (blocks * size, 0):
+            first = (
+                f"checkpoint arena {arena.nbytes} B ({arena.misses} misses), want {blocks * size}"
+            )
     got = {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"}
     want_mem = E.expected_memory(zcfg, spec, dp)
     if not first and {k: got.get(k) for k in want_mem} != want_mem:
@@ -287,7 +300,8 @@ def quick_cells() -> list[MPCell]:
     """Stages 0 and 3 on each mesh (1 and 2 once each), fp32 (the stage-1 cell cuts its slice
     from the whole GPT: the same digests as the built ones); two bf16 cells and two fp16 cells
     (loss scaling: the first step overflows and is skipped on every rank); P_a and P_a+cpu at
-    stage 3 on (2, 2), each bitwise equal to the same cell without P_a."""
+    stage 3 on (2, 2), each bitwise equal to the same cell without P_a; optimizer offload (fp16,
+    stage 1) and P_a in the M_D arena (bf16, stage 3) on (2, 2)."""
     plan = [(1, 2, 0), (1, 2, 1), (1, 2, 3), (2, 2, 0), (2, 2, 3), (2, 1, 0), (2, 1, 2), (2, 1, 3)]
     cells = [MPCell(dp=d, mp=m, stage=s, from_gpt=(d, m, s) == (1, 2, 1)) for d, m, s in plan]
     cells += [
@@ -296,18 +310,29 @@ def quick_cells() -> list[MPCell]:
         MPCell(dp=1, mp=2, stage=0, precision="fp16"),
         MPCell(dp=2, mp=2, stage=3, precision="fp16"),
     ]
-    return cells + [MPCell(dp=2, mp=2, stage=3, p_a=p) for p in ("on", "cpu")]
+    cells += [MPCell(dp=2, mp=2, stage=3, p_a=p) for p in ("on", "cpu")]
+    return cells + [
+        MPCell(dp=2, mp=2, stage=1, precision="fp16", extra=("offload_optimizer",)),
+        MPCell(dp=2, mp=2, stage=3, precision="bf16", p_a="on", extra=("contiguous_memory",)),
+    ]
 
 
 def complete_cells() -> list[MPCell]:
     """Every stage × fp32/bf16/fp16 × (N_d, N_m) ∈ {(1,2), (2,2), (2,1), (1,4)} × P_a off/on
-    (at N_m = 1, P_a keeps the whole checkpoint: the plain activation checkpointing)."""
-    return [
+    (at N_m = 1, P_a keeps the whole checkpoint: the plain activation checkpointing); then each
+    of EXTRAS with P_a, bf16, every stage on (2, 2) and (1, 4)."""
+    plain = [
         MPCell(dp=d, mp=m, stage=s, precision=p, p_a=a)
         for d, m in ((1, 2), (2, 2), (2, 1), (1, 4))
         for s in range(4)
         for p in ("fp32", "bf16", "fp16")
         for a in ("off", "on")
+    ]
+    return plain + [
+        MPCell(dp=d, mp=m, stage=s, precision="bf16", p_a="on", extra=(x,))
+        for d, m in ((2, 2), (1, 4))
+        for s in range(4)
+        for x in EXTRAS
     ]
 
 

@@ -182,11 +182,6 @@ class ZeroConfig:
                 "partition_activations=True: P_a partitions the checkpointed unit inputs; "
                 "allowed with activation_checkpointing=True"
             )
-        if self.partition_activations and self.contiguous_memory:
-            raise ValueError(
-                "partition_activations=True with contiguous_memory=True: the checkpoint arena "
-                "holds whole checkpoints; allowed is one of the two"
-            )
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError(
                 "offload_activations=True: only checkpointed unit inputs are offloaded; "

@@ -24,6 +24,7 @@ def test_quick_mp_section_passes():
     meshes = {(r["config"]["dp"], r["config"]["mp"]) for r in rows}
     assert meshes == {(1, 2), (2, 2), (2, 1)}
     assert {r["config"]["p_a"] for r in rows} == {"off", "on", "cpu"}
+    assert {x for r in rows for x in r["config"]["extra"]} == set(mp_cells.EXTRAS)
     by = {(r["mp"], r["precision"]): r for r in inv}
     assert all(r["passed"] for r in inv), inv
     # N_m = 2 fp32: one digest per m over N_d 1 and 2, stages 0-3 and P_a on and off

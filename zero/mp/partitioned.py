@@ -9,6 +9,8 @@ recomputation, so N_m ranks keep N_m copies. P_a keeps one: rank m keeps element
 of the flattened checkpoint (zero-padded to N·L), and the recomputation all-gathers the N parts
 first. The gather returns the very bits that were cut, so P_a changes no value: same bits on or
 off. P_a+cpu keeps the part in host memory instead (counted like ActivationOffload's transfers).
+With contiguous_memory (M_D) the parts go into the engine's CheckpointArena (on the host for
+P_a+cpu), which then holds L elements per block instead of X.
 
 Costs, per block per micro-step: memory X/N instead of X elements; traffic one all-gather,
 (N-1)·L elements sent per rank (kind "mp", phase "p_a"). The paper (§7) sets it against
@@ -43,7 +45,7 @@ class PartitionedCheckpoints(saved_tensors_hooks):
     """Keep this MP rank's 1/N of each checkpoint; all-gather it over the MP group when the
     recomputation unpacks it (see the module docstring)."""
 
-    def __init__(self, mp: MPContext, unit: int, *, offload: bool = False):
+    def __init__(self, mp: MPContext, unit: int, *, offload: bool = False, arena=None):
         n, m = mp.size, mp.rank
 
         def moved(t: torch.Tensor, phase: str, op: str) -> None:
@@ -57,6 +59,9 @@ class PartitionedCheckpoints(saved_tensors_hooks):
             part[: hi - lo].copy_(flat[lo:hi])  # a copy: the whole checkpoint can be freed
             if offload:
                 moved(part, "p_a_down", "d2h")
+            if arena is not None:  # M_D: the part into the next slot (on the host with +cpu)
+                return t.shape, t.device, flat.numel(), arena.store(part)
+            if offload:
                 pinned = t.device.type == "cuda"
                 host = torch.empty(size, dtype=t.dtype, pin_memory=pinned)
                 part = host.copy_(part, non_blocking=pinned)
@@ -64,6 +69,8 @@ class PartitionedCheckpoints(saved_tensors_hooks):
 
         def unpack(packed):
             shape, device, numel, part = packed
+            if arena is not None:
+                part = arena.load(part)
             if offload:
                 moved(part, "p_a_up", "h2d")
                 part = part.to(device, non_blocking=part.is_pinned())

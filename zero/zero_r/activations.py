@@ -79,7 +79,9 @@ def checkpoint_units(
         if config.partition_activations:  # P_a (+cpu): zero/mp/partitioned.py
             from ..mp.partitioned import PartitionedCheckpoints
 
-            hooks = functools.partial(PartitionedCheckpoints, mp, u.index, offload=offload)
+            hooks = functools.partial(
+                PartitionedCheckpoints, mp, u.index, offload=offload, arena=arena
+            )
         elif offload:
             hooks = functools.partial(ActivationOffload, counter, u.index, arena)
         elif arena is not None:
