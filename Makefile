@@ -40,8 +40,17 @@ lint: $(STAMP)
 	$(RUFF) format --check .
 	$(RUFF) check .
 
+# The fault suite's fast subset mostly waits (on timeouts, signals and heartbeats), so it runs beside
+# the other tiers, its output printed after theirs; either failing fails the target.
 test: lint
-	$(VPY) -m pytest -p no:cacheprovider -m "not full" --durations=20 -q
+	@log=$$(mktemp); \
+	$(VPY) -m pytest -p no:cacheprovider -m "faults and not full" -q tests/faults >$$log 2>&1 & \
+	faults=$$!; \
+	$(VPY) -m pytest -p no:cacheprovider -m "not full and not faults" --durations=20 -q; rest=$$?; \
+	wait $$faults; fault_rc=$$?; \
+	echo "--- the fault suite's fast subset (run beside the tiers above), exit $$fault_rc:"; \
+	tail -n 40 $$log; rm -f $$log; \
+	test $$rest -eq 0 && test $$fault_rc -eq 0
 
 test-unit: $(STAMP)
 	$(VPY) -m pytest -p no:cacheprovider -m "not full" --durations=10 -q tests/unit
