@@ -1,0 +1,407 @@
+"""Checkpoints of a model-parallel engine (zero/checkpoint/mpformat.py, mpjoin.py): gloo ranks.
+
+A run at (N_d, N_m) = (2, 2), stage 3, saves after k = 2 steps on all 4 ranks. Its *whole
+state* is gather_state() on every slice joined by zero.mp.join_states (the plain GPT's fp32
+master and optimizer states by name), taken independently of the checkpoint code. Then:
+  - loaded at (1, 2) stage 0, (2, 1) stage 1, (1, 4) stage 2 and into a plain engine (N = 1), the
+    loaded whole state has the saved one's bits (the TP splits are exact slices), as do t, the
+    data step and each parameter's step count;
+  - resumed at (2, 2) stage 3 and at (1, 2) stage 0 (the same N_m: bitwise across N_d and
+    stages, docs/design.md §6) and run one step, the whole state and the loss have the bits of
+    an uninterrupted run of k + 1 steps that never saved;
+  - a plain engine's checkpoint loads into an MP engine (the plain engine above saves again);
+  - `python -m zero.checkpoint consolidate` gives a state dict that loads with strict=True into
+    the plain GPT and equals the whole state bit for bit, optimizer states included;
+  - a planted join in the wrong order (slices reversed) fails both the load and the
+    consolidation checks; bad input and tampered manifests are refused by name.
+Across N_m the continued run is not bitwise (row-parallel sums differ), so only the loaded
+state is compared there. Legend: N_d, N_m, (d, m), M micro-batches per step, k saved steps.
+"""
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from zero.launch import get_pool
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+CFG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=16)  # n_head 4: N_m <= 4
+BATCH, M, CHUNK, CLIP, K = 2, 4, 128, 0.05, 2
+"""CLIP below the first steps' norms, so every step clips (the whole-model norm is in play)."""
+
+
+def _engine(dp, mp, stage, precision, seed, *, plain=False, cfg=CFG):
+    """(this rank's DP index d, MP group or None, model, engine) at (dp, mp); plain: a GPT on
+    the whole world (N = dp) without model parallelism."""
+    from verify.mp_cells import mesh_groups
+    from zero.collectives import CommCounter
+    from zero.config import ZeroConfig
+    from zero.engine import ZeroEngine
+    from zero.models import GPT, GPTConfig
+    from zero.mp import TPGPT, MPContext
+
+    gcfg = GPTConfig(**cfg)
+    units = tuple(f"transformer.h.{i}" for i in range(gcfg.n_layer))
+    z = ZeroConfig(
+        stage=stage, precision=precision, micro_batches=M, chunk=CHUNK, clip_norm=CLIP,
+        units=units,
+    )  # fmt: skip
+    if plain:
+        model = GPT(gcfg, seed=seed)
+        eng = ZeroEngine(model, z)
+        return eng.rank, None, model, eng
+    g = mesh_groups(dp, mp)
+    ctx = MPContext.of(g.mp_group, counter=CommCounter())
+    model = TPGPT.build(gcfg, ctx, seed=seed)
+    return g.d, g.mp_group, model, ZeroEngine(model, z, group=g.dp_group, mp=ctx)
+
+
+def _train(eng, d, dp, cfg, start, steps) -> list[float]:
+    """Steps start .. start+steps-1; micro-batch j = i·N_d + d; returns the losses."""
+    from zero.models import gpt_microbatches
+
+    losses = []
+    for step in range(start, start + steps):
+        batches = gpt_microbatches(cfg, seed=1, data_step=step, count=M, batch_size=BATCH)
+        for i in range(M // dp):
+            _, loss = eng(*batches[i * dp + d])
+            eng.backward(loss)
+        losses.append(eng.step().loss)
+    return losses
+
+
+def _whole(eng, mp_group, cfg) -> dict | None:
+    """The plain GPT's state: gather_state() per slice, joined by zero.mp.join_states (on the
+    rank of global index 0; None elsewhere). name -> {"master": array, key: array, ...}."""
+    import torch.distributed as dist
+
+    from zero.mp import join_states
+
+    master, opt = eng.gather_state()
+    if mp_group is not None:
+        every = [None] * dist.get_world_size(mp_group)
+        dist.all_gather_object(every, (master, opt), group=mp_group)
+        master = join_states([s for s, _ in every], cfg)
+        keys = {k for per in every[0][1].values() for k in per}
+        joined = {k: join_states([{n: o[n][k] for n in o if k in o[n]} for _, o in every], cfg)
+                  for k in keys}  # fmt: skip
+        opt = {n: {k: joined[k][n] for k in keys if n in joined[k]} for n in master}
+    if dist.get_rank() != 0:
+        return None
+    out = {n: {"master": v.numpy().copy()} for n, v in master.items()}
+    for n, per in opt.items():
+        out[n].update({k: v.numpy().copy() for k, v in per.items()})
+    return out
+
+
+def save_then_uninterrupted(rank, world, dp, mp, stage, precision, root):
+    """Worker: K steps, save, the whole state; then a fresh run of K + 1 steps never saving:
+    its whole state and last loss (rank 0's)."""
+    from zero.models import GPTConfig
+
+    cfg = GPTConfig(**CFG)
+    d, group, _, eng = _engine(dp, mp, stage, precision, seed=3)
+    _train(eng, d, dp, cfg, 0, K)
+    eng.save(root)
+    saved = _whole(eng, group, cfg)
+    d, group, _, eng = _engine(dp, mp, stage, precision, seed=3)
+    losses = _train(eng, d, dp, cfg, 0, K + 1)
+    return saved, _whole(eng, group, cfg), losses[-1], eng.t
+
+
+def _plant_reversed_join():
+    """The join with the slices in reverse m order; returns the undo (pools are long-lived)."""
+    import zero.checkpoint.mpjoin as mj
+
+    real = mj.glue_parts
+    mj.glue_parts = lambda parts, rule: real(parts[::-1], rule)
+    return lambda: setattr(mj, "glue_parts", real)
+
+
+def load_and_continue(rank, world, dp, mp, stage, precision, root, opts=()):
+    """Worker: an engine from another seed loads root; the whole state, (t, data step, step
+    counts, N_m) of the info, then one more step's whole state and loss. opts (pairs): plain (a
+    GPT engine, no MP), plant (the reversed join), resave (a directory to save to after loading)."""
+    from zero.models import GPTConfig
+
+    opts = dict(opts)
+    plain, plant, resave = opts.get("plain", False), opts.get("plant", False), opts.get("resave")
+
+    undo = _plant_reversed_join() if plant else None
+    try:
+        cfg = GPTConfig(**CFG)
+        d, group, _, eng = _engine(dp, mp, stage, precision, seed=11, plain=plain)
+        info = eng.load(root)
+        loaded = _whole(eng, group, cfg)
+        if resave:
+            eng.save(resave)
+        meta = (info.t, info.data_step, sorted(set(info.steps.values())), info.mp, eng.t)
+        losses = _train(eng, d, dp, cfg, info.data_step, 1)
+        return loaded, meta, _whole(eng, group, cfg), losses[-1]
+    finally:
+        if undo:
+            undo()
+
+
+def bits_equal(a: dict, b: dict) -> bool:
+    """Every array of two whole states (same names, same keys) has the same float32 bits."""
+    if a.keys() != b.keys():
+        return False
+    return all(
+        a[n].keys() == b[n].keys()
+        and all(
+            a[n][k].shape == b[n][k].shape
+            and np.array_equal(a[n][k].view(np.uint32), b[n][k].view(np.uint32))
+            for k in a[n]
+        )
+        for n in a
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The (2, 2) stage-3 fp32 run: root, saved whole state, the uninterrupted K + 1 state,
+    its last loss and t."""
+    root = tmp_path_factory.mktemp("mp_ckpt") / "ckpt"
+    (out, *_) = get_pool(4).run(save_then_uninterrupted, 2, 2, 3, "fp32", str(root))
+    return (root, *out)
+
+
+def test_the_saved_state_is_a_trained_one(saved):
+    """The fixture's states differ (so the equalities below could fail) and are finite."""
+    _, state, after, _, t = saved
+    assert t == K + 1 and not bits_equal(state, after)
+    assert all(np.isfinite(v).all() for per in state.values() for v in per.values())
+    assert {"exp_avg", "exp_avg_sq"} <= set(state["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize(
+    "dp,mp,stage", [(1, 2, 0), (2, 1, 1), (1, 4, 2)], ids=["1x2-s0", "2x1-s1", "1x4-s2"]
+)
+def test_loaded_at_another_mesh_is_the_saved_state_bitwise(saved, dp, mp, stage):
+    """Slices joined and cut for another (N_d', N_m') (stage too): every master and optimizer
+    state comes back with the saved bits; at (1, 2), the same N_m, the next step is the
+    uninterrupted run's (whole state and loss)."""
+    root, state, after, loss, _ = saved
+    loaded, meta, nxt, nxt_loss = get_pool(dp * mp).run(
+        load_and_continue, dp, mp, stage, "fp32", str(root)
+    )[0]
+    assert bits_equal(loaded, state)
+    assert meta == (K, K, [K], 2, K)  # t, data step, every t_p, N_m saved at, engine t
+    if mp == 2:
+        assert bits_equal(nxt, after) and nxt_loss == loss
+
+
+def test_resume_at_the_same_mesh_continues_the_uninterrupted_run(saved):
+    root, state, after, loss, _ = saved
+    loaded, _, nxt, nxt_loss = get_pool(4).run(load_and_continue, 2, 2, 3, "fp32", str(root))[0]
+    assert bits_equal(loaded, state) and bits_equal(nxt, after) and nxt_loss == loss
+
+
+def test_plain_and_model_parallel_checkpoints_load_into_each_other(saved, tmp_path):
+    """(2, 2) -> a plain GPT engine at N = 1 (state bitwise), which saves a plain checkpoint;
+    that one -> an MP engine at (1, 2): the same bits again."""
+    root, state, *_ = saved
+    plain_root = tmp_path / "plain"
+    loaded, *_ = get_pool(1).run(
+        load_and_continue,
+        1,
+        1,
+        1,
+        "fp32",
+        str(root),
+        (("plain", True), ("resave", str(plain_root))),
+    )[0]
+    assert bits_equal(loaded, state)
+    m = json.loads((plain_root / (plain_root / "latest").read_text().strip() / "manifest.json")
+                   .read_text())  # fmt: skip
+    assert "mp" not in m and m["format_version"] == 2
+    loaded, meta, *_ = get_pool(2).run(load_and_continue, 1, 2, 0, "fp32", str(plain_root))[0]
+    assert bits_equal(loaded, state) and meta[3] == 1
+
+
+def test_a_join_in_the_wrong_order_is_caught(saved):
+    """The planted join (slices reversed) at (2, 1): the loaded state differs from the saved."""
+    root, state, *_ = saved
+    loaded, *_ = get_pool(2).run(load_and_continue, 2, 1, 1, "fp32", str(root), (("plant", True),))[
+        0
+    ]
+    assert not bits_equal(loaded, state)
+
+
+def _consolidated_state(root, tmp_path) -> tuple[dict, object]:
+    """`python -m zero.checkpoint consolidate` (its main, in this process), loaded with
+    strict=True into the plain GPT; returns (whole state as _whole gives it, the model)."""
+    from zero import checkpoint
+    from zero.models import GPT, GPTConfig
+
+    out = tmp_path / "model.pt"
+    assert checkpoint.main(["consolidate", str(root), str(out)]) == 0
+    ck = torch.load(out)
+    model = GPT(GPTConfig(**CFG), seed=0)
+    model.load_state_dict(ck["model"], strict=True)
+    names = [n for group in ck["param_names"] for n in group]
+    whole = {n: {"master": p.detach().numpy().copy()} for n, p in model.named_parameters()}
+    for i, per in ck["optimizer"]["state"].items():
+        whole[names[i]].update({k: v.numpy() for k, v in per.items() if k != "step"})
+    return whole, ck
+
+
+def test_consolidation_joins_the_slices_into_the_plain_gpt(saved, tmp_path):
+    root, state, *_ = saved
+    whole, ck = _consolidated_state(root, tmp_path)
+    assert bits_equal(whole, state)
+    assert ck["meta"]["mp"] == 2 and ck["meta"]["world_size"] == 2
+    steps = {float(per["step"]) for per in ck["optimizer"]["state"].values()}
+    assert steps == {float(K)}
+
+
+def test_consolidation_sees_a_join_in_the_wrong_order(saved, tmp_path, monkeypatch):
+    import zero.checkpoint.mpjoin as mj
+
+    root, state, *_ = saved
+    real = mj.glue_parts
+    monkeypatch.setattr(mj, "glue_parts", lambda parts, rule: real(parts[::-1], rule))
+    whole, _ = _consolidated_state(root, tmp_path)
+    assert not bits_equal(whole, state)
+
+
+def bad_input(rank, world, root):
+    """Worker on 2 ranks: each refusal's message (ValueError), or 'accepted'."""
+    import torch.distributed as dist
+
+    from zero.collectives import CommCounter
+    from zero.config import ZeroConfig
+    from zero.engine import ZeroEngine
+    from zero.models import GPTConfig
+    from zero.mp import TPGPT, MPContext
+
+    class NoRule(TPGPT):
+        split_rule = None
+
+    def no_rule():
+        from verify.mp_cells import mesh_groups
+
+        g = mesh_groups(1, 2)
+        ctx = MPContext.of(g.mp_group, counter=CommCounter())
+        model = NoRule.build(GPTConfig(**CFG), ctx, seed=3)
+        z = ZeroConfig(micro_batches=M, chunk=CHUNK)
+        ZeroEngine(model, z, group=g.dp_group, mp=ctx).save(root + "-norule")
+
+    def not_the_mesh():  # the world (2 ranks) is not this 1 × 1 mesh
+        singles = [dist.new_group([r]) for r in range(world)]
+        ctx = MPContext.of(singles[rank], counter=CommCounter())
+        model = TPGPT.build(GPTConfig(**CFG), ctx, seed=3)
+        z = ZeroConfig(micro_batches=M, chunk=CHUNK)
+        ZeroEngine(model, z, group=singles[rank], mp=ctx).save(root + "-mesh")
+
+    def other_shape():  # vocabulary 128: the whole wte differs
+        _, _, _, eng = _engine(1, 2, 1, "fp32", seed=3, cfg=dict(CFG, vocab_size=128))
+        eng.load(root)
+
+    def other_names():  # three blocks: transformer.h.2.* are not in the checkpoint
+        _, _, _, eng = _engine(1, 2, 1, "fp32", seed=3, cfg=dict(CFG, n_layer=3))
+        eng.load(root)
+
+    out = {}
+    for name, fn in [("no rule", no_rule), ("not the mesh", not_the_mesh),
+                     ("other shape", other_shape), ("other names", other_names)]:  # fmt: skip
+        try:
+            fn()
+            out[name] = "accepted"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_what_cannot_be_joined_is_refused_by_name(saved):
+    root, *_ = saved
+    for got in get_pool(2).run(bad_input, str(root)):
+        assert got["no rule"].startswith("mp: NoRule has no split_rule(name) method"), got
+        assert got["not the mesh"].startswith("mp: rank "), got
+        assert (
+            "of a world of 2 is (d, m) = (0, 0) of an N_d × N_m = 1 × 1 mesh" in got["not the mesh"]
+        )
+        assert got["other shape"].startswith(
+            "parameter 'transformer.wte.weight': checkpoint shape (64, 16), model shape "
+            "(128, 16) (whole shapes: the checkpoint's N_m = 2 slices, the model's N_m = 2)"
+        ), got
+        assert got["other names"].startswith(
+            "parameter 'transformer.h.2.ln_1.weight': model shape (16,), not in the checkpoint"
+        ), got
+
+
+def _tampered(root, tmp_path, edit) -> object:
+    """A copy of the checkpoint with its manifest edited by `edit` and re-checksummed."""
+    from zero.checkpoint.format import _canonical
+
+    step = (root / (root / "latest").read_text().strip()).name
+    copy = tmp_path / "copy"
+    shutil.copytree(root / step, copy)
+    path = copy / "manifest.json"
+    m = json.loads(path.read_text())
+    edit(m)
+    body = {k: v for k, v in m.items() if k != "checksum"}
+    m["checksum"] = hashlib.sha256(_canonical(body)).hexdigest()
+    path.write_text(json.dumps(m))
+    return copy
+
+
+def test_the_manifest_records_the_splits_and_a_tampered_one_is_refused(saved, tmp_path):
+    from zero import checkpoint
+    from zero.checkpoint import CheckpointError
+
+    root, *_ = saved
+    m = checkpoint.verify(root)  # every file of every slice against its sha256
+    assert m["format_version"] == 3 and m["world_size"] == 2 and m["mp"]["size"] == 2
+    sp = m["mp"]["splits"]
+    assert sp["transformer.h.0.attn.c_attn.weight"] == {"rule": "qkv", "dim": 0, "shape": [48, 16]}
+    assert sp["transformer.h.0.mlp.c_proj.weight"] == {"rule": "cols", "dim": 1, "shape": [16, 64]}
+    assert sp["transformer.wte.weight"] == {"rule": "rows", "dim": 0, "shape": [64, 16]}
+    assert sp["transformer.wpe.weight"] == {"rule": None, "dim": None, "shape": [8, 16]}
+    files = [set(s["rng"]["files"]) for s in m["mp"]["slices"]]
+    assert files == [{"m0000-r0000.bin", "m0000-r0001.bin"}, {"m0001-r0000.bin", "m0001-r0001.bin"}]
+
+    def wrong_dim(m):
+        m["mp"]["splits"]["transformer.h.0.attn.c_attn.weight"]["dim"] = 1
+
+    def wrong_slice_shape(m):
+        m["mp"]["slices"][1]["params"][0]["shape"] = [64, 16]
+
+    def shared_file(m):
+        m["mp"]["slices"][1]["rng"]["files"] = m["mp"]["slices"][0]["rng"]["files"]
+
+    for edit, want in [
+        (wrong_dim, r"mp.splits\['transformer.h.0.attn.c_attn.weight'\]: rule 'qkv', dim 1"),
+        (
+            wrong_slice_shape,
+            r"mp.slices\[1\]\.params\[1\] \('transformer.wpe.weight'\): offset 512",
+        ),
+        (shared_file, r"mp.slices\[1\]: file 'm0000-r0000.bin' is also slice 0's"),
+    ]:
+        with pytest.raises(CheckpointError, match=want):
+            checkpoint.verify(_tampered(root, tmp_path / edit.__name__, edit))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bf16_and_other_meshes_full(precision, tmp_path):
+    """Release tier: save at (2, 2) stage 2 in each precision; load at (4, 1) stage 3, (1, 4)
+    stage 0, (2, 2) stage 1 (continuing bitwise) and into a plain engine at N = 2."""
+    root = tmp_path / "ckpt"
+    ((state, after, loss, _),) = [
+        get_pool(4).run(save_then_uninterrupted, 2, 2, 2, precision, str(root))[0]
+    ]
+    for dp, mp, stage, plain in [(4, 1, 3, False), (1, 4, 0, False), (2, 2, 1, False),
+                                 (2, 1, 0, True)]:  # fmt: skip
+        loaded, meta, nxt, nxt_loss = get_pool(dp * mp).run(
+            load_and_continue, dp, mp, stage, precision, str(root), (("plain", plain),)
+        )[0]
+        assert bits_equal(loaded, state), (dp, mp, stage, plain)
+        if mp == 2 and not plain:
+            assert bits_equal(nxt, after) and nxt_loss == loss
