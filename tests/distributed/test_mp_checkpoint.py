@@ -271,6 +271,52 @@ def test_consolidation_sees_a_join_in_the_wrong_order(saved, tmp_path, monkeypat
     assert not bits_equal(whole, state)
 
 
+def save_on_a_full_disk(rank, world, root):
+    """Worker at (2, 2): a good save, then one step and a save whose shard write fails on
+    global rank 3 = (1, 1) only (ENOSPC); returns what each rank raised and what is on disk."""
+    import errno
+    import os
+
+    import zero.checkpoint.format as fmt
+    from zero.models import GPTConfig
+
+    d, _, _, eng = _engine(2, 2, 1, "fp32", seed=3)
+    first = eng.save(root)
+    _train(eng, d, 2, GPTConfig(**CFG), 0, 1)
+    real = fmt._write_all
+
+    def full(f, chunk):
+        if rank == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, chunk)
+
+    fmt._write_all = full
+    try:
+        eng.save(root)
+        raised = None
+    except Exception as exc:  # every rank must raise
+        raised = f"{type(exc).__name__}: {exc}"
+    finally:
+        fmt._write_all = real
+    return raised, first.name, sorted(os.listdir(root))
+
+
+def test_a_save_failing_on_one_rank_of_the_mesh_leaves_the_last_checkpoint(tmp_path):
+    """[Note: atomic commit] over all N_d·N_m ranks: every rank raises, naming rank 3, the failed
+    step directory is gone and `latest` still names the first, complete checkpoint."""
+    from zero import checkpoint
+
+    root = tmp_path / "ckpt"
+    got = get_pool(4).run(save_on_a_full_disk, str(root))
+    first = got[0][1]
+    assert got[3][0].startswith("OSError: [Errno 28] No space left on device"), got[3]
+    for raised, _, listing in got[:3]:
+        assert raised.startswith("CheckpointError: save to ") and "failed on rank 3" in raised
+        assert listing == sorted([first, "latest"])
+    assert (root / "latest").read_text().strip() == first
+    assert checkpoint.verify(root)["mp"]["size"] == 2
+
+
 def bad_input(rank, world, root):
     """Worker on 2 ranks: each refusal's message (ValueError), or 'accepted'."""
     import torch.distributed as dist
