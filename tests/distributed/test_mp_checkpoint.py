@@ -26,141 +26,20 @@ import numpy as np
 import pytest
 import torch
 
+from verify.mp_resume import (
+    CFG,
+    CHUNK,
+    K,
+    M,
+    bits_equal,
+    engine_at,
+    load_and_continue,
+    save_then_uninterrupted,
+    train,
+)
 from zero.launch import get_pool
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
-
-CFG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=16)  # n_head 4: N_m <= 4
-BATCH, M, CHUNK, CLIP, K = 2, 4, 128, 0.05, 2
-"""CLIP below the first steps' norms, so every step clips (the whole-model norm is in play)."""
-
-
-def _engine(dp, mp, stage, precision, seed, *, plain=False, cfg=CFG):
-    """(this rank's DP index d, MP group or None, model, engine) at (dp, mp); plain: a GPT on
-    the whole world (N = dp) without model parallelism."""
-    from verify.mp_cells import mesh_groups
-    from zero.collectives import CommCounter
-    from zero.config import ZeroConfig
-    from zero.engine import ZeroEngine
-    from zero.models import GPT, GPTConfig
-    from zero.mp import TPGPT, MPContext
-
-    gcfg = GPTConfig(**cfg)
-    units = tuple(f"transformer.h.{i}" for i in range(gcfg.n_layer))
-    z = ZeroConfig(
-        stage=stage, precision=precision, micro_batches=M, chunk=CHUNK, clip_norm=CLIP,
-        units=units,
-    )  # fmt: skip
-    if plain:
-        model = GPT(gcfg, seed=seed)
-        eng = ZeroEngine(model, z)
-        return eng.rank, None, model, eng
-    g = mesh_groups(dp, mp)
-    ctx = MPContext.of(g.mp_group, counter=CommCounter())
-    model = TPGPT.build(gcfg, ctx, seed=seed)
-    return g.d, g.mp_group, model, ZeroEngine(model, z, group=g.dp_group, mp=ctx)
-
-
-def _train(eng, d, dp, cfg, start, steps) -> list[float]:
-    """Steps start .. start+steps-1; micro-batch j = i·N_d + d; returns the losses."""
-    from zero.models import gpt_microbatches
-
-    losses = []
-    for step in range(start, start + steps):
-        batches = gpt_microbatches(cfg, seed=1, data_step=step, count=M, batch_size=BATCH)
-        for i in range(M // dp):
-            _, loss = eng(*batches[i * dp + d])
-            eng.backward(loss)
-        losses.append(eng.step().loss)
-    return losses
-
-
-def _whole(eng, mp_group, cfg) -> dict | None:
-    """The plain GPT's state: gather_state() per slice, joined by zero.mp.join_states (on the
-    rank of global index 0; None elsewhere). name -> {"master": array, key: array, ...}."""
-    import torch.distributed as dist
-
-    from zero.mp import join_states
-
-    master, opt = eng.gather_state()
-    if mp_group is not None:
-        every = [None] * dist.get_world_size(mp_group)
-        dist.all_gather_object(every, (master, opt), group=mp_group)
-        master = join_states([s for s, _ in every], cfg)
-        keys = {k for per in every[0][1].values() for k in per}
-        joined = {k: join_states([{n: o[n][k] for n in o if k in o[n]} for _, o in every], cfg)
-                  for k in keys}  # fmt: skip
-        opt = {n: {k: joined[k][n] for k in keys if n in joined[k]} for n in master}
-    if dist.get_rank() != 0:
-        return None
-    out = {n: {"master": v.numpy().copy()} for n, v in master.items()}
-    for n, per in opt.items():
-        out[n].update({k: v.numpy().copy() for k, v in per.items()})
-    return out
-
-
-def save_then_uninterrupted(rank, world, dp, mp, stage, precision, root):
-    """Worker: K steps, save, the whole state; then a fresh run of K + 1 steps never saving:
-    its whole state and last loss (rank 0's)."""
-    from zero.models import GPTConfig
-
-    cfg = GPTConfig(**CFG)
-    d, group, _, eng = _engine(dp, mp, stage, precision, seed=3)
-    _train(eng, d, dp, cfg, 0, K)
-    eng.save(root)
-    saved = _whole(eng, group, cfg)
-    d, group, _, eng = _engine(dp, mp, stage, precision, seed=3)
-    losses = _train(eng, d, dp, cfg, 0, K + 1)
-    return saved, _whole(eng, group, cfg), losses[-1], eng.t
-
-
-def _plant_reversed_join():
-    """The join with the slices in reverse m order; returns the undo (pools are long-lived)."""
-    import zero.checkpoint.mpjoin as mj
-
-    real = mj.glue_parts
-    mj.glue_parts = lambda parts, rule: real(parts[::-1], rule)
-    return lambda: setattr(mj, "glue_parts", real)
-
-
-def load_and_continue(rank, world, dp, mp, stage, precision, root, opts=()):
-    """Worker: an engine from another seed loads root; the whole state, (t, data step, step
-    counts, N_m) of the info, then one more step's whole state and loss. opts (pairs): plain (a
-    GPT engine, no MP), plant (the reversed join), resave (a directory to save to after loading)."""
-    from zero.models import GPTConfig
-
-    opts = dict(opts)
-    plain, plant, resave = opts.get("plain", False), opts.get("plant", False), opts.get("resave")
-
-    undo = _plant_reversed_join() if plant else None
-    try:
-        cfg = GPTConfig(**CFG)
-        d, group, _, eng = _engine(dp, mp, stage, precision, seed=11, plain=plain)
-        info = eng.load(root)
-        loaded = _whole(eng, group, cfg)
-        if resave:
-            eng.save(resave)
-        meta = (info.t, info.data_step, sorted(set(info.steps.values())), info.mp, eng.t)
-        losses = _train(eng, d, dp, cfg, info.data_step, 1)
-        return loaded, meta, _whole(eng, group, cfg), losses[-1]
-    finally:
-        if undo:
-            undo()
-
-
-def bits_equal(a: dict, b: dict) -> bool:
-    """Every array of two whole states (same names, same keys) has the same float32 bits."""
-    if a.keys() != b.keys():
-        return False
-    return all(
-        a[n].keys() == b[n].keys()
-        and all(
-            a[n][k].shape == b[n][k].shape
-            and np.array_equal(a[n][k].view(np.uint32), b[n][k].view(np.uint32))
-            for k in a[n]
-        )
-        for n in a
-    )
 
 
 @pytest.fixture(scope="module")
@@ -280,9 +159,9 @@ def save_on_a_full_disk(rank, world, root):
     import zero.checkpoint.format as fmt
     from zero.models import GPTConfig
 
-    d, _, _, eng = _engine(2, 2, 1, "fp32", seed=3)
+    d, _, _, eng = engine_at(2, 2, 1, "fp32", seed=3)
     first = eng.save(root)
-    _train(eng, d, 2, GPTConfig(**CFG), 0, 1)
+    train(eng, d, 2, GPTConfig(**CFG), 0, 1)
     real = fmt._write_all
 
     def full(f, chunk):
@@ -347,11 +226,11 @@ def bad_input(rank, world, root):
         ZeroEngine(model, z, group=singles[rank], mp=ctx).save(root + "-mesh")
 
     def other_shape():  # vocabulary 128: the whole wte differs
-        _, _, _, eng = _engine(1, 2, 1, "fp32", seed=3, cfg=dict(CFG, vocab_size=128))
+        _, _, _, eng = engine_at(1, 2, 1, "fp32", seed=3, cfg=dict(CFG, vocab_size=128))
         eng.load(root)
 
     def other_names():  # three blocks: transformer.h.2.* are not in the checkpoint
-        _, _, _, eng = _engine(1, 2, 1, "fp32", seed=3, cfg=dict(CFG, n_layer=3))
+        _, _, _, eng = engine_at(1, 2, 1, "fp32", seed=3, cfg=dict(CFG, n_layer=3))
         eng.load(root)
 
     out = {}
