@@ -298,6 +298,9 @@ def test_the_manifest_records_the_splits_and_a_tampered_one_is_refused(saved, tm
     def wrong_slice_shape(m):
         m["mp"]["slices"][1]["params"][0]["shape"] = [64, 16]
 
+    def uncuttable(m):
+        m["mp"]["splits"]["transformer.h.0.attn.c_attn.weight"]["shape"] = [50, 16]
+
     def shared_file(m):
         m["mp"]["slices"][1]["rng"]["files"] = m["mp"]["slices"][0]["rng"]["files"]
 
@@ -307,6 +310,7 @@ def test_the_manifest_records_the_splits_and_a_tampered_one_is_refused(saved, tm
             wrong_slice_shape,
             r"mp.slices\[1\]\.params\[1\] \('transformer.wpe.weight'\): offset 512",
         ),
+        (uncuttable, r"shape \(50, 16\) cannot be cut in 2 by rule 'qkv'"),
         (shared_file, r"mp.slices\[1\]: file 'm0000-r0000.bin' is also slice 0's"),
     ]:
         with pytest.raises(CheckpointError, match=want):
