@@ -510,5 +510,12 @@ def resume_rows(
 
 
 def run_table(*, world_sizes=(1, 2, 4), timeout_s: float = 600, quick: bool = True) -> list[dict]:
-    """The table `python -m verify --resume` prints: resume_rows over these world sizes."""
-    return resume_rows(quick=quick, world_sizes=world_sizes, timeout_s=timeout_s)
+    """The table `python -m verify --resume` prints: resume_rows over these world sizes, then
+    the model-parallel checkpoint rows (verify/mp_resume.py: a (2, 2) mesh loaded at (1, 2) and
+    (2, 1)) when the sizes include 1, 2 and 4."""
+    rows = resume_rows(quick=quick, world_sizes=world_sizes, timeout_s=timeout_s)
+    if {1, 2, 4} <= set(world_sizes):
+        from .mp_resume import mp_rows
+
+        rows += mp_rows(timeout_s=timeout_s)
+    return rows

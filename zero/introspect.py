@@ -40,6 +40,7 @@ class Introspect(Protocol):
     microstep: int  # micro-steps run of the current step (0 between steps)
     t: int  # optimizer steps taken
     data_step: int  # the next data step
+    mp: object  # None, or a model-parallel engine's MPStep (zero/mp/control.py; .ctx)
 
     def param_steps(self) -> dict[str, int]: ...
     def master_extent(self, u: FlatUnit) -> slice: ...

@@ -8,8 +8,9 @@
 Legend: N1 the world size at save, N2 at load. Modules: format.py (the on-disk format, verified
 reads), validate.py (a manifest against itself), commit.py (save: [Note: atomic commit],
 [Note: run identity]), reshard.py (load: [Note: resharding by layout]), consolidate.py, cli.py,
-lock.py (one run per output directory). They read an engine only through zero/introspect.py's
-Introspect, never a stage.
+lock.py (one run per output directory), mpformat.py and mpjoin.py (a model-parallel engine's
+checkpoints at (N_d, N_m): [Note: MP checkpoint layout], [Note: joining slices]). They read an
+engine only through zero/introspect.py's Introspect, never a stage.
 """
 
 from __future__ import annotations

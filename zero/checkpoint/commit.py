@@ -18,6 +18,10 @@ step directory's owner.json from its creation): a random id made at the engine's
 or the one of the checkpoint it loaded, so a resumed run is the same run. Pruning removes only
 this run's own: committed checkpoints beyond `keep_last` and its interrupted saves. Another
 run's checkpoints, a save in progress elsewhere, and whatever it cannot read are left alone.
+
+A model-parallel engine saves on all N_d·N_m ranks of its mesh in one commit: "every rank" above
+is every (d, m), rank 0 is (0, 0), and each slice's files and records go where [Note: MP
+checkpoint layout] (zero/checkpoint/mpformat.py) puts them.
 """
 
 from __future__ import annotations
@@ -37,10 +41,8 @@ from pathlib import Path
 import torch
 
 from ..introspect import Introspect
-from ..mp.control import refuse_checkpoint
 from .format import (
     FORMAT,
-    FORMAT_VERSION,
     LATEST,
     MANIFEST,
     OWNER,
@@ -58,7 +60,10 @@ from .format import (
     notify_written,
     read_manifest_quietly,
     read_regular,
+    scope,
 )
+from .mpformat import MP_FORMAT_VERSION
+from .mpjoin import Place, file_prefix, mp_section, place
 
 # -- save ----------------------------------------------------------------------------------------
 
@@ -86,22 +91,23 @@ def _rng_tensors(engine) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _write_rank_files(engine, step_dir: Path) -> dict:
+def _write_rank_files(engine, step_dir: Path, pre: str) -> dict:
+    """This rank's files; `pre` prefixes every name (a model-parallel slice's, file_prefix)."""
     files = {}
     for u in engine.units:
         tensors = [("master", _own(engine, u, u.master))]
         tensors += [(x, _own(engine, u, t)) for x, t in sorted(u.opt.items())]
-        name = f"u{u.index:04d}-r{engine.rank:04d}.bin"
+        name = f"{pre}u{u.index:04d}-r{engine.rank:04d}.bin"
         files[name] = _tensor_file(step_dir / name, tensors)
     for j, u in enumerate(engine.frozen_units):  # values as held: the compute dtype
         resident, held = engine.working_extent(u)
         own = resident[u.part.own.start - held.start : u.part.own.stop - held.start]
-        name = f"f{j:04d}-r{engine.rank:04d}.bin"
+        name = f"{pre}f{j:04d}-r{engine.rank:04d}.bin"
         files[name] = _tensor_file(step_dir / name, [("frozen", own)])
     extra = _rng_tensors(engine)
     if engine.rank == 0:
         extra += [(f"buffer:{k}", b) for k, b in _buffers(engine.module)]
-    name = f"r{engine.rank:04d}.bin"
+    name = f"{pre}r{engine.rank:04d}.bin"
     files[name] = _tensor_file(step_dir / name, extra)
     _fsync_dir(step_dir)
     return files
@@ -124,7 +130,9 @@ def _config_record(cfg) -> dict:
     }
 
 
-def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str) -> dict:
+def _slice(engine, pre: str) -> dict:
+    """What a manifest says of this engine's model (one slice's, with model parallelism):
+    params, units, frozen_units, state_dict_keys, rng (mpformat.SLICE_KEYS)."""
     n = engine.world_size
     where = {}
     for u in engine.units:
@@ -171,7 +179,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str)
         | {
             "master_whole": engine.master_extent(u) != u.part.own,
             "states": ["master", *sorted(u.opt)],
-            "files": [f"u{u.index:04d}-r{r:04d}.bin" for r in range(n)],
+            "files": [f"{pre}u{u.index:04d}-r{r:04d}.bin" for r in range(n)],
         }
         for u in engine.units
     ]
@@ -179,7 +187,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str)
         layout(u)
         | {
             "dtype": str(u.working.dtype).removeprefix("torch."),
-            "files": [f"f{j:04d}-r{r:04d}.bin" for r in range(n)],
+            "files": [f"{pre}f{j:04d}-r{r:04d}.bin" for r in range(n)],
         }
         for j, u in enumerate(engine.frozen_units)
     ]
@@ -193,24 +201,36 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str)
             if b is not None and key not in mod._non_persistent_buffers_set:
                 full = f"{prefix}.{key}" if prefix else key
                 sd_keys.append([full, f"buffer:{full}"])
+    return {
+        "params": params,
+        "units": units,
+        **({"frozen_units": frozen_units} if frozen_units else {}),
+        "state_dict_keys": list(dict(sd_keys).items()),  # a shared module once
+        "rng": {
+            "files": [f"{pre}r{r:04d}.bin" for r in range(n)],
+            "restored_at_same_world_size": True,
+        },
+    }
+
+
+def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str, records, here):
+    """The manifest: the records of the one model (_slice) at its top, or of each slice under
+    "mp" ([Note: MP checkpoint layout]); every file's entry and sha256; the checksum."""
+    mp = {} if here is None else {"mp": mp_section(here, records)}
     body = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": 2 if here is None else MP_FORMAT_VERSION,
         "name": name,
         "sequence": sequence,
         "run_id": run_id,
-        "world_size": n,
+        "world_size": engine.world_size,
         "stage": engine.config.stage,
         "t": engine.t,
         "data_step": engine.data_step,
         "scaler": None if engine.scaler is None else dataclasses.asdict(engine.scaler),
         "config": _config_record(engine.config),
-        "params": params,
-        "units": units,
-        **({"frozen_units": frozen_units} if frozen_units else {}),
-        "state_dict_keys": list(dict(sd_keys).items()),  # a shared module once
+        **(records[0] if here is None else mp),
         "files": files,
-        "rng": {"files": [f"r{r:04d}.bin" for r in range(n)], "restored_at_same_world_size": True},
         "extra": extra,
         "torch_version": torch.__version__,
         "byteorder": sys.byteorder,
@@ -300,7 +320,7 @@ def _run_id(engine) -> str:
     """This engine's run ([Note: run identity]): rank 0's fresh id at the first save."""
     run_id = getattr(engine, "checkpoint_run_id", None)
     if run_id is None:
-        run_id = _broadcast(engine, uuid.uuid4().hex if engine.rank == 0 else None)
+        run_id = _broadcast(engine, uuid.uuid4().hex if scope(engine)[2] == 0 else None)
         engine.checkpoint_run_id = run_id
     return run_id
 
@@ -310,9 +330,10 @@ def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=N
 
     keep_last: after the commit, keep only this many committed step directories (None: all).
     extra: any JSON value (a data loader's position, say), returned by load() as info.extra.
-    Returns the committed step directory. Protocol: [Note: atomic commit].
+    Returns the committed step directory. Protocol: [Note: atomic commit]. A model-parallel
+    engine saves on every rank of its mesh ([Note: MP checkpoint layout]).
     """
-    refuse_checkpoint(engine, "save")  # not at (N_d, N_m) yet: zero/mp/control.py
+    here: Place | None = place(engine)  # refuses a model-parallel engine it cannot describe
     if keep_last is not None and (
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):
@@ -325,8 +346,8 @@ def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=N
     _check_idle(engine, "save")
     root = Path(directory)
     run_id = _run_id(engine)
-    name, error = None, None
-    if engine.rank == 0:
+    name, error, lead = None, None, scope(engine)[2] == 0  # rank (0, 0) with model parallelism
+    if lead:
         try:
             root.mkdir(parents=True, exist_ok=True)
             name = _fresh_step_dir(root, engine.data_step, run_id)
@@ -337,23 +358,27 @@ def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=N
     step_dir = root / name
 
     def abandon():  # rank 0, once every rank has stopped writing into step_dir
-        if engine.rank == 0:
+        if lead:
             with contextlib.suppress(OSError):
                 _remove(step_dir)
                 _fsync_dir(root)
 
-    files, error = None, None
+    files, record, error = None, None, None
     try:
-        files = _write_rank_files(engine, step_dir)
+        files = _write_rank_files(engine, step_dir, file_prefix(here))
+        if engine.rank == 0:  # DP rank 0 of each slice describes it (model order: m order)
+            record = _slice(engine, file_prefix(here))
     except Exception as exc:  # reported to every rank below, so none waits forever
         error = exc
-    every = _all_gather(engine, files)  # the barrier: every rank's files are durable
+    every = _all_gather(engine, (files, record))  # the barrier: every rank's files are durable
     _agree(engine, error, f"save to {step_dir}", on_failure=abandon)
     error, committed = None, False
-    if engine.rank == 0:
+    if lead:
         try:
-            all_files = {k: v for f in every for k, v in f.items()}
-            manifest = _manifest(engine, name, all_files, extra, _sequence_after(root), run_id)
+            all_files = {k: v for f, _ in every for k, v in f.items()}
+            records = [r for _, r in every if r is not None]
+            seq = _sequence_after(root)
+            manifest = _manifest(engine, name, all_files, extra, seq, run_id, records, here)
             _write_durably(step_dir / MANIFEST, [json.dumps(manifest, indent=1).encode()])
             _fsync_dir(step_dir)
             notify_written(step_dir / MANIFEST)

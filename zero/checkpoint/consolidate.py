@@ -4,6 +4,9 @@ Legend: the manifest's params list (module order) names each parameter's unit an
 value is read slot by slot from the shard files, so the world size it was saved at does not
 matter ([Note: resharding by layout] in zero/checkpoint/reshard.py). The optimizer part is in
 torch.optim's own state_dict format (zero/optim.py maps our hyper-parameters to its kwargs).
+A model-parallel checkpoint consolidates to the plain model: each parameter's slices joined
+([Note: joining slices] in zero/checkpoint/mpjoin.py), so the dict is that of one plain
+checkpoint, gather_state() + zero.mp.join_states bit for bit.
 """
 
 from __future__ import annotations
@@ -13,15 +16,9 @@ from pathlib import Path
 import torch
 
 from ..optim import TORCH_OPTIMIZERS, torch_kwargs
-from .format import (
-    CheckpointError,
-    _fsync_dir,
-    _Reader,
-    _write_durably,
-    read_manifest,
-    resolve,
-    saved_steps,
-)
+from .format import CheckpointError, _fsync_dir, _write_durably, read_manifest, resolve, saved_steps
+from .mpformat import views, whole_params
+from .mpjoin import Source
 from .validate import Invalid, check_gaps
 
 # -- consolidation -------------------------------------------------------------------------------
@@ -63,37 +60,34 @@ def consolidate(directory) -> dict:
     """
     step_dir = resolve(directory)
     m = read_manifest(step_dir)
-    reader = _Reader(step_dir, m)
-    units = m["units"]
+    source = Source(step_dir, m, None)  # as the plain model's: slices joined
     try:  # no model to check the shapes against: the saved values must fit them
-        for u in range(len(units)):
-            check_gaps(reader, u)
+        for reader, view in zip(source.readers, source.views):
+            for u in range(len(view["units"])):
+                check_gaps(reader, u)
     except Invalid as exc:
         raise CheckpointError(str(exc)) from None
     kind, steps = m["config"]["optimizer"], saved_steps(m)
-    hypers = m["config"]["groups"]
+    hypers, params = m["config"]["groups"], whole_params(m)
 
     def value(p: dict, key: str) -> torch.Tensor:
-        numel = 1
-        for d in p["shape"]:
-            numel *= d
-        if p.get("frozen"):  # held in the compute dtype: the fp32 upcast is exact
-            end = p["offset"] + numel
-            return reader.range(p["unit"], "frozen", p["offset"], end, frozen=True).view(p["shape"])
-        if key not in units[p["unit"]]["states"]:
+        # frozen: held in the compute dtype, the fp32 upcast is exact
+        got = source.whole(p["name"], "frozen" if p.get("frozen") else key)
+        if got is None:  # a state the optimizer did not keep
             return torch.zeros(p["shape"])
-        return reader.range(p["unit"], key, p["offset"], p["offset"] + numel).view(p["shape"])
+        return got
 
-    masters = {p["name"]: value(p, "master") for p in m["params"]}
+    masters = {p["name"]: value(p, "master") for p in params}
     model = {}
-    for key, src in m["state_dict_keys"]:
+    reader, buffers = source.buffers()
+    for key, src in views(m)[0]["state_dict_keys"]:
         if src.startswith("buffer:"):
-            model[key] = reader.tensor("r0000.bin", src).clone()
+            model[key] = reader.tensor(buffers, src).clone()
         else:
             model[key] = masters[src]
-    trained = [p for p in m["params"] if not p.get("frozen")]
+    trained = [p for p in params if not p.get("frozen")]
     names = [[p["name"] for p in trained if p["group"] == g] for g in range(len(hypers))]
-    by_name = {p["name"]: p for p in m["params"]}
+    by_name = {p["name"]: p for p in params}
     state, indices, i = {}, [], 0
     for g, group_names in enumerate(names):
         indices.append(list(range(i, i + len(group_names))))
@@ -113,6 +107,7 @@ def consolidate(directory) -> dict:
         for k in ("format_version", "name", "t", "data_step", "scaler", "world_size", "stage")
     }
     meta.update(optimizer=kind, precision=m["config"]["precision"], extra=m["extra"])
+    meta["mp"] = m.get("mp", {}).get("size", 1)  # N_m it was saved at (world_size is N_d)
     return {
         "model": model,
         "optimizer": {"state": state, "param_groups": _torch_param_groups(kind, hypers, indices)},

@@ -17,7 +17,8 @@ not saved: it is the master rounded to the compute dtype, which is how the engin
 Frozen parameters have no master: their values are saved as held (the compute dtype), each
 rank its slice r; the manifest lists them under "frozen_units" and marks them in "params"
 ("frozen": true, no group, no step count). Format version 2 (code that reads only 1 refuses
-it).
+it); a model-parallel engine's checkpoint is format 3, N_m such checkpoints of its slices in one
+step directory under one manifest ([Note: MP checkpoint layout] in zero/checkpoint/mpformat.py).
 """
 
 from __future__ import annotations
@@ -38,15 +39,17 @@ import torch
 import torch.distributed as dist
 
 from ..watchdog import guard
+from .mpformat import validate_mp, views
 from .validate import Invalid, check_gaps, validate_manifest
 
 FORMAT = "zero-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """1: the first format. 2 adds each trainable parameter's own optimizer step count
 (params[i]["step"], reference/step.py's [Note: unused parameters]), frozen parameters (see the
 module docstring), run_id in the manifest and owner.json in a step directory. All additive: a
 version-1 checkpoint loads with every count equal to t (what the engine that wrote it did), has
-no frozen parameters, and is never pruned (it has no run_id)."""
+no frozen parameters, and is never pruned (it has no run_id). 3 adds the "mp" section of a
+model-parallel engine's checkpoint (zero/checkpoint/mpformat.py); a plain engine writes 2."""
 MANIFEST = "manifest.json"
 LATEST = "latest"
 OWNER = "owner.json"
@@ -76,9 +79,10 @@ class CheckpointInfo:
     data_step: int  # the data position: the next step to run (train_steps' start_step)
     t: int  # optimizer steps taken
     steps: dict  # parameter name -> its own optimizer steps (t for every one before version 2)
-    world_size: int  # N1
+    world_size: int  # N1 (N_d, the data-parallel degree, for a model-parallel checkpoint)
     stage: int  # the stage it was saved at
     extra: object  # the JSON value passed to save(extra=...)
+    mp: int = 1  # N_m, the model-parallel degree it was saved at (1: a plain engine)
 
 
 # -- small I/O helpers ---------------------------------------------------------------------------
@@ -211,22 +215,33 @@ def _canonical(body: dict) -> bytes:
 # -- collectives among ranks (control only, outside the engine's traffic counter) -------------
 
 
+def scope(engine) -> tuple[object, int, int]:
+    """(group, size, rank) of the ranks that save or load one checkpoint together: the engine's
+    group, or for a model-parallel engine the whole world, which is its mesh, every (d, m) at
+    rank d·N_m + m (zero/checkpoint/mpjoin.py checks it): rank 0 = (0, 0) commits."""
+    if getattr(engine, "mp", None) is None:
+        return engine.group, engine.world_size, engine.rank
+    return dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+
+
 def _all_gather(engine, obj) -> list:
-    if engine.world_size == 1:
+    group, size, _ = scope(engine)
+    if size == 1:
         return [obj]
-    out: list = [None] * engine.world_size
-    with guard(None, engine.group):  # a failure names whom to blame (zero/watchdog.py)
-        dist.all_gather_object(out, obj, group=engine.group)
+    out: list = [None] * size
+    with guard(None, group):  # a failure names whom to blame (zero/watchdog.py)
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def _broadcast(engine, obj):
-    if engine.world_size == 1:
+    group, size, _ = scope(engine)
+    if size == 1:
         return obj
     box = [obj]
-    src = dist.get_global_rank(engine.group, 0)
-    with guard(None, engine.group):
-        dist.broadcast_object_list(box, src=src, group=engine.group)
+    src = dist.get_global_rank(group, 0)
+    with guard(None, group):
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -328,7 +343,7 @@ def read_manifest(step_dir: Path) -> dict:
     if m.get("byteorder") != sys.byteorder:
         raise CheckpointError(f"{path}: byteorder: saved on a {m.get('byteorder')}-endian machine")
     try:
-        validate_manifest(path, m)
+        (validate_mp if "mp" in m else validate_manifest)(path, m)
     except Invalid as exc:
         raise CheckpointError(str(exc)) from None
     except (TypeError, KeyError, AttributeError, ValueError) as exc:  # a shape no check foresaw
@@ -338,8 +353,10 @@ def read_manifest(step_dir: Path) -> dict:
 
 def saved_steps(m: dict) -> dict[str, int]:
     """Each parameter's optimizer step count t_p from a manifest; before format version 2
-    every parameter had taken all t steps."""
-    return {p["name"]: int(p.get("step", m["t"])) for p in m["params"] if not p.get("frozen")}
+    every parameter had taken all t steps (the slices of a model-parallel checkpoint agree on
+    them: zero/checkpoint/mpformat.py checks it)."""
+    params = views(m)[0]["params"]
+    return {p["name"]: int(p.get("step", m["t"])) for p in params if not p.get("frozen")}
 
 
 def read_manifest_quietly(step_dir: Path) -> dict | None:
@@ -420,17 +437,19 @@ def verify(directory) -> dict:
     CheckpointError naming the first bad file or field."""
     step_dir = resolve(directory)
     m = read_manifest(step_dir)
-    reader = _Reader(step_dir, m)
     done: set[str] = set()
-    for u, spec in enumerate(m["units"]):  # a unit's files at a time: checksums, then gaps
-        for name in spec["files"]:  # every file, not only those check_gaps happens to read
-            reader.file(name)
-        try:
-            check_gaps(reader, u)
-        except Invalid as exc:
-            raise CheckpointError(str(exc)) from None
-        done.update(spec["files"])
-        reader.drop()
+    for view in views(m):  # each slice of a model-parallel checkpoint (zero/checkpoint/mpformat.py)
+        reader = _Reader(step_dir, view)
+        for u, spec in enumerate(view["units"]):  # a unit's files at a time: checksums, gaps
+            for name in spec["files"]:  # every file, not only those check_gaps happens to read
+                reader.file(name)
+            try:
+                check_gaps(reader, u)
+            except Invalid as exc:
+                raise CheckpointError(str(exc)) from None
+            done.update(spec["files"])
+            reader.drop()
+    reader = _Reader(step_dir, m)
     for name in sorted(set(m["files"]) - done):
         reader.file(name)
         reader.drop()

@@ -13,6 +13,10 @@ zeros, which is what every optimizer keeps in them (zero/optim.py), so the copy 
 reads and hashes whole files: at the same N only its own, at stages 0-2 every file of a unit (the
 working copy is whole there). Limitation: a file is read into memory whole, so a unit's shard
 must fit in host memory; no I/O is overlapped with compute.
+
+A model-parallel engine loads a checkpoint of any (N_d, N_m), a plain one included, and a plain
+engine one of a model-parallel engine: zero/checkpoint/mpjoin.py's Source hands each slot its
+slice's values ([Note: joining slices]); the names and whole shapes must agree.
 """
 
 from __future__ import annotations
@@ -20,35 +24,29 @@ from __future__ import annotations
 import torch
 
 from ..introspect import Introspect
-from ..mp.control import refuse_checkpoint
 from .commit import _buffers
-from .format import (
-    CheckpointInfo,
-    _agree,
-    _check_idle,
-    _Reader,
-    read_manifest,
-    resolve,
-    saved_steps,
-)
+from .format import CheckpointInfo, _agree, _check_idle, read_manifest, resolve, saved_steps
+from .mpformat import whole_params
+from .mpjoin import Source, place, whole_shapes
 
 # -- load ----------------------------------------------------------------------------------------
 
 
-def _check_model(engine, m: dict) -> None:
-    """The first parameter (in module order) that differs, named with both shapes."""
-    saved = {p["name"]: p for p in m["params"]}
+def _check_model(engine, m: dict, shapes: dict, mesh: str) -> None:
+    """The first parameter (in module order) that differs, named with both shapes (with model
+    parallelism on either side, the plain model's shapes: `mesh` says so)."""
+    saved = {p["name"]: p for p in whole_params(m)}
     mine = dict(engine.module.named_parameters())
-    for name, p in mine.items():
+    for name in mine:
         if name not in saved:
             raise ValueError(
-                f"parameter {name!r}: model shape {tuple(p.shape)}, not in the checkpoint "
-                f"(which has {len(saved)} parameters)"
+                f"parameter {name!r}: model shape {shapes[name]}, not in the checkpoint "
+                f"(which has {len(saved)} parameters){mesh}"
             )
-        if tuple(saved[name]["shape"]) != tuple(p.shape):
+        if tuple(saved[name]["shape"]) != shapes[name]:
             raise ValueError(
                 f"parameter {name!r}: checkpoint shape {tuple(saved[name]['shape'])}, model "
-                f"shape {tuple(p.shape)}"
+                f"shape {shapes[name]}{mesh}"
             )
     for name, p in saved.items():
         if name not in mine:
@@ -77,7 +75,7 @@ def _check_model(engine, m: dict) -> None:
             )
 
 
-def _extent(u, reader: _Reader, where: dict, key: str, ext: slice, device) -> torch.Tensor:
+def _extent(u, source: Source, key: str, ext: slice, device) -> torch.Tensor:
     """fp32 values of state `key` over elements `ext` of unit u's padded buffer at N2, copied
     slot by slot from the saved files ([Note: resharding by layout])."""
     out = torch.zeros(ext.stop - ext.start)
@@ -85,12 +83,10 @@ def _extent(u, reader: _Reader, where: dict, key: str, ext: slice, device) -> to
         lo, hi = max(ext.start, s.offset), min(ext.stop, s.offset + s.numel)
         if lo >= hi:
             continue
-        unit, offset = where[s.name]
-        if key != "frozen" and key not in reader.m["units"][unit]["states"]:
+        values = source.read(s.name, key, lo - s.offset, hi - s.offset)
+        if values is None:
             continue  # a state this optimizer did not keep then: zeros, as a fresh one starts
-        out[lo - ext.start : hi - ext.start] = reader.range(
-            unit, key, offset + lo - s.offset, offset + hi - s.offset, frozen=key == "frozen"
-        )
+        out[lo - ext.start : hi - ext.start] = values
     return out.to(device)
 
 
@@ -99,32 +95,37 @@ def _load_here(engine: Introspect, directory) -> CheckpointInfo:
 
     step_dir = resolve(directory)
     m = read_manifest(step_dir)
-    _check_model(engine, m)
-    reader = _Reader(step_dir, m)
-    where = {p["name"]: (p["unit"], p["offset"]) for p in m["params"]}
+    here, n_m = place(engine), m.get("mp", {}).get("size", 1)
+    mesh = ""
+    if here is not None or n_m > 1:
+        mine = 1 if here is None else here.n
+        mesh = f" (whole shapes: the checkpoint's N_m = {n_m} slices, the model's N_m = {mine})"
+    _check_model(engine, m, whole_shapes(engine, here), mesh)
+    source = Source(step_dir, m, here)
     with torch.no_grad():
         for u in engine.units:
             resident, held = engine.working_extent(u)  # held contains the master extent
             ext = engine.master_extent(u)
-            master = _extent(u, reader, where, "master", held, resident.device)
+            master = _extent(u, source, "master", held, resident.device)
             resident.copy_(master)  # rounded to the compute dtype, as refresh_working does
             if u.master.untyped_storage().data_ptr() != resident.untyped_storage().data_ptr():
                 u.master.copy_(master[ext.start - held.start : ext.stop - held.start])
             for x, state in u.opt.items():
-                state.copy_(_extent(u, reader, where, x, ext, state.device))
-            reader.drop()
+                state.copy_(_extent(u, source, x, ext, state.device))
+            source.drop()
         for u in engine.frozen_units:  # the held values, whole or this rank's shard
             resident, held = engine.working_extent(u)
-            resident.copy_(_extent(u, reader, where, "frozen", held, resident.device))
-            reader.drop()
-        name = f"r{engine.rank:04d}.bin"
-        if m["world_size"] == engine.world_size:  # the same rank's RNG; else left as it is
+            resident.copy_(_extent(u, source, "frozen", held, resident.device))
+            source.drop()
+        name = source.rng_file(engine.rank, engine.world_size)
+        reader, buffers = source.buffers()
+        if name is not None:  # the same rank's RNG (same N_d, N_m); else left as it is
             torch.set_rng_state(reader.tensor(name, "rng:torch_cpu").clone())
             entries = m["files"][name]["entries"]
             if engine.device.type == "cuda" and "rng:cuda" in entries:
                 torch.cuda.set_rng_state(reader.tensor(name, "rng:cuda").clone(), engine.device)
         for key, b in _buffers(engine.module):
-            saved = reader.tensor("r0000.bin", f"buffer:{key}")
+            saved = reader.tensor(buffers, f"buffer:{key}")
             if tuple(saved.shape) != tuple(b.shape):
                 raise ValueError(
                     f"buffer {key!r}: checkpoint shape {tuple(saved.shape)}, model shape "
@@ -150,6 +151,7 @@ def _load_here(engine: Introspect, directory) -> CheckpointInfo:
         world_size=m["world_size"],
         stage=m["stage"],
         extra=m["extra"],
+        mp=n_m,
     )
 
 
@@ -162,8 +164,9 @@ def load(engine: Introspect, directory) -> CheckpointInfo:
     If any rank fails, every rank raises (CheckpointError or ValueError naming the problem).
     The RNG state is restored only at the world size it was saved at (docs/design.md §2: randomness
     comes from (seed, data step, micro-batch), never from the rank, so nothing depends on it).
+    A model-parallel engine loads on every rank of its mesh, from a checkpoint of any (N_d, N_m)
+    whose parameters' names and whole shapes are its own ([Note: joining slices]).
     """
-    refuse_checkpoint(engine, "load")  # not at (N_d, N_m) yet: zero/mp/control.py
     engine.at("load")  # every rank loads together ([Note: collective fingerprints])
     _check_idle(engine, "load")
     info, error = None, None

@@ -9,7 +9,8 @@
 
 Semantics, the error bound against N_m = 1 and the traffic table: docs/design.md §6. ZeRO runs
 in ``MeshGroups.dp_group`` on a TPGPT: ``ZeroEngine(tp, config, group=g.dp_group, mp=ctx)``,
-with the norm counting replicated parameters once (``gpt.counts_in_norm``).
+with the norm counting replicated parameters once (``gpt.counts_in_norm``). Its checkpoints
+(every rank's slice, joined on load at another N_m): zero/checkpoint/mpformat.py.
 """
 
 from .collectives import KIND, MPContext

@@ -93,14 +93,3 @@ class MPStep:
             out.append(seen[at : at + len(us)])
             at += len(us)
         return overflow, np.sqrt(total).astype(np.float64), out
-
-
-def refuse_checkpoint(engine, what: str) -> None:
-    """Checkpoints at (N_d, N_m) are not built yet: every MP rank would write its slice under the
-    plain model's names into one directory, so save and load refuse a model-parallel engine."""
-    if getattr(engine, "mp", None) is not None:
-        raise ValueError(
-            f"mp={engine.mp.ctx.size} ranks: {what}() of a model-parallel engine is not supported "
-            "yet (slices would share names); gather_state() and zero.mp.join_states give the "
-            "plain model's state"
-        )

@@ -72,7 +72,8 @@ def check_split(cfg: GPTConfig, n: int) -> None:
         raise fail("dropout", cfg.dropout, "0.0 with model parallelism")
 
 
-def _cut(t: torch.Tensor, rule: str | None, m: int, n: int) -> torch.Tensor:
+def cut_part(t: torch.Tensor, rule: str | None, m: int, n: int) -> torch.Tensor:
+    """Slice m of n of a whole tensor split by `rule` (a SPLITS value, None: replicated); a copy."""
     if rule is None:
         return t.clone()
     if rule == "qkv":
@@ -80,7 +81,8 @@ def _cut(t: torch.Tensor, rule: str | None, m: int, n: int) -> torch.Tensor:
     return t.chunk(n, 0 if rule == "rows" else 1)[m].clone()
 
 
-def _glue(parts: list[torch.Tensor], rule: str | None) -> torch.Tensor:
+def glue_parts(parts: list[torch.Tensor], rule: str | None) -> torch.Tensor:
+    """The whole tensor from its n slices in m order (cut_part's inverse); replicated: slice 0."""
     if rule is None:
         return parts[0].clone()
     if rule == "qkv":
@@ -92,7 +94,7 @@ def _glue(parts: list[torch.Tensor], rule: str | None) -> torch.Tensor:
 def split_state(full: dict, cfg: GPTConfig, *, m: int, n: int) -> dict:
     """MP rank m's slices of a GPT state dict (exact copies); replicated entries copied whole."""
     check_split(cfg, n)
-    return {k: _cut(v, split_rule(k), m, n) for k, v in full.items()}
+    return {k: cut_part(v, split_rule(k), m, n) for k, v in full.items()}
 
 
 def join_states(states: list[dict], cfg: GPTConfig) -> dict:
@@ -104,7 +106,7 @@ def join_states(states: list[dict], cfg: GPTConfig) -> dict:
         rule = split_rule(k)
         if rule is None and not all(torch.equal(s[k], states[0][k]) for s in states):
             raise ValueError(f"join_states: replicated {k} differs between MP ranks")
-        out[k] = _glue([s[k] for s in states], rule)
+        out[k] = glue_parts([s[k] for s in states], rule)
     return out
 
 
@@ -207,11 +209,16 @@ class TPGPT(nn.Module):
                 full = init_value(
                     seed, name, plain.get_parameter(name).shape, rule.kind, std=rule.std
                 )
-                p.copy_(_cut(full, split_rule(name), mp.rank, mp.size))
+                p.copy_(cut_part(full, split_rule(name), mp.rank, mp.size))
         return model
 
     def unit_names(self) -> list[str]:
         return [f"transformer.h.{i}" for i in range(self.cfg.n_layer)]
+
+    def split_rule(self, name: str) -> str | None:
+        """How parameter `name` is split over the MP group (SPLITS; None: replicated): what a
+        checkpoint records to join the slices (zero/checkpoint/mpjoin.py)."""
+        return split_rule(name)
 
     def counts_in_norm(self, name: str) -> bool:
         """Whether this rank's `name` enters the global gradient norm (the engine asks:
