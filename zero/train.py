@@ -161,12 +161,16 @@ class TrainConfig:
 
     nproc: int | None = None
     """N: local ranks to spawn (None: 2), or, under torchrun, the launched world (None: any)."""
+    mp: int = 1
+    """N_m: tensor-parallel degree (zero/mp/, docs/design.md §6), dividing N and the model's
+    heads; ZeRO then runs in each slice's data-parallel group of N_d = N/N_m ranks."""
     model: str = "small"
     """The GPT (MODELS): tiny ~0.11M parameters (tests), small ~0.82M, medium ~4.8M, large ~85M."""
     steps: int = 200
     """Total optimizer steps of the run (a resumed run continues up to this number)."""
     micro_batches: int | None = None
-    """M per step over all ranks, a multiple of N (None: N, one micro-batch per rank)."""
+    """M per step, a multiple of N_d = N/mp (None: N_d, one micro-batch per data-parallel
+    rank; the N_m ranks of a slice group share each micro-batch)."""
     lr: float = 2e-3
     """Learning rate (constant), every parameter."""
     weight_decay: float = 0.1
@@ -209,16 +213,27 @@ class TrainConfig:
 
         need(self.nproc is None or integer("nproc", 1), "nproc", "an integer >= 1")
         need(self.model in MODELS, "model", f"one of {tuple(MODELS)}")
+        heads = MODELS[self.model][0].n_head
+        need(
+            integer("mp", 1) and heads % self.mp == 0 and VOCAB_SIZE % self.mp == 0,
+            "mp",
+            f"an integer >= 1 dividing the model's {heads} heads and {VOCAB_SIZE} tokens",
+        )
+        need(
+            self.nproc is None or self.nproc % self.mp == 0,
+            "nproc",
+            f"a multiple of mp={self.mp} (N = N_d·N_m)",
+        )
         for name, low in (("steps", 1), ("eval_batches", 1), ("seed", 0), ("log_every", 1)):
             need(integer(name, low), name, f"an integer >= {low}")
         for name in ("eval_every", "ckpt_every"):
             need(integer(name, 0), name, "an integer >= 0 (0: only at the end)")
-        n = self.nproc or 1
+        n = (self.nproc or self.mp) // self.mp
         need(
             self.micro_batches is None
             or (integer("micro_batches", 1) and self.micro_batches % n == 0),
             "micro_batches",
-            f"a positive multiple of nproc={n}",
+            f"a positive multiple of N_d = nproc/mp = {n}",
         )
 
         def real(name: str) -> bool:  # finite: lr=inf would surface as a non-finite gradient
@@ -248,7 +263,7 @@ class TrainConfig:
             self.zero,
             groups=(Hyper(lr=self.lr, weight_decay=self.weight_decay), Hyper(lr=self.lr)),
             group_of=decay_matrices_only,
-            micro_batches=self.micro_batches or world_size,
+            micro_batches=self.micro_batches or world_size // self.mp,
             dropout_seed=self.seed,
             units=tuple(f"transformer.h.{i}" for i in range(gpt.n_layer)),
         )
@@ -285,9 +300,33 @@ def evaluate(engine: ZeroEngine, corpus: Corpus, *, seed: int, batches: int, bat
     return float(total[0] / total[1])
 
 
+def build_model(cfg: TrainConfig, world_size: int, device):
+    """(model, data-parallel group, MPContext) of this rank: the GPT and the whole world, or
+    with mp > 1 this rank's tensor-parallel slice (drawn as the plain GPT's values and cut) and
+    its mesh groups."""
+    gpt, _ = MODELS[cfg.model]
+    if cfg.mp == 1:
+        return GPT(gpt, device=device, seed=cfg.seed), None, None
+    from .collectives import CommCounter
+    from .mp import TPGPT, Mesh, MPContext
+
+    g = Mesh(dp=world_size // cfg.mp, mp=cfg.mp).groups()
+    ctx = MPContext.of(g.mp_group, counter=CommCounter(), deterministic=cfg.zero.deterministic)
+    return TPGPT.build(gpt, ctx, seed=cfg.seed, device=device), g.dp_group, ctx
+
+
 def master_sha256(engine: ZeroEngine) -> str:
-    """sha256 of the full fp32 master, parameters in name order (a collective: every rank)."""
+    """sha256 of the full fp32 master, parameters in name order (a collective: every rank);
+    with model parallelism the MP slices are joined into the plain GPT's master first."""
     master, _ = engine.gather_state()
+    if engine.mp is not None:
+        from .mp import join_states
+
+        ctx = engine.mp.ctx
+        parts: list = [None] * ctx.size
+        with guard(None, ctx.group):
+            dist.all_gather_object(parts, {k: v.cpu() for k, v in master.items()}, group=ctx.group)
+        master = join_states(parts, engine.module.cfg)
     return hashlib.sha256(
         b"".join(master[k].cpu().numpy().tobytes() for k in sorted(master))
     ).hexdigest()
@@ -404,7 +443,8 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     device = torch.device("cpu") if device is None else device
     gpt, batch_size = MODELS[cfg.model]
     T = gpt.block_size
-    engine = ZeroEngine(GPT(gpt, device=device, seed=cfg.seed), cfg.zero_config(world_size))
+    model, group, mp = build_model(cfg, world_size, device)
+    engine = ZeroEngine(model, cfg.zero_config(world_size), group=group, mp=mp)
     out, lead = Path(cfg.out), rank == 0
     ckpt = out / "ckpt"
     # [Note: bounded manifests] in zero/history.py: rank 0 keeps the history in an append-only
@@ -436,7 +476,7 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
         "batch_size": batch_size,
         "seq_len": T,
         "gpt": asdict(gpt),
-        "num_params": engine.module.num_params(),
+        "num_params": GPT(gpt, device="meta").num_params(),  # the whole model's, at any mp
         "backend": dist.get_backend(engine.group),
         "launcher": "torchrun" if under_torchrun() else "spawn",
         "corpus": corpus.fingerprint,
@@ -444,7 +484,8 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     if lead:
         print(
             f"GPT {cfg.model}: Ψ = {config['num_params']:,}; stage {cfg.zero.stage}, "
-            f"N = {world_size}, M = {M}, {cfg.zero.precision}; corpus {corpus.source}: "
+            f"N = {world_size}{f' (N_d = {engine.world_size}, N_m = {cfg.mp})' if mp else ''}, "
+            f"M = {M}, {cfg.zero.precision}; corpus {corpus.source}: "
             f"{corpus.fingerprint['files']} files, {corpus.fingerprint['bytes']:,} bytes; "
             f"steps {start}..{cfg.steps}",
             flush=True,
@@ -491,8 +532,8 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
             memory[:] = [0] * world_size
             mine = sum(engine.memory_report().values())
             every: list = [None] * world_size
-            with guard(None, engine.group):
-                dist.all_gather_object(every, mine, group=engine.group)
+            with guard(None, dist.group.WORLD):  # every rank of the world, MP ones too
+                dist.all_gather_object(every, mine)
             memory[:] = every
         mem = "/".join(f"{b / 2**20:.1f}" for b in memory)
         progress.step(
@@ -559,10 +600,10 @@ def main(argv=None) -> dict | None:
         rank, world, device = init_from_env(timeout_s=cfg.timeout_s)
         if cfg.nproc not in (None, world):
             raise ValueError(f"nproc={cfg.nproc} is not allowed: torchrun launched {world} ranks")
-        if (cfg.micro_batches or world) % world:
+        if world % cfg.mp or (cfg.micro_batches or world) % (world // cfg.mp):
             raise ValueError(
-                f"micro_batches={cfg.micro_batches} is not allowed: expected a "
-                f"positive multiple of the launched world size {world}"
+                f"micro_batches={cfg.micro_batches}, mp={cfg.mp} are not allowed: expected mp "
+                f"dividing the launched world size {world} and a positive multiple of N_d"
             )
         held, left = None, False
         try:

@@ -15,7 +15,8 @@ import torch
 from torchrun import torchrun
 
 from zero.data import load_corpus, split_names, stdlib_dir, stdlib_files
-from zero.train import main, parse
+from zero.models import GPT
+from zero.train import MODELS, main, parse
 
 REPO = Path(__file__).resolve().parents[2]
 # tiny model, no checkpoints or evaluations in between unless a test asks: seconds per run
@@ -111,6 +112,26 @@ def test_torchrun_runs_the_same_training(tmp_path, text):
     assert log["result"]["final_master_sha256"] == local["result"]["final_master_sha256"]
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_model_parallel_training_is_the_same_bits_at_every_dp_degree_and_resumes(tmp_path, text):
+    """--mp 2 (zero/mp/): 3 steps at N_d = 1 (stage 0) and at N_d = 2 (stage 3) end in the same
+    joined master and the same losses (the bits at fixed N_m do not depend on N_d or the stage,
+    docs/design.md §6); 2 steps at N_d = 2, stage 1, resumed at N_d = 1, stage 2 up to 3 steps,
+    end there too (checkpoints at (N_d, N_m)). The log records the mesh and the whole GPT's
+    parameter count."""
+    common = ["--data", str(text), "--mp", "2", "--micro-batches", "2"]
+    one = run(tmp_path / "one", *common, "--nproc", "2", "--stage", "0", "--steps", "3")
+    two = run(tmp_path / "two", *common, "--nproc", "4", "--stage", "3", "--steps", "3")
+    run(tmp_path / "r", *common, "--nproc", "4", "--stage", "1", "--steps", "2")
+    back = run(tmp_path / "r", *common, "--nproc", "2", "--stage", "2", "--steps", "3", "--resume")
+    losses = [[h["loss"] for h in r["result"]["history"]["train"]] for r in (one, two, back)]
+    assert losses[0] == losses[1] == losses[2], losses
+    assert len({r["result"]["final_master_sha256"] for r in (one, two, back)}) == 1
+    assert one["config"]["num_params"] == GPT(MODELS["tiny"][0], device="meta").num_params()
+    assert (one["config"]["mp"], two["config"]["world_size"]) == (2, 4)
+
+
 def test_the_split_is_a_function_of_the_names(tmp_path):
     """Membership does not depend on contents, on the other files or on the process (hash
     seed); the stdlib's validation share is 5% within 4 binomial standard deviations."""
@@ -189,6 +210,9 @@ def test_micro_batches_are_a_pure_function_of_seed_step_and_index(text):
         (["--val-fraction", "1.5"], "val_fraction"),
         (["--chunk", "100"], "chunk"),
         (["--offload-activations"], "offload_activations"),
+        (["--mp", "3"], "mp"),  # the tiny GPT has 2 heads
+        (["--mp", "2", "--nproc", "3"], "nproc"),
+        (["--mp", "2", "--nproc", "4", "--micro-batches", "3"], "micro_batches"),
     ],
 )
 def test_bad_input_is_refused_by_name(tmp_path, argv, field, capsys):
