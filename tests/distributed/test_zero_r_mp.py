@@ -1,0 +1,153 @@
+"""C1-C5 with model parallelism on a simulated rank (paper_figures/zero_r_mp.py).
+
+- The estimate (zero.memory on the slice: model states at N = N_d, checkpoints by
+  checkpoint_bytes) equals what rank (0, 0) of a 4 × 4 mesh holds, category by category,
+  exactly: the engine's params / grads / master / optimizer, and P_a+cpu's host parts as the
+  engine counts them. P_a's all-gathers are counted as zero/mp/partitioned.py says.
+- Orderings the model implies (a configuration that keeps less on the device fits at least as
+  many blocks) hold for the estimate and for the committed measurement, within the search's
+  resolution; the committed record's model states are the estimate's.
+
+Legend: N_d, N_m the DP and MP degrees, L blocks, X = b·s·h one block's checkpoint (elements).
+"""
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from measure.budget import Setup, configurations
+from paper_figures import zero_r_mp
+from zero.memory import checkpoint_bytes
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = Setup(
+    world_size=4,
+    mp=4,
+    hidden=32,
+    heads=4,
+    seq=16,
+    batch=2,
+    vocab_size=64,
+    contiguous_memory=False,
+    deterministic=False,
+    budget_bytes=2**30,
+)
+LAYERS = 3
+
+RANK = """
+import json, sys
+from measure.budget import Setup, configurations
+from measure.simulate import simulate_rank
+setup = Setup(**json.loads(sys.argv[1]))
+out = {}
+for conf in configurations(setup.mp):  # one process, rank (0, 0), every configuration
+    r = simulate_rank(params=0, world_size=setup.world_size, rank=0, stage=conf.stage, steps=1,
+                      seq=setup.seq, batch=setup.batch, vocab_size=setup.vocab_size, mp=setup.mp,
+                      shape={"n_layer": int(sys.argv[2]), "n_embd": setup.hidden,
+                             "n_head": setup.heads}, options=conf.options(setup))
+    out[conf.name] = {k: r[k] for k in ("engine_report", "activation_host_bytes", "mp_traffic",
+                                        "padded_params")}
+print(json.dumps(out))
+"""
+
+
+def test_checkpoint_bytes_and_its_refusals():
+    x = 2 * 16 * 32  # b·s·h
+    assert checkpoint_bytes(layers=3, tokens=32, hidden=32) == 3 * x * 2
+    # P_a: ⌈X/N⌉ per block, padded when N does not divide X (1024 = 3·341 + 1)
+    assert checkpoint_bytes(layers=3, tokens=32, hidden=32, mp=3, partitioned=True) == 3 * 342 * 2
+    for kwargs, field in (
+        (dict(layers=-1, tokens=1, hidden=1), "layers"),
+        (dict(layers=1, tokens=0, hidden=1), "tokens"),
+        (dict(layers=1, tokens=1, hidden=1, partitioned=True), "partitioned"),
+        (dict(layers=1, tokens=1, hidden=1, mp=2, partitioned=1), "partitioned"),
+    ):
+        with pytest.raises(ValueError, match=f"^{field}="):
+            checkpoint_bytes(**kwargs)
+
+
+@pytest.mark.dist
+def test_estimate_equals_the_simulated_rank_by_category():
+    done = subprocess.run(
+        [sys.executable, "-c", RANK, json.dumps(SMALL.to_dict()), str(LAYERS)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    n, x = SMALL.mp, SMALL.batch * SMALL.seq * SMALL.hidden
+    for name in zero_r_mp.NAMES:
+        est, rank = zero_r_mp.estimate(SMALL, name, LAYERS), got[name]
+        for key in ("params", "grads", "master", "optimizer"):
+            assert rank["engine_report"][key] == est[key], (name, key)
+        assert rank["padded_params"] == est["padded_params"], name
+        assert rank["activation_host_bytes"] == est["checkpoints_host"], name
+        # P_a: one all-gather of (N-1)·⌈X/N⌉ per block per micro-step, only where it is on
+        conf = next(c for c in configurations(n) if c.name == name)
+        want = LAYERS * (n - 1) * math.ceil(x / n) if conf.partition_activations else 0
+        assert rank["mp_traffic"].get("p_a", 0) == want, name
+    # what P_a adds to MP's traffic is its gathers alone
+    for a, b in (("C1", "C2"), ("C3", "C4")):
+        rest = {k: v for k, v in got[b]["mp_traffic"].items() if k != "p_a"}
+        assert rest == got[a]["mp_traffic"]
+
+
+def _resident(setup, name, layers):
+    e = zero_r_mp.estimate(setup, name, layers)
+    return e["model_states"] + e["checkpoints_device"]
+
+
+@pytest.mark.parametrize("setup", [SMALL, zero_r_mp.FULL, replace(SMALL, mp=2, heads=2)])
+def test_the_model_orders_the_configurations(setup):
+    """What each configuration keeps resident, from the model: P_a keeps ⌈X/N_m⌉ of X per
+    block (C2 < C1, C4 < C3), P_a+cpu none (C5 < C4), P_os+g less than P_os (C3 < C1)."""
+    for layers in (1, 8, 64):
+        r = {n: _resident(setup, n, layers) for n in zero_r_mp.NAMES}
+        assert r["C2"] < r["C1"] and r["C4"] < r["C3"] < r["C1"] and r["C5"] < r["C4"] < r["C2"]
+        e = zero_r_mp.estimate(setup, "C2", layers)
+        assert e["checkpoints_device"] == checkpoint_bytes(
+            layers=layers,
+            tokens=setup.batch * setup.seq,
+            hidden=setup.hidden,
+            mp=setup.mp,
+            partitioned=True,
+        )
+
+
+def _record():
+    if not zero_r_mp.MEASURED.exists():
+        pytest.skip(f"no committed record: {zero_r_mp.COMMAND}")
+    return json.loads(zero_r_mp.MEASURED.read_text())
+
+
+def test_committed_record_follows_the_model():
+    """The measured largest models keep the model's order within the search's resolution
+    (the search returns lo with the true boundary in [lo, lo·(1 + r)]), the five differ, and the
+    engine's model states on models A and B are the estimate's."""
+    rec = _record()
+    setup = Setup(**rec["setup"])
+    largest = {n: rec["largest"][n]["layers"] for n in zero_r_mp.NAMES}
+    slack = 1 + zero_r_mp.RESOLUTION
+    for small, large in (("C1", "C2"), ("C1", "C3"), ("C3", "C4"), ("C2", "C4"), ("C4", "C5")):
+        assert largest[large] * slack >= largest[small], (small, large, largest)
+    assert len({rec["largest"][n]["num_params"] for n in zero_r_mp.NAMES}) == 5
+    for label, layers in rec["models"].items():
+        for n in zero_r_mp.NAMES:
+            est = zero_r_mp.estimate(setup, n, layers)
+            got = rec["memory"][label][n]
+            assert got["model_states"] == est["model_states"], (label, n)
+            assert got["activation_host_bytes"] == est["checkpoints_host"], (label, n)
+    share = zero_r_mp.p_a_share(rec)
+    # fast mode: a block's 5 MP sums (2 forward, 1 recomputed, 2 backward) are ring all-reduces
+    # of 2(N-1)·⌈X/N⌉ each, P_a's gather (N-1)·⌈X/N⌉: 1/10 of the blocks' sums, less with the
+    # embedding's and head's traffic
+    assert share is not None and 0 < share["share"] < 0.1
