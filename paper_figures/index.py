@@ -22,6 +22,7 @@ from paper_figures import (
     table2_max_model,
     throughput,
     zero_r_configs,
+    zero_r_mp,
 )
 from paper_figures.common import Outputs, SummaryRow, markdown_table
 from zero.memory import GB, STAGE_LABELS, model_state_bytes
@@ -237,6 +238,7 @@ SOURCES = (
         zero_r_configs.index_rows,
         "figures/zero_r_configs.png, tables/zero_r_configs.md",
     ),
+    (zero_r_mp.NAME, zero_r_mp.index_rows, "figures/zero_r_mp.png, tables/zero_r_mp.md"),
 )
 
 
