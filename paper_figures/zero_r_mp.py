@@ -161,7 +161,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     ax6.bar([x - 0.2 for x in xs], [r["ours_vs_c1"] for r in six], 0.4, label="ours (measured)")
     ax6.bar([x + 0.2 for x in xs], [r["paper_vs_c1"] for r in six], 0.4, label="paper", color="C7")
     for x, r in zip(xs, six, strict=True):
-        label_above(ax6, f"{r['layers']} blocks", (x - 0.2, r["ours_vs_c1"]), fontsize=7)
+        label_above(ax6, f"{r['layers']} bl.", (x - 0.2, r["ours_vs_c1"]), fontsize=6)
         label_above(ax6, f"{r['paper_billions']}B", (x + 0.2, r["paper_vs_c1"]), fontsize=7)
     ax6.set_xticks(list(xs), NAMES)
     ax6.set_xlabel("configuration (paper's Table 3)")

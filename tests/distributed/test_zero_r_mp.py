@@ -151,3 +151,52 @@ def test_committed_record_follows_the_model():
     # of 2(N-1)·⌈X/N⌉ each, P_a's gather (N-1)·⌈X/N⌉: 1/10 of the blocks' sums, less with the
     # embedding's and head's traffic
     assert share is not None and 0 < share["share"] < 0.1
+
+
+def test_the_committed_record_renders_with_its_index_rows(tmp_path):
+    """The quick profile draws the committed record (nothing re-measured): the figure, the
+    table, and INDEX.md's rows (Figure 6 and 7 at MP, P_a's traffic share beside "< 10%")."""
+    from paper_figures.common import Outputs
+
+    rec = _record()
+    out = Outputs(root=tmp_path)
+    path, summary = zero_r_mp.render({**rec, "section": zero_r_mp.NAME}, out)
+    assert "C1-C5 at MP 16" in summary
+    text = path.read_text()
+    assert "## Figure 6" in text and "## Figure 7" in text and "(paper §7: < 10%)" in text
+    assert (tmp_path / "figures" / f"{zero_r_mp.NAME}.png").stat().st_size > 10_000
+    rows = zero_r_mp.index_rows(rec)
+    assert [r[0][:8] for r in rows] == ["Figure 6"] * 4 + ["Figure 7"] * 4 + ["§7, P_a'"]
+    assert all(len(r) == 6 for r in rows)
+
+
+# glibc returns a freed heap top to the system only beyond M_TRIM_THRESHOLD (128 KiB by
+# default), and VmHWM counts pages: two processes' peaks can differ by that much with no
+# difference in what they hold.
+ALLOCATOR_SLACK = 2 * 128 * 1024 + 2 * 4096
+
+
+@pytest.mark.full
+@pytest.mark.dist
+def test_p_a_lowers_the_measured_peak_by_at_most_the_checkpoints_it_drops():
+    """C3 and C4 differ only by P_a: C4 keeps ⌈X/N_m⌉ of each block's X and gathers one whole
+    X back for a recomputation. So, measured in two fresh processes,
+    -(2X + slack) <= peak(C3) - peak(C4) <= L·(X - ⌈X/N_m⌉)·2 + slack (bytes, bf16)."""
+    from measure.budget import probe
+
+    setup = replace(zero_r_mp.FULL, budget_bytes=2**30)
+    layers = 32
+    confs = {c.name: c for c in configurations(setup.mp)}
+    c3, c4 = (probe(setup, confs[n], layers=layers) for n in ("C3", "C4"))
+    x = setup.batch * setup.seq * setup.hidden
+    dropped = checkpoint_bytes(
+        layers=layers, tokens=setup.batch * setup.seq, hidden=setup.hidden
+    ) - checkpoint_bytes(
+        layers=layers,
+        tokens=setup.batch * setup.seq,
+        hidden=setup.hidden,
+        mp=setup.mp,
+        partitioned=True,
+    )
+    diff = c3.device_peak - c4.device_peak
+    assert -(2 * x * 2 + ALLOCATOR_SLACK) <= diff <= dropped + ALLOCATOR_SLACK, (diff, dropped)
