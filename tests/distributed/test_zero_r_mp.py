@@ -162,9 +162,9 @@ def test_the_committed_record_renders_with_its_index_rows(tmp_path):
     out = Outputs(root=tmp_path)
     path, summary = zero_r_mp.render({**rec, "section": zero_r_mp.NAME}, out)
     assert "C1-C5 at MP 16" in summary
-    text = path.read_text()
+    assert path == out.figure(zero_r_mp.NAME) and path.stat().st_size > 10_000
+    text = out.table(zero_r_mp.NAME).read_text()
     assert "## Figure 6" in text and "## Figure 7" in text and "(paper §7: < 10%)" in text
-    assert (tmp_path / "figures" / f"{zero_r_mp.NAME}.png").stat().st_size > 10_000
     rows = zero_r_mp.index_rows(rec)
     assert [r[0][:8] for r in rows] == ["Figure 6"] * 4 + ["Figure 7"] * 4 + ["§7, P_a'"]
     assert all(len(r) == 6 for r in rows)
