@@ -68,3 +68,59 @@ def estimate(setup: Setup, name: str, layers: int) -> dict[str, float]:
         "checkpoints_host": ckpt if host else 0.0,
         "padded_params": padded,
     }
+
+
+def measure_together(setup: Setup, names, layers: int, *, timeout_s: float = 600) -> dict:
+    """Each configuration in `names` built and stepped once on rank (0, 0), all in one fresh
+    process (one interpreter start instead of one per configuration): per name, the engine's
+    memory_report, the host checkpoint bytes it counted, the MP traffic by phase and the padded
+    count. No peaks: after the first configuration the process is not at its baseline (use
+    measure.budget.probe, one process each, for those)."""
+    import json
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "measure.mp_rank", json.dumps(setup.to_dict()), str(layers)]
+    done = subprocess.run(
+        [*argv, *names], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"measure.mp_rank failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _main(argv: list[str]) -> None:
+    """python -m measure.mp_rank SETUP_JSON LAYERS NAME...: measure_together's child."""
+    import json
+
+    from .simulate import simulate_rank
+
+    setup, layers = Setup(**json.loads(argv[0])), int(argv[1])
+    confs = {c.name: c for c in configurations(setup.mp)}
+    out = {}
+    for name in argv[2:]:
+        conf = confs[name]
+        r = simulate_rank(
+            params=0,
+            world_size=setup.world_size,
+            rank=0,
+            stage=conf.stage,
+            steps=1,
+            seq=setup.seq,
+            batch=setup.batch,
+            vocab_size=setup.vocab_size,
+            mp=setup.mp,
+            shape={"n_layer": layers, "n_embd": setup.hidden, "n_head": setup.heads},
+            options=conf.options(setup),
+        )
+        keys = ("engine_report", "activation_host_bytes", "mp_traffic", "padded_params")
+        out[name] = {k: r[k] for k in keys}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])

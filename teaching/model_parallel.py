@@ -15,10 +15,11 @@ Legend: N_d DP degree, N_m MP degree, (d, m) a rank's coordinates, L blocks.
 from __future__ import annotations
 
 from measure.budget import Setup, configurations, probe
-from measure.mp_rank import estimate
+from measure.mp_rank import estimate, measure_together
 from zero.mp import Mesh
 
 MIB = 2**20
+STACK_STATES = ("params", "grads", "master", "optimizer")
 STACK = (
     ("params", "working params"),
     ("grads", "gradients"),
@@ -62,15 +63,28 @@ def _box(x, y, *, width=1.0, **kw):
     return Rectangle((x - width / 2 + 0.05, y - 0.45), width - 0.1, 0.9, **kw)
 
 
-def picture(setup: Setup, names, layers: int, *, measure: bool = False) -> list[dict]:
+def picture(
+    setup: Setup, names, layers: int, *, measure: bool = False, fresh: bool = True
+) -> list[dict]:
     """Rank (0, 0)'s bytes for each configuration in `names`: the estimate's categories, and
-    with `measure` the probe's engine model states, counted host checkpoints and device peak
-    (RSS above the baseline, two steps; host checkpoints subtracted)."""
+    with `measure` the engine's model states, counted host checkpoints and MP traffic; with
+    `fresh` each configuration in a process of its own (measure.budget.probe, two steps), which
+    also gives its device peak (RSS above the baseline, host checkpoints subtracted), else all
+    in one process (measure.mp_rank.measure_together: one step each, no peak, seconds less)."""
     confs = {c.name: c for c in configurations(setup.mp)}
+    together = measure_together(setup, names, layers) if measure and not fresh else {}
     rows = []
     for name in names:
         row = {"name": name, "layers": layers, **estimate(setup, name, layers)}
-        if measure:
+        if name in together:
+            got = together[name]
+            row.update(
+                measured_states=sum(got["engine_report"][k] for k in STACK_STATES),
+                measured_host=got["activation_host_bytes"],
+                p_a_elements=got["mp_traffic"].get("p_a", 0),
+                mp_elements=sum(v for k, v in got["mp_traffic"].items() if k != "p_a"),
+            )
+        elif measure:
             p = probe(setup, confs[name], layers=layers)
             row.update(
                 measured_states=p.model_states,

@@ -13,20 +13,17 @@ Legend: N_d, N_m the DP and MP degrees, L blocks, X = b·s·h one block's checkp
 
 import json
 import math
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from measure.budget import Setup, configurations
+from measure.mp_rank import measure_together
 from paper_figures import zero_r_mp
 from zero.memory import checkpoint_bytes
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = Setup(
     world_size=4,
     mp=4,
@@ -39,23 +36,7 @@ SMALL = Setup(
     deterministic=False,
     budget_bytes=2**30,
 )
-LAYERS = 3
-
-RANK = """
-import json, sys
-from measure.budget import Setup, configurations
-from measure.simulate import simulate_rank
-setup = Setup(**json.loads(sys.argv[1]))
-out = {}
-for conf in configurations(setup.mp):  # one process, rank (0, 0), every configuration
-    r = simulate_rank(params=0, world_size=setup.world_size, rank=0, stage=conf.stage, steps=1,
-                      seq=setup.seq, batch=setup.batch, vocab_size=setup.vocab_size, mp=setup.mp,
-                      shape={"n_layer": int(sys.argv[2]), "n_embd": setup.hidden,
-                             "n_head": setup.heads}, options=conf.options(setup))
-    out[conf.name] = {k: r[k] for k in ("engine_report", "activation_host_bytes", "mp_traffic",
-                                        "padded_params")}
-print(json.dumps(out))
-"""
+LAYERS = 2
 
 
 def test_checkpoint_bytes_and_its_refusals():
@@ -75,15 +56,7 @@ def test_checkpoint_bytes_and_its_refusals():
 
 @pytest.mark.dist
 def test_estimate_equals_the_simulated_rank_by_category():
-    done = subprocess.run(
-        [sys.executable, "-c", RANK, json.dumps(SMALL.to_dict()), str(LAYERS)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = measure_together(SMALL, zero_r_mp.NAMES, LAYERS, timeout_s=280)
     n, x = SMALL.mp, SMALL.batch * SMALL.seq * SMALL.hidden
     for name in zero_r_mp.NAMES:
         est, rank = zero_r_mp.estimate(SMALL, name, LAYERS), got[name]
