@@ -173,3 +173,18 @@ def test_p_a_lowers_the_measured_peak_by_at_most_the_checkpoints_it_drops():
     )
     diff = c3.device_peak - c4.device_peak
     assert -(2 * x * 2 + ALLOCATOR_SLACK) <= diff <= dropped + ALLOCATOR_SLACK, (diff, dropped)
+
+
+def test_bad_mp_settings_are_refused_by_name():
+    from measure.simulate import SimulateConfig
+
+    cases = (
+        (lambda: SimulateConfig(mp=0), "^mp=0: allowed are integers >= 1"),
+        (lambda: SimulateConfig(world_size=2, mp=2, rank=4), r"^rank=4: allowed are 0 \.\. "),
+        (lambda: replace(SMALL, mp=3), "^heads=4: must be a multiple of mp=3"),
+        (lambda: replace(SMALL, contiguous_memory=True), "^contiguous_memory=True with mp=4"),
+        (lambda: replace(SMALL, mp=True), "^mp=True: must be a positive integer"),
+    )
+    for build, message in cases:
+        with pytest.raises(ValueError, match=message):
+            build()
