@@ -9,7 +9,8 @@ and lets the engine materialise only this rank's shards, unit by unit, with init
 set (RSS, from /proc/self/statm) before the model is built, after construction, and after each
 step, beside the analytic model of zero/memory.py and the engine's own accounting. Peaks (the
 largest unit during construction, a gathered unit and activations during a step) are reported
-apart from the quiescent point after a step.
+apart from the quiescent point after a step. With ``--mp N_m`` the world is an N_d × N_m mesh and
+the rank builds its tensor-parallel slice ([Note: simulated MP rank]).
 
 Legend: Ψ parameters of the model, N = N_d world size, K = 12 (mixed-precision Adam).
 """
