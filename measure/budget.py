@@ -5,7 +5,8 @@ the largest model within the budget (Figure 6), the peak of two fixed models (Fi
 largest batch and its step time (Figure 8). Used by paper_figures/zero_r_configs.py
 (`python -m paper_figures --only zero_r_configs`). Without model parallelism C2 = C1, C4 = C3
 and C5 is C3 with offload_activations (docs/zero_r.md); measurements are in
-benchmarks/cpu-2core-2026-11.md and paper_figures/measured/zero_r_configs.json.
+benchmarks/cpu-2core-2026-11.md and paper_figures/measured/zero_r_configs.json. With Setup.mp =
+N_m > 1 the rank is (0, 0) of an N_d × N_m mesh and all five differ (paper_figures/zero_r_mp.py).
 
 Legend: L transformer blocks, h hidden size, b batch per rank (one micro-batch), s sequence length,
 N = N_d data-parallel ranks, B the per-rank budget in bytes.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .simulate import measure_rank
 
@@ -53,6 +54,9 @@ class Configuration:
     """The paper's ZeRO-DP + ZeRO-R column, verbatim."""
     stage: int
     offload_activations: bool = False
+    partition_activations: bool = False
+    """P_a: the paper's C2, C4 and C5 (P_a+cpu with offload_activations). It acts only with
+    model parallelism (Setup.mp > 1): with N_m = 1 it has nothing to partition."""
     same_as: str | None = None
     """Set where the configuration is identical to another one without model parallelism."""
 
@@ -66,16 +70,38 @@ class Configuration:
         }
         if setup.contiguous_memory:
             out["contiguous_memory"] = True
+        if setup.mp > 1 and self.partition_activations:
+            out["partition_activations"] = True
+        if not setup.deterministic:
+            out["deterministic"] = False
         return out
 
 
 CONFIGURATIONS: tuple[Configuration, ...] = (
     Configuration(name="C1", paper="P_os + C_B+M_D", stage=1),
-    Configuration(name="C2", paper="P_os + C_B+M_D+P_a", stage=1, same_as="C1"),
+    Configuration(
+        name="C2", paper="P_os + C_B+M_D+P_a", stage=1, partition_activations=True, same_as="C1"
+    ),
     Configuration(name="C3", paper="P_os+g + C_B+M_D", stage=2),
-    Configuration(name="C4", paper="P_os+g + C_B+M_D+P_a", stage=2, same_as="C3"),
-    Configuration(name="C5", paper="P_os+g + C_B+M_D+P_a+cpu", stage=2, offload_activations=True),
+    Configuration(
+        name="C4", paper="P_os+g + C_B+M_D+P_a", stage=2, partition_activations=True, same_as="C3"
+    ),
+    Configuration(
+        name="C5",
+        paper="P_os+g + C_B+M_D+P_a+cpu",
+        stage=2,
+        offload_activations=True,
+        partition_activations=True,
+    ),
 )
+
+
+def configurations(mp: int) -> tuple[Configuration, ...]:
+    """C1-C5 at model-parallel degree N_m = mp: with N_m > 1 all five are distinct (P_a has
+    N_m ranks to partition over), with N_m = 1 C2 and C4 are C1 and C3 (same_as)."""
+    if mp == 1:
+        return CONFIGURATIONS
+    return tuple(replace(c, same_as=None) for c in CONFIGURATIONS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,14 +135,31 @@ class Setup:
     budget_bytes: int = 128 * 2**20
     """B: what one rank may hold above its baseline at its peak."""
     device: str = "cpu"
+    mp: int = 1
+    """N_m: the probed rank is rank 0 = (0, 0) of an N_d × N_m mesh ([Note: simulated MP rank]
+    in measure/simulate.py). heads and vocab_size must be multiples of it."""
+    deterministic: bool = True
+    """False: the fast mode (the MP sums by the backend's all-reduce, as Megatron's), whose
+    transients are the paper's; True keeps the deterministic gather-based sums."""
 
     def __post_init__(self):
-        for name in ("world_size", "hidden", "heads", "seq", "batch", "vocab_size", "budget_bytes"):
+        names = ("world_size", "hidden", "heads", "seq", "batch", "vocab_size", "budget_bytes")
+        for name in (*names, "mp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden}: must be a multiple of heads={self.heads}")
+        for name in ("heads", "vocab_size"):
+            if getattr(self, name) % self.mp:
+                raise ValueError(
+                    f"{name}={getattr(self, name)}: must be a multiple of mp={self.mp}"
+                )
+        if self.mp > 1 and self.contiguous_memory:
+            raise ValueError(
+                f"contiguous_memory=True with mp={self.mp}: P_a (C2, C4, C5) excludes M_D's "
+                "checkpoint arena; allowed is contiguous_memory=False, for all five alike"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,6 +186,8 @@ class Probe:
     activation_host_bytes: int
     model_states: int
     step_seconds: list[float] = field(default_factory=list)
+    mp_traffic: dict[str, int] = field(default_factory=dict)
+    """Elements sent per MP phase over the probe's steps (kind "mp"; empty without MP)."""
 
     def fits(self, budget: int) -> bool:
         return self.device_peak <= budget
@@ -167,6 +212,7 @@ def probe(
         device=setup.device,
         shape={"n_layer": layers, "n_embd": setup.hidden, "n_head": setup.heads},
         options=conf.options(setup),
+        **({"mp": setup.mp} if setup.mp > 1 else {}),
         env=None
         if setup.malloc_mmap_threshold is None
         else {"MALLOC_MMAP_THRESHOLD_": str(setup.malloc_mmap_threshold)},
@@ -181,6 +227,7 @@ def probe(
         activation_host_bytes=got["activation_host_bytes"],
         model_states=got["engine_model_states"],
         step_seconds=got["step_seconds"],
+        mp_traffic=got.get("mp_traffic", {}),
     )
 
 
@@ -252,6 +299,8 @@ def compare(
     *,
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
     throughput: bool = True,
+    fragmentation_probes: bool = True,
+    resolution: float = 0.01,
     log=None,
 ) -> dict:
     """The C1-C5 comparison at our scale, every number measured (one probe per (C, L, b)).
@@ -282,20 +331,25 @@ def compare(
             )
         return probes[key]
 
-    distinct = [c for c in CONFIGURATIONS if c.same_as is None]
+    confs = configurations(setup.mp)
+    distinct = [c for c in confs if c.same_as is None]
     largest: dict[str, dict] = {}
     for conf in distinct:
         small, large = measured(conf, 8), measured(conf, 32)
         guess = linear_guess(small, large, budget)
-        layers = largest_fitting(lambda x, c=conf: measured(c, x).fits(budget), guess=guess)
+        layers = largest_fitting(
+            lambda x, c=conf: measured(c, x).fits(budget), guess=guess, resolution=resolution
+        )
         largest[conf.name] = {
             "layers": layers,
             "num_params": measured(conf, layers).num_params if layers else 0,
             "guess": guess,
         }
+    # B: beyond C3's largest, as the paper's 100B; with MP, where C4 and C5 fit as there
+    other = "C4" if setup.mp > 1 else "C5"
     models = {
         "A": largest["C1"]["layers"],
-        "B": (largest["C3"]["layers"] + largest["C5"]["layers"]) // 2,
+        "B": (largest["C3"]["layers"] + largest[other]["layers"]) // 2,
     }
     memory = {
         label: {c.name: asdict(measured(c, layers)) for c in distinct}
@@ -316,8 +370,10 @@ def compare(
                 say(f"{conf.name} L={layers} b={b}: step {step_time(asdict(best)):.2f} s")
     return {
         "setup": setup.to_dict(),
-        "fragmentation": fragmentation(setup, layers=largest["C3"]["layers"], log=say),
-        "configurations": [asdict(c) for c in CONFIGURATIONS],
+        "fragmentation": fragmentation(setup, layers=largest["C3"]["layers"], log=say)
+        if fragmentation_probes
+        else [],
+        "configurations": [asdict(c) for c in confs],
         "largest": largest,
         "models": models,
         "memory": memory,

@@ -9,7 +9,8 @@ and lets the engine materialise only this rank's shards, unit by unit, with init
 set (RSS, from /proc/self/statm) before the model is built, after construction, and after each
 step, beside the analytic model of zero/memory.py and the engine's own accounting. Peaks (the
 largest unit during construction, a gathered unit and activations during a step) are reported
-apart from the quiescent point after a step.
+apart from the quiescent point after a step. With ``--mp N_m`` the world is an N_d × N_m mesh and
+the rank builds its tensor-parallel slice ([Note: simulated MP rank]).
 
 Legend: Ψ parameters of the model, N = N_d world size, K = 12 (mixed-precision Adam).
 """
@@ -92,6 +93,26 @@ def estimate_peak_bytes(
     return {"num_params": count, "model_states": states, "peak": peak}
 
 
+def _meta_model(cfg, *, world_size: int, mp: int, deterministic: bool = True):
+    """(model on meta, ZeRO's group, MPContext or None) for this rank.
+
+    [Note: simulated MP rank] With N_m = mp > 1 the process is global rank r of a fake
+    world_size·mp mesh: it creates every group of zero.mp.Mesh (as each rank of a real job
+    does), builds only its TPGPT slice (meta: the engine materialises it unit by unit) and runs
+    ZeRO in its DP group. The MP collectives and P_a's all-gathers return at once with the right
+    shapes, so what the rank holds is what a real rank (d, m) holds; their traffic is counted."""
+    from zero.models import GPT
+
+    if mp == 1:
+        return GPT(cfg, device="meta"), None, None
+    from zero.collectives import CommCounter
+    from zero.mp import TPGPT, Mesh, MPContext
+
+    groups = Mesh(dp=world_size, mp=mp).groups()
+    ctx = MPContext.of(groups.mp_group, counter=CommCounter(), deterministic=deterministic)
+    return TPGPT(cfg, ctx), groups.dp_group, ctx
+
+
 def fits_here(estimate: dict, *, device: str = "cpu") -> tuple[bool, str]:
     """Whether a rank with this estimated peak fits now, and the reason either way."""
     if device.startswith("cuda"):
@@ -137,17 +158,21 @@ class SimulateConfig:
     """JSON {"n_layer", "n_embd", "n_head"} replacing gpt_config_for(params)."""
     options: dict | None = None
     """JSON of further ZeroConfig fields (e.g. {"activation_checkpointing": true})."""
+    mp: int = 1
+    """N_m: model-parallel degree. Above 1 the fake world has world_size·mp ranks, `rank` is a
+    global rank of that mesh (zero.mp.Mesh: rank = d·N_m + m) and the rank builds its TPGPT
+    slice; ZeRO runs in its DP group of N_d = world_size ranks ([Note: simulated MP rank])."""
 
     def __post_init__(self):
-        for name in ("world_size", "steps", "seq", "batch", "vocab_size", "rank", "stage"):
+        for name in ("world_size", "steps", "seq", "batch", "vocab_size", "rank", "stage", "mp"):
             if isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: allowed are integers")
-        for name in ("world_size", "steps", "seq", "batch", "vocab_size"):
+        for name in ("world_size", "steps", "seq", "batch", "vocab_size", "mp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: allowed are integers >= 1")
-        if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size):
-            raise ValueError(f"rank={self.rank!r}: allowed are 0 .. world_size-1")
+        if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size * self.mp):
+            raise ValueError(f"rank={self.rank!r}: allowed are 0 .. world_size·mp - 1")
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage={self.stage!r}: allowed are 0, 1, 2, 3")
         if self.shape is None and not 0 < self.params < float("inf"):  # a shape makes it unused
@@ -181,6 +206,7 @@ def simulate_rank(
     device: str = "cpu",
     shape: dict | None = None,
     options: dict | None = None,
+    mp: int = 1,
 ) -> dict:
     """Build and step rank `rank` of a fake world; returns measurements (bytes).
 
@@ -202,17 +228,18 @@ def simulate_rank(
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size * mp)
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
     from zero.memory import model_state_breakdown
-    from zero.models import GPT
 
     cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size, shape=shape)
     # the meta model before the baseline: it holds no tensor memory, but building the first one
     # costs a process tens of MB of one-time setup that is no engine's (the rank's count used
     # to build one before the baseline too)
-    model = GPT(cfg, device="meta")
+    det = (options or {}).get("deterministic", True)  # the MP sums' mode is the engine's
+    model, group, ctx = _meta_model(cfg, world_size=world_size, mp=mp, deterministic=det)
+    held = sum(p.numel() for p in model.parameters())  # Ψ_m: this rank's slice (Ψ at N_m = 1)
     probe = MemoryProbe(device=device)
     zcfg = ZeroConfig(
         stage=stage,
@@ -225,7 +252,7 @@ def simulate_rank(
         **(options or {}),
     )
     t0 = time.perf_counter()
-    engine = ZeroEngine(model, zcfg, device=device, init_seed=None)
+    engine = ZeroEngine(model, zcfg, group=group, device=device, init_seed=None, mp=ctx)
     built = probe.sample("after construction")
     padded = sum(u.part.padded_numel for u in engine.units)
     analytic = model_state_breakdown(num_params=padded, world_size=world_size, stage=stage)
@@ -248,7 +275,10 @@ def simulate_rank(
     # a micro-step's checkpoints are held at once, from their forward to their recomputation.
     # (the counter's totals: its records keep only the last steps, [Note: bounded traffic
     # records] in zero/collectives.py)
-    offloaded = engine.counter.total("offload", phase="activation_down")["nbytes"]
+    offloaded = sum(  # plain checkpoints (activation_down) or P_a+cpu's parts (p_a_down)
+        engine.counter.total("offload", phase=ph)["nbytes"]
+        for ph in ("activation_down", "p_a_down")
+    )
     return {
         "config": {
             "params_requested": params,
@@ -268,6 +298,8 @@ def simulate_rank(
             "device": device,
             "n_head": cfg.n_head,
             "options": dict(options or {}),
+            "mp": mp,
+            "slice_params": held,
         },
         "measurement": probe.describe(),
         "peak_resettable": probe.peak_resettable,
@@ -286,12 +318,22 @@ def simulate_rank(
         "analytic": analytic.to_dict(),
         "analytic_model_states": analytic.total,
         "analytic_paper_formula": model_state_breakdown(
-            num_params=count, world_size=world_size, stage=stage
+            num_params=held, world_size=world_size, stage=stage
         ).total,
         "step_seconds": step_seconds,
+        "mp_traffic": _mp_traffic(engine.counter),
         "activation_host_bytes": offloaded // max(1, steps * zcfg.micro_batches // world_size),
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _mp_traffic(counter) -> dict[str, int]:
+    """Elements sent per MP phase over the whole run (kind "mp": [Note: mp traffic kind])."""
+    out: dict[str, int] = {}
+    for (kind, _op, phase), row in counter.totals.items():
+        if kind == "mp":
+            out[phase] = out.get(phase, 0) + row[1]
+    return out
 
 
 def measure_rank(

@@ -22,6 +22,7 @@ from paper_figures import (
     table2_max_model,
     throughput,
     zero_r_configs,
+    zero_r_mp,
 )
 from paper_figures.common import Outputs, SummaryRow, markdown_table
 from zero.memory import GB, STAGE_LABELS, model_state_bytes
@@ -159,6 +160,21 @@ def table2_rows(payload: dict) -> list[list[str]]:
             "–",
         ]
     )
+    reason = next((r["result"].get("measured_here") for r in payload["records"]), None)
+    for mp in paper.TABLE2_MP[1:]:  # the MP columns: estimated, with why none was measured
+        m, mine = paper.TABLE2_MEASURED[mp][1], ours.get((mp, 1))
+        if mine is None:
+            continue
+        rows.append(
+            [
+                f"Table 2, MP = {mp}, P_os, paper measured (B)",
+                m.text,
+                f"{mine:.1f}B (estimated: memory model)",
+                f"{mine / m.billions:.3f}",
+                f"not measured: a 32 GB rank; {reason or 'not checked'}",
+                "–",
+            ]
+        )
     return rows
 
 
@@ -237,6 +253,7 @@ SOURCES = (
         zero_r_configs.index_rows,
         "figures/zero_r_configs.png, tables/zero_r_configs.md",
     ),
+    (zero_r_mp.NAME, zero_r_mp.index_rows, "figures/zero_r_mp.png, tables/zero_r_mp.md"),
 )
 
 

@@ -22,6 +22,7 @@ from paper_figures import (
     table2_max_model,
     throughput,
     zero_r_configs,
+    zero_r_mp,
 )
 from paper_figures.common import Section
 
@@ -59,6 +60,11 @@ SECTIONS: list[Section] = [
         name=zero_r_configs.NAME,
         run=zero_r_configs.run,
         about="C1-C5 (Figures 6-8): largest model, memory, throughput (quick: committed)",
+    ),
+    Section(
+        name=zero_r_mp.NAME,
+        run=zero_r_mp.run,
+        about="C1-C5 at MP = 16 on simulated ranks: largest model, memory (quick: committed)",
     ),
     Section(name=index.NAME, run=index.run, about="INDEX.md: the paper's numbers beside ours"),
 ]

@@ -27,10 +27,24 @@ from zero.results import make_record, provenance, write_atomic
 NAME = "table2_max_model"
 
 
+def rank_fits_here() -> tuple[bool, str]:
+    """Whether one Table 2 rank could be measured here: each cell's rank holds 32 GB of model
+    states at the cell's Ψ (and more at its peak), so it fits only a machine (CPU memory, or a
+    GPU) with that much free (measure.simulate.fits_here on the model states alone)."""
+    from measure.simulate import fits_here
+    from paper_figures.simulated_ranks import _device
+
+    return fits_here({"peak": paper.TABLE2_DEVICE_BYTES}, device=_device())
+
+
 def compute(profile: str) -> dict:
-    """The analytic records: one per (MP, stage). The profile does not matter to arithmetic."""
+    """The analytic records: one per (MP, stage). The profile does not matter to arithmetic.
+    Each says whether its rank could be measured here (`measured_here`, the reason either
+    way); none is measured: on a machine where one fits, measuring it is left to do (a rank of
+    MP column m is `python -m measure.simulate --mp m --world-size 64` at the cell's Ψ)."""
     del profile
     prov = provenance()
+    _, reason = rank_fits_here()
     records = []
     for mp in paper.TABLE2_MP:
         for stage in range(4):
@@ -41,7 +55,7 @@ def compute(profile: str) -> dict:
                 "k": paper.TABLE2_K,
                 "mp": mp,
             }
-            result = {"max_params": max_model_params(**config)}
+            result = {"max_params": max_model_params(**config), "measured_here": reason}
             records.append(
                 make_record(
                     config=config, result=result, kind="max_model.analytic", provenance=prov
@@ -83,6 +97,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         row += [_styled(m.text, m) for m in paper.TABLE2_MEASURED[mp]]
         rows.append(row)
 
+    reason = next((r["result"].get("measured_here") for r in payload["records"]), None)
     total = len(paper.TABLE2_MP) * 4
     match_line = count_line(matched, total, "theoretical cells equal the paper's printed value")
     unrounded = ", ".join(
@@ -103,6 +118,9 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         *markdown_table(header, rows),
         "",
         match_line + ".",
+        "",
+        "Every cell is estimated (the memory model): a rank of any MP column holds 32 GB of model",
+        f"states, and none was measured on this machine ({reason or 'not checked'}).",
         "",
         f"Ours before rounding, MP = 1: {unrounded}.",
         "",

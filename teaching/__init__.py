@@ -19,6 +19,7 @@ Modules:
     timeline      compute and communication intervals of a traced step
     claims        notebook 04's measurements: volumes, memory reduction, invariance
     figures       the bar and line charts over stages and world sizes
+    model_parallel  notebook 07: the DP × MP mesh, one rank's memory estimated then measured
 
 Legend (ZeRO paper §5, docs/design.md §2-§3):
     N       world size, the data-parallel degree N_d; ranks 0..N-1

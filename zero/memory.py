@@ -7,7 +7,7 @@ Legend (paper symbols, arXiv 1910.02054 §3.1 and §5):
   optimizer states. 12 for mixed-precision Adam, 8 for mixed-precision SGD with momentum, 4 for
   plain mixed-precision SGD (docs/design.md §2).
 - M: micro-batches per step, so ``accumulation`` = M/N is the number of micro-steps per step.
-- N_m = ``mp``: the model-parallel degree (Table 2 only).
+- N_m = ``mp``: the model-parallel degree (Table 2; :func:`checkpoint_bytes`, P_a).
 - ``stage``: 0 = baseline DP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p.
 
 Two forms of the same model:
@@ -285,3 +285,30 @@ def model_state_breakdown(
     )
     object.__setattr__(out, "_exact", exact)  # frozen: set once, here, before anyone sees it
     return out
+
+
+def checkpoint_bytes(
+    *,
+    layers: int,
+    tokens: int,
+    hidden: int,
+    mp: int = 1,
+    partitioned: bool = False,
+    dtype_bytes: float = 2,
+) -> float:
+    """Activation checkpoints one rank keeps per micro-step: one input of b·s·h elements
+    (tokens = b·s) per checkpointed block, L blocks (paper §6.1, docs/design.md §6).
+
+    Under model parallelism every MP rank holds the whole replicated input; with P_a
+    (``partitioned``) it keeps its part of ⌈b·s·h / N_m⌉ elements (zero/mp/partitioned.py, the
+    last part zero-padded). Where they live (device, or host with P_a+cpu / offload) is the
+    caller's: the bytes are the same."""
+    layers = _integer("layers", layers, minimum=0)
+    x = _integer("tokens", tokens, minimum=1) * _integer("hidden", hidden, minimum=1)
+    mp = _integer("mp", mp, minimum=1)
+    if not isinstance(partitioned, bool):
+        raise _fail("partitioned", partitioned, "True or False")
+    if partitioned and mp == 1:
+        raise _fail("partitioned", partitioned, "False when mp=1 (P_a needs N_m > 1)")
+    kept = -(-x // mp) if partitioned else x
+    return float(layers * kept * _real("dtype_bytes", dtype_bytes))
