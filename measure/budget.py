@@ -155,11 +155,6 @@ class Setup:
                 raise ValueError(
                     f"{name}={getattr(self, name)}: must be a multiple of mp={self.mp}"
                 )
-        if self.mp > 1 and self.contiguous_memory:
-            raise ValueError(
-                f"contiguous_memory=True with mp={self.mp}: P_a (C2, C4, C5) excludes M_D's "
-                "checkpoint arena; allowed is contiguous_memory=False, for all five alike"
-            )
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -52,8 +52,9 @@ block), so the largest N_m is the paper's. h = 128 with 16 heads (8 per head) ke
 checkpoint (X = b·s·h, b = 16 as in Figure 6) 1.3× its P_os slice states (the paper's 40B at MP
 16: 1.2×, measure/budget.Setup's proportion); s = 16 keeps one probe within seconds of compute
 on a loaded 2-core machine. N_d = 16: shards are padded to N_d·128 elements per unit, 9% of a
-slice block here (25, the paper's N_d, would pad 22%). M_D is off for all five (P_a excludes its
-checkpoint arena); MP sums in fast mode (all-reduce, as Megatron's)."""
+slice block here (25, the paper's N_d, would pad 22%). M_D is off for all five alike (with it, P_a's
+parts would sit in its checkpoint arena: where the bytes live, not how many); MP sums in fast
+mode (all-reduce, as Megatron's)."""
 
 COMMAND = "python -m paper_figures --only zero_r_mp --profile full"
 RESOLUTION = 0.05

@@ -182,7 +182,6 @@ def test_bad_mp_settings_are_refused_by_name():
         (lambda: SimulateConfig(mp=0), "^mp=0: allowed are integers >= 1"),
         (lambda: SimulateConfig(world_size=2, mp=2, rank=4), r"^rank=4: allowed are 0 \.\. "),
         (lambda: replace(SMALL, mp=3), "^heads=4: must be a multiple of mp=3"),
-        (lambda: replace(SMALL, contiguous_memory=True), "^contiguous_memory=True with mp=4"),
         (lambda: replace(SMALL, mp=True), "^mp=True: must be a positive integer"),
     )
     for build, message in cases:
