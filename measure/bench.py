@@ -178,6 +178,8 @@ class BenchConfig:
     beside one with the default measures what the watchdog's checks cost."""
     timeout_s: float = 900.0
     """Seconds one call into the ranks may take before they are killed (a hang is an error)."""
+    note: str = ""
+    """A remark kept in every record's config (e.g. that the machine was loaded)."""
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -873,6 +875,7 @@ def _base_config(name: str, n: int, cfg: BenchConfig) -> dict:
         "build_warmup": BUILD_WARMUP,
         "quiet_cores": cfg.quiet_cores,
         "retries": cfg.retries,
+        "note": cfg.note,
     }
     if name in MP_SYSTEMS:
         from .bench_mp import config_fields
