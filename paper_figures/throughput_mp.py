@@ -104,8 +104,12 @@ def draw(records: list[dict]):
     ax_r.axhline(1.0, color="C3", lw=1)
     ax_r.set_title("Ours: step time ÷ Megatron's (below 1: faster than Megatron)", fontsize=10)
     ax_r.set_ylabel("step time ÷ Megatron's")
+    from matplotlib.ticker import FuncFormatter
+
     for ax in (ax_f, ax_r):
         ax.set_xscale("log")
+        for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.5, 2, 5: not 2×10⁰
         ax.set_xlabel("parameters Ψ (millions)")
         ax.legend(fontsize=7)
     for rows, label, st in (
