@@ -11,7 +11,7 @@ it is not, its rows say "not installed" and the other systems run.
 
 Systems (SYSTEMS): zero-s{0..3} (fast mode), zero-s{0..3}-det (deterministic), ddp,
 zero-redundancy, fsdp2, fsdp2-reshard, deepspeed-s{1,2,3}; fp32 AdamW, M = N. Model parallelism
-(named only, never by default): megatron, zero-s{0..3}-mp{1,2,4}[-det] (measure/bench_mp.py).
+(named only, never by default): megatron-lm, zero-s{0..3}-mp{1,2,4}[-det] (measure/bench_mp.py).
 Memory (--memory, on by default; [Note: the memory pass]): peak MiB per rank, measured by
 measure/tensor_memory.py, beside the analytic model states of the system's sharding level
 (zero/memory.py) and the activations autograd saves; ×DDP and ×best peer at the same level.

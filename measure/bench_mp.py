@@ -1,10 +1,10 @@
 """measure.bench's model-parallel systems: Megatron-style tensor parallelism (zero/mp/) alone, and
 ZeRO inside the data-parallel groups of a DP × MP mesh, at a fixed world of N ranks.
 
-    python -m measure.bench --model anchor --world-sizes 4 --systems ddp megatron \\
+    python -m measure.bench --model anchor --world-sizes 4 --systems ddp megatron-lm \\
         zero-s1-mp1 zero-s1-mp2 zero-s1-mp4 zero-s3-mp1 zero-s3-mp2 zero-s3-mp4
 
-Systems (measure.bench_table.MP_SYSTEMS; [Note: model-parallel systems]): "megatron" (N_m = N),
+Systems (measure.bench_table.MP_SYSTEMS; [Note: model-parallel systems]): "megatron-lm" (N_m = N),
 zero-s<stage>-mp<N_m> (N_d = N/N_m), each with -det for deterministic mode. Every record also
 carries one steady step's counted traffic per rank (step_traffic): kind "model" (docs/design.md
 §2's ZeRO collectives in the DP group) and kind "mp" (§6's table). The timing, the repeats, the
@@ -17,7 +17,7 @@ Legend: N world size, N_d DP degree, N_m MP degree, B sequences per micro-batch 
 # mesh runs micro-batches d·N_m .. d·N_m + N_m - 1 as one micro-batch of N_m·B sequences on its
 # N_m ranks (M = N_d, one micro-step), so the step's loss is the mean over the same N·B
 # sequences. The model is TPGPT.build (the N_m = 1 GPT's start values, cut; zero/mp/gpt.py),
-# AdamW as for our other systems. "megatron" is Megatron-LM's tensor parallelism with no data
+# AdamW as for our other systems. "megatron-lm" is Megatron-LM's tensor parallelism with no data
 # parallelism and no ZeRO: N_m = N, N_d = 1, our engine at stage 0 over its DP group of one
 # rank, whose reduction moves nothing and whose optimizer is plain AdamW on the whole slice
 # (docs/design.md §6: stage 0 at N_d = 1 is §2's step of one rank). It is the name of
@@ -118,7 +118,7 @@ def config_fields(name: str, n: int, cfg) -> dict:
     """The record's config entries of an MP system (they replace measure.bench's defaults)."""
     stage, dp, mp, det = layout(name, n)
     return {
-        "family": "baseline" if name.startswith("megatron") else "ours",
+        "family": "baseline" if name.startswith("megatron-lm") else "ours",
         "stage": stage,
         "mode": "deterministic" if det else "fast",
         "mp": mp,

@@ -32,11 +32,11 @@ PEERS = (
 MP_DEGREES = (1, 2, 4)
 """N_m of the model-parallel systems ([Note: model-parallel systems] in measure/bench_mp.py)."""
 MP_SYSTEMS = (
-    "megatron",
-    "megatron-det",
+    "megatron-lm",
+    "megatron-lm-det",
     *(f"zero-s{s}-mp{m}{mode}" for mode in ("", "-det") for s in range(4) for m in MP_DEGREES),
 )
-"""Tensor parallelism (zero/mp/): "megatron" is MP alone (N_m = N, no ZeRO partitioning),
+"""Tensor parallelism (zero/mp/): "megatron-lm" is MP alone (N_m = N, no ZeRO partitioning),
 zero-s<stage>-mp<N_m> ZeRO inside the DP groups of N_d = N/N_m ranks; -det deterministic."""
 DEFAULT_SYSTEMS = OURS + PEERS
 """What measure.bench times when --systems is left out: the data-parallel systems."""
@@ -44,11 +44,11 @@ SYSTEMS = OURS + PEERS + MP_SYSTEMS
 
 
 def mp_layout(name: str) -> tuple[int, int | None, bool]:
-    """(stage, N_m, deterministic) of an MP system; N_m None for megatron (it is N)."""
+    """(stage, N_m, deterministic) of an MP system; N_m None for megatron-lm (it is N)."""
     if name not in MP_SYSTEMS:
         raise ValueError(f"system={name!r}: allowed are {MP_SYSTEMS}")
     det = name.endswith("-det")
-    if name.startswith("megatron"):
+    if name.startswith("megatron-lm"):
         return 0, None, det
     return int(name[6]), int(name.removesuffix("-det").split("-mp")[1]), det
 
@@ -142,7 +142,7 @@ def add_ratios(records: list[dict]) -> None:
             fast = ok.get((name.removesuffix("-det"), n))
             if name.endswith("-det") and fast:
                 res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
-            mega = ok.get(("megatron-det" if name.endswith("-det") else "megatron", n))
+            mega = ok.get(("megatron-lm-det" if name.endswith("-det") else "megatron-lm", n))
             res["ratio_vs_megatron"] = mine / mega["result"]["median_ms"] if mega else None
     for (name, n), rec in ok.items():
         if "memory" in rec["result"]:

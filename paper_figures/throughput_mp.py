@@ -26,7 +26,7 @@ from zero.results import read_json, write_atomic
 
 NAME = "throughput_mp"
 MEASURED = Path(__file__).resolve().parent / "measured"
-SYSTEMS = ("megatron", "zero-s1-mp1", "zero-s1-mp2", "zero-s1-mp4", "zero-s3-mp1",
+SYSTEMS = ("megatron-lm", "zero-s1-mp1", "zero-s1-mp2", "zero-s1-mp4", "zero-s3-mp1",
            "zero-s3-mp2", "zero-s3-mp4", "ddp")  # fmt: skip
 """What the committed runs time (--systems of the command in STATUS.md)."""
 
@@ -71,7 +71,7 @@ def winners(records: list[dict]) -> list[tuple[str, int, str, float]]:
         by_model.setdefault(r["config"]["model"], []).append(r)
     rows = []
     for model, recs in by_model.items():
-        mega = next((r for r in recs if r["config"]["system"] == "megatron"), None)
+        mega = next((r for r in recs if r["config"]["system"] == "megatron-lm"), None)
         best = min(recs, key=lambda r: r["result"]["median_ms"])
         ratio = best["result"]["median_ms"] / mega["result"]["median_ms"] if mega else None
         rows.append((model, best["config"]["num_params"], best["config"]["system"], ratio))
@@ -79,7 +79,7 @@ def winners(records: list[dict]) -> list[tuple[str, int, str, float]]:
 
 
 def _style(name: str) -> dict:
-    if name == "megatron":
+    if name == "megatron-lm":
         return dict(color="C3", marker="s", lw=2.2)
     if name == "ddp":
         return dict(color="k", marker="x", ls=":", lw=1)

@@ -160,7 +160,7 @@ def test_unavailable_system_is_reported_not_fatal():
     "kwargs, field",
     [
         ({"model": "huge"}, "model"),
-        ({"systems": ("ddp", "gpipe")}, "systems"),  # megatron is a system now (bench_mp)
+        ({"systems": ("ddp", "megatron")}, "systems"),
         ({"systems": ("ddp", "ddp")}, "systems"),
         ({"world_sizes": (0,)}, "world_sizes"),
         ({"repeats": 0}, "repeats"),

@@ -2,9 +2,9 @@
 
 - Counted traffic per step: kind "mp" = docs/design.md §6's table (deterministic: verify/expect.py's
   expected_mp_traffic; fast: the table's fast column, written out here), kind "model" = §2's
-  table for the slice in the DP group (verify/expect.py's expected_traffic), for megatron and
+  table for the slice in the DP group (verify/expect.py's expected_traffic), for megatron-lm and
   ZeRO stages at N_m = 1, 2, 4; the records of run_bench carry the same per-step counts.
-- megatron-det trains, bit for bit, what a stage-0 engine at N_m = 4, N_d = 1 built here from the
+- megatron-lm-det trains, bit for bit, what a stage-0 engine at N_m = 4, N_d = 1 built here from the
   config alone trains: the slice cut from the whole GPT (TPGPT.from_gpt, not the benchmark's
   TPGPT.build), the step's N micro-batches as one, AdamW spelled out.
 - The performance model's MP volume (paper_figures/perfmodel.mp_elements) = the engine's count
@@ -25,8 +25,8 @@ from zero.launch import get_pool
 
 SMALL = BenchConfig(model="small-mp", world_sizes=(4,), repeats=1, steps=1, warmup=0,
                     retries=0, quiet_wait_s=0.0, memory=False)  # fmt: skip
-TRAFFIC_SYSTEMS = ("megatron", "megatron-det", "zero-s1-mp2-det", "zero-s3-mp2", "zero-s2-mp1-det",
-                   "zero-s3-mp4-det", "zero-s0-mp2")  # fmt: skip
+TRAFFIC_SYSTEMS = ("megatron-lm", "megatron-lm-det", "zero-s1-mp2-det", "zero-s3-mp2",
+                   "zero-s2-mp1-det", "zero-s3-mp4-det", "zero-s0-mp2")  # fmt: skip
 
 
 def fast_mp_traffic(cfg, b: int, n: int) -> list[tuple[str, str, int]]:
@@ -78,13 +78,13 @@ def test_counted_traffic_per_step_is_the_design_tables():
             assert [tuple(r) for r in got["mp"]] == want_mp, where
             assert {k: tuple(v) for k, v in got["model"].items()} == want_model, where
             assert got["elements"]["mp"] == sum(e for *_, e in want_mp), where
-    # megatron: N_d = 1, nothing of ZeRO's moves; N_m = 1: no MP traffic (all 0-element calls)
-    assert per_rank[0]["megatron"][0]["elements"]["model"] == 0
+    # megatron-lm: N_d = 1, nothing of ZeRO's moves; N_m = 1: no MP traffic (all 0-element calls)
+    assert per_rank[0]["megatron-lm"][0]["elements"]["model"] == 0
     assert per_rank[0]["zero-s2-mp1-det"][0]["elements"]["mp"] == 0
 
 
 def _megatron_against_engine(rank, world, cfg, steps):
-    """Worker: (losses, final slice) of the benchmark's megatron-det and of an engine built here
+    """Worker: (losses, final slice) of the benchmark's megatron-lm-det and of an engine built here
     from the config alone, both as bit patterns."""
     from reference.optim import Hyper
     from verify.mp_cells import mesh_groups
@@ -95,7 +95,7 @@ def _megatron_against_engine(rank, world, cfg, steps):
     from zero.mp import TPGPT, MPContext
 
     torch.set_num_threads(1)
-    t = bench._make("megatron-det", rank, world, cfg)
+    t = bench._make("megatron-lm-det", rank, world, cfg)
     theirs = [t.step(t.batch()) for _ in range(steps)]
     g = mesh_groups(1, world)
     ctx = MPContext.of(g.mp_group, counter=CommCounter(), deterministic=True)
@@ -125,7 +125,7 @@ def _megatron_against_engine(rank, world, cfg, steps):
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_megatron_is_a_stage_0_engine_at_n_m_4_bit_for_bit():
-    cfg = BenchConfig(**{**vars(SMALL), "systems": ("megatron-det",)})
+    cfg = BenchConfig(**{**vars(SMALL), "systems": ("megatron-lm-det",)})
     for theirs, ours, a, b in get_pool(4).run(_megatron_against_engine, cfg, 3, timeout_s=300):
         assert [x.hex() for x in theirs] == [x.hex() for x in ours]  # the same float64 bits
         assert a.keys() == b.keys()
@@ -137,12 +137,12 @@ def test_megatron_is_a_stage_0_engine_at_n_m_4_bit_for_bit():
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_run_bench_records_the_mesh_and_the_counts():
-    cfg = BenchConfig(**{**vars(SMALL), "systems": ("ddp", "megatron", "zero-s3-mp2")})
+    cfg = BenchConfig(**{**vars(SMALL), "systems": ("ddp", "megatron-lm", "zero-s3-mp2")})
     records = {
         r["config"]["system"]: r for r in run_bench(cfg, pools=get_pool, say=lambda *a: None)
     }
     gpt = cfg.workload.gpt
-    for name, (dp, mp, stage) in {"megatron": (1, 4, 0), "zero-s3-mp2": (2, 2, 3)}.items():
+    for name, (dp, mp, stage) in {"megatron-lm": (1, 4, 0), "zero-s3-mp2": (2, 2, 3)}.items():
         c, res = records[name]["config"], records[name]["result"]
         assert res["status"] == "ok", res
         assert (c["dp"], c["mp"], c["stage"], c["micro_batches"]) == (dp, mp, stage, dp)
@@ -202,10 +202,11 @@ def test_perf_model_mp_volume_is_the_engines_count(p_a):
     "kwargs, field",
     [
         (dict(systems=("zero-s1-mp4",), world_sizes=(2,)), "world_sizes"),
-        (dict(systems=("megatron",), world_sizes=(3,), model="small"), "n_head"),
+        (dict(systems=("megatron-lm",), world_sizes=(3,), model="small"), "n_head"),
         (dict(systems=("zero-s1-mp2",), world_sizes=(4,), model="small-mp"), None),
         (dict(systems=("zero-s1-mp3",), world_sizes=(3,)), "systems"),
         (dict(systems=("zero-s4-mp2",), world_sizes=(4,)), "systems"),
+        (dict(systems=("megatron",), world_sizes=(4,)), "systems"),  # the name is megatron-lm
     ],
 )
 def test_bad_mp_config_names_the_field(kwargs, field):

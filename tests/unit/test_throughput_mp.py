@@ -31,7 +31,7 @@ def test_the_committed_runs_cover_three_sizes_and_every_system():
 @pytest.mark.parametrize("path", FILES, ids=[f.name for f in FILES])
 def test_committed_mp_counts_are_the_design_table(path):
     """Every fast MP record's counted elements per step (each rank) = mp_elements at its size;
-    N_m = 1 sends none; megatron's ZeRO traffic is empty (a DP group of one rank)."""
+    N_m = 1 sends none; megatron-lm's ZeRO traffic is empty (a DP group of one rank)."""
     for r in read_json(path)["records"]:
         c = r["config"]
         if c["system"] not in MP_SYSTEMS:
@@ -40,7 +40,7 @@ def test_committed_mp_counts_are_the_design_table(path):
         assert counted == formula, c["system"]
         per_rank = {t["elements"]["mp"] for t in r["result"]["traffic_per_step"]}
         assert per_rank == {formula}, c["system"]
-        if c["system"] == "megatron":
+        if c["system"] == "megatron-lm":
             assert {t["elements"]["model"] for t in r["result"]["traffic_per_step"]} == {0}
 
 
@@ -60,7 +60,7 @@ def test_section_renders_and_the_index_names_each_sizes_fastest(tmp_path):
             if r["config"]["model"] == model and r["config"]["system"] in MP_SYSTEMS
         ]
         best = min(here, key=lambda r: r["result"]["median_ms"])
-        mega = next(r for r in here if r["config"]["system"] == "megatron")
+        mega = next(r for r in here if r["config"]["system"] == "megatron-lm")
         ratio = best["result"]["median_ms"] / mega["result"]["median_ms"]
         want = f"{best['config']['system']} {ratio:.2f}"
         assert [row[2] for row in rows if f" {model} GPT" in row[0]] == [want], model
