@@ -104,12 +104,13 @@ def draw(records: list[dict]):
     ax_r.axhline(1.0, color="C3", lw=1)
     ax_r.set_title("Ours: step time ÷ Megatron's (below 1: faster than Megatron)", fontsize=10)
     ax_r.set_ylabel("step time ÷ Megatron's")
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     for ax in (ax_f, ax_r):
         ax.set_xscale("log")
-        for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
-            axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.5, 2, 5: not 2×10⁰
+        ax.set_xticks([0.5, 1, 2, 5, 10, 20, 50])
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # not 2×10⁰
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("parameters Ψ (millions)")
         ax.legend(fontsize=7)
     for rows, label, st in (
@@ -126,7 +127,7 @@ def draw(records: list[dict]):
     ax_p.set_ylabel("TFLOP/s per GPU (read off the plot)")
     ax_p.set_title("The paper's Figure 2: 400 V100s (compare the shape only)", fontsize=10)
     ax_p.legend(fontsize=7)
-    note = records[0]["config"].get("note") if records else ""
+    note = (records[0]["config"].get("note") or "").split(";")[0] if records else ""
     fig.suptitle("Figure 2's shape: who wins as the model grows" + (f"  [{note}]" if note else ""),
                  fontsize=10)  # fmt: skip
     return fig
