@@ -10,7 +10,8 @@ it is not, its rows say "not installed" and the other systems run.
     torchrun --standalone --nproc-per-node 1 -m measure.bench --world-sizes 1   # one GPU, NCCL
 
 Systems (SYSTEMS): zero-s{0..3} (fast mode), zero-s{0..3}-det (deterministic), ddp,
-zero-redundancy, fsdp2, fsdp2-reshard, deepspeed-s{1,2,3}; fp32 AdamW, M = N.
+zero-redundancy, fsdp2, fsdp2-reshard, deepspeed-s{1,2,3}; fp32 AdamW, M = N. Model parallelism
+(named only, never by default): megatron-lm, zero-s{0..3}-mp{1,2,4}[-det] (measure/bench_mp.py).
 Memory (--memory, on by default; [Note: the memory pass]): peak MiB per rank, measured by
 measure/tensor_memory.py, beside the analytic model states of the system's sharding level
 (zero/memory.py) and the activations autograd saves; ×DDP and ×best peer at the same level.
@@ -59,12 +60,15 @@ from zero.train import train_steps
 
 from . import mfu, tensor_memory
 from .bench_table import (
+    DEFAULT_SYSTEMS,
+    MP_SYSTEMS,
     OURS,
     SHARDING_LEVEL,
     SYSTEMS,
     add_ratios,
     analytic_states_bytes,
     format_memory,
+    format_mp,
     format_profile,
     format_table,
 )
@@ -105,6 +109,14 @@ MODELS = {
         batch_size=8,
         repeats=8,
     ),
+    # Model parallelism needs N_m | n_head: "small" with 4 heads (tests), and a size between
+    # small and anchor: 2 layers, d 128, 4 heads: Ψ = 262,144 + 16,384 + 2·198,272 + 256 = 675,328.
+    "small-mp": BenchModel(gpt=GPTConfig(n_head=4), batch_size=4),
+    "mini": BenchModel(
+        gpt=GPTConfig(vocab_size=2048, block_size=128, n_layer=2, n_head=4, n_embd=128),
+        batch_size=8,
+        repeats=8,
+    ),
     # 8 layers, d 512, 8 heads: Ψ = 1,048,576 + 65,536 + 8·3,152,384 + 1,024 = 26,334,208.
     "mid": BenchModel(
         gpt=GPTConfig(vocab_size=2048, block_size=128, n_layer=8, n_head=8, n_embd=512),
@@ -129,8 +141,9 @@ class BenchConfig:
     model: str = "anchor"
     """A key of MODELS: 'small' (seconds, for tests), 'anchor' (3.72M parameters), 'mid'
     (26.3M) or 'large' (101M); [Note: bench model sizes]."""
-    systems: tuple[str, ...] = SYSTEMS
-    """Which of SYSTEMS to time; the ratios need 'ddp' (×DDP) and the fast stage (×fast)."""
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
+    """Which of SYSTEMS to time; the ratios need 'ddp' (×DDP) and the fast stage (×fast).
+    The model-parallel ones (MP_SYSTEMS) need N_m | N and N_m | n_head, vocab_size."""
     world_sizes: tuple[int, ...] = (2, 4)
     """N values, each >= 1; one pool of N ranks each, all systems built in it. At N = 1 there is
     no communication: the step is the systems' software overhead around the same compute."""
@@ -165,6 +178,8 @@ class BenchConfig:
     beside one with the default measures what the watchdog's checks cost."""
     timeout_s: float = 900.0
     """Seconds one call into the ranks may take before they are killed (a hang is an error)."""
+    note: str = ""
+    """A remark kept in every record's config (e.g. that the machine was loaded)."""
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -195,6 +210,10 @@ class BenchConfig:
         check_timeout(self.timeout_s)
         if self.watchdog not in WATCHDOG_MODES:
             raise ValueError(f"watchdog={self.watchdog!r}: allowed are {WATCHDOG_MODES}")
+        if any(s in MP_SYSTEMS for s in self.systems):
+            from .bench_mp import check_config
+
+            check_config(self)
 
     @property
     def workload(self) -> BenchModel:
@@ -507,8 +526,19 @@ def prepare_deepspeed(rank: int, n: int) -> str | None:
     return why
 
 
+def _ours(trainer: _Trainer) -> bool:
+    # by the engine, not the class: under `python -m measure.bench` this module is __main__,
+    # and measure/bench_mp.py's systems subclass the _Ours of measure.bench, another copy
+    from zero.engine import ZeroEngine
+
+    return isinstance(getattr(trainer, "engine", None), ZeroEngine)
+
+
 def _make(name: str, rank: int, n: int, cfg: BenchConfig) -> _Trainer:
-    kind = _Ours if name in OURS else _DeepSpeed if name.startswith("deep") else _TorchPeer
+    if name in MP_SYSTEMS:
+        from .bench_mp import MPTrainer as kind
+    else:
+        kind = _Ours if name in OURS else _DeepSpeed if name.startswith("deep") else _TorchPeer
     return kind(name, rank, n, cfg)
 
 
@@ -527,7 +557,11 @@ def _build(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
         # timeout names them. A failure on every rank (a version mismatch) is reported here.
         return {"status": "failed", "error": traceback.format_exc(limit=8)}
     _LIVE[name] = trainer
+    from .bench_mp import step_traffic
+
     return {
+        # the counted collectives of the last warm-up step (a steady one), this rank's
+        "traffic": step_traffic(trainer.engine.counter) if _ours(trainer) else None,
         "status": "ok",
         "options": trainer.options(),
         "threads": torch.get_num_threads(),
@@ -604,7 +638,10 @@ def _memory(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
 
     device = _device()
     cpu0 = time.process_time()
-    probe = _Trainer(name, rank, n, cfg)
+    probe_of = _Trainer
+    if name in MP_SYSTEMS:  # the rank's slice and its micro-batch
+        from .bench_mp import MPProbe as probe_of
+    probe = probe_of(name, rank, n, cfg)
     model, batch = probe.model(), probe.batch()
     with saved_activations(model.parameters()) as saved:
         model(*batch)
@@ -621,7 +658,7 @@ def _memory(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
             trainer.step(batch)
             del batch
         mark("end")
-        if isinstance(trainer, _Ours):
+        if _ours(trainer):
             report = trainer.engine.memory_report()  # model states; comm_buffers are transient
             states = sum(report.get(k, 0) for k in ("params", "frozen", "grads", "master"))
             states += report["optimizer"]
@@ -813,7 +850,7 @@ class _Meter:
 def _base_config(name: str, n: int, cfg: BenchConfig) -> dict:
     w = cfg.workload
     stage = int(name[6]) if name in OURS else int(name[-1]) if name.startswith("deep") else None
-    return {
+    config = {
         "benchmark": "step_time",
         "system": name,
         "family": "ours" if name in OURS else "peer",
@@ -838,7 +875,13 @@ def _base_config(name: str, n: int, cfg: BenchConfig) -> dict:
         "build_warmup": BUILD_WARMUP,
         "quiet_cores": cfg.quiet_cores,
         "retries": cfg.retries,
+        "note": cfg.note,
     }
+    if name in MP_SYSTEMS:
+        from .bench_mp import config_fields
+
+        config.update(config_fields(name, n, cfg))
+    return config
 
 
 def _record(name, n, cfg, built, timing, profile, prov, redone, peaks, memory=None) -> dict:
@@ -877,6 +920,7 @@ def _record(name, n, cfg, built, timing, profile, prov, redone, peaks, memory=No
         "other_cores": [rep[0]["other_cores"] for rep in timing],
         "redone_other_cores": redone.get(name, []),
         "waited_for_quiet_s": sum(rep[0]["waited_s"] for rep in timing),
+        "traffic_per_step": [b["traffic"] for b in built],  # per rank; None: not our engine
     }
     # MFU (measure/mfu.py): this rank's model FLOPs over the step's median time (the slowest
     # rank's), against the median over ranks of the peak each measured
@@ -894,11 +938,12 @@ def _record(name, n, cfg, built, timing, profile, prov, redone, peaks, memory=No
     if profile is not None:
         result["profile_ms"] = _profile_summary(profile)
     if memory is not None:
-        result["memory"] = _memory_summary(name, n, config["num_params"], memory)
+        params = config.get("slice_params", config["num_params"])
+        result["memory"] = _memory_summary(name, n, params, memory, config.get("mp", 1))
     return make_record(config=config, result=result, kind=KIND, provenance=prov)
 
 
-def _memory_summary(name: str, n: int, num_params: int, per_rank: list[dict]) -> dict:
+def _memory_summary(name: str, n: int, num_params: int, per_rank: list[dict], mp=1) -> dict:
     """The memory pass's figures, the largest over ranks (the rank a budget must fit), with
     every rank's peak and the analytic model states of the system's sharding level."""
     states = [m["engine_states_bytes"] for m in per_rank]
@@ -910,7 +955,7 @@ def _memory_summary(name: str, n: int, num_params: int, per_rank: list[dict]) ->
         "drift_bytes": max(m["drift_bytes"] for m in per_rank),
         "activation_bytes": max(m["activation_bytes"] for m in per_rank),
         "engine_states_bytes": None if None in states else max(states),
-        "analytic_states_bytes": analytic_states_bytes(name, n, num_params),
+        "analytic_states_bytes": analytic_states_bytes(name, n, num_params, mp),
         "sharding_level": SHARDING_LEVEL[name],
         "steps": MEMORY_STEPS,
         "method": per_rank[0]["method"],
@@ -987,6 +1032,8 @@ def main(argv=None) -> int:
             print("\n" + format_profile(records, markdown=args.markdown))
         if any("memory" in r["result"] for r in records):
             print("\n" + format_memory(records, markdown=args.markdown))
+        if any(r["config"]["system"] in MP_SYSTEMS for r in records):
+            print("\n" + format_mp(records, markdown=args.markdown))
         return 0
     lead = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone prints and writes
 
@@ -1001,6 +1048,8 @@ def main(argv=None) -> int:
         say("\n" + format_profile(records, markdown=args.markdown))
     if cfg.memory:
         say("\n" + format_memory(records, markdown=args.markdown))
+    if any(s in MP_SYSTEMS for s in cfg.systems):
+        say("\n" + format_mp(records, markdown=args.markdown))
     psi = next((r["config"]["num_params"] for r in records if "num_params" in r["config"]), 0)
     say(
         f"model {cfg.model}: Ψ = {psi:,}, B = {cfg.workload.batch_size}, "

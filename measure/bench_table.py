@@ -29,7 +29,30 @@ PEERS = (
     "deepspeed-s2",
     "deepspeed-s3",
 )
-SYSTEMS = OURS + PEERS
+MP_DEGREES = (1, 2, 4)
+"""N_m of the model-parallel systems ([Note: model-parallel systems] in measure/bench_mp.py)."""
+MP_SYSTEMS = (
+    "megatron-lm",
+    "megatron-lm-det",
+    *(f"zero-s{s}-mp{m}{mode}" for mode in ("", "-det") for s in range(4) for m in MP_DEGREES),
+)
+"""Tensor parallelism (zero/mp/): "megatron-lm" is MP alone (N_m = N, no ZeRO partitioning),
+zero-s<stage>-mp<N_m> ZeRO inside the DP groups of N_d = N/N_m ranks; -det deterministic."""
+DEFAULT_SYSTEMS = OURS + PEERS
+"""What measure.bench times when --systems is left out: the data-parallel systems."""
+SYSTEMS = OURS + PEERS + MP_SYSTEMS
+
+
+def mp_layout(name: str) -> tuple[int, int | None, bool]:
+    """(stage, N_m, deterministic) of an MP system; N_m None for megatron-lm (it is N)."""
+    if name not in MP_SYSTEMS:
+        raise ValueError(f"system={name!r}: allowed are {MP_SYSTEMS}")
+    det = name.endswith("-det")
+    if name.startswith("megatron-lm"):
+        return 0, None, det
+    return int(name[6]), int(name.removesuffix("-det").split("-mp")[1]), det
+
+
 PEER_LABELS = {
     "zero-redundancy": "ZeRO-R",
     "fsdp2": "FSDP2",
@@ -50,19 +73,22 @@ SHARDING_LEVEL = {
     "fsdp2": 3,
     "fsdp2-reshard": 3,
     "deepspeed-s3": 3,
+    **{name: mp_layout(name)[0] for name in MP_SYSTEMS},
 }
 """Which ZeRO stage's states each system partitions: what its memory is compared at. FSDP2
 shards parameters at rest either way; without resharding it keeps them gathered from forward
 to the end of backward, which its measured peak shows."""
 
 
-def analytic_states_bytes(name: str, n: int, num_params: int) -> float:
+def analytic_states_bytes(name: str, n: int, num_params: int, mp: int = 1) -> float:
     """zero/memory.py's model states per rank of `name`'s sharding level at N = n, in the
     benchmark's configuration: fp32 working parameters and gradients, no separate master (the
-    working copy is it), AdamW's two fp32 states, M = N (no partial sums), no padding."""
+    working copy is it), AdamW's two fp32 states, M = N (no partial sums), no padding. With
+    model parallelism num_params is the rank's slice (zero.mp.tp_num_params) and the states
+    are partitioned over the DP group of n / mp ranks."""
     return model_state_breakdown(
         num_params=num_params,
-        world_size=n,
+        world_size=n // mp,
         stage=SHARDING_LEVEL[name],
         param_bytes=4,
         grad_bytes=4,
@@ -112,6 +138,12 @@ def add_ratios(records: list[dict]) -> None:
             two = ok.get((name.replace("-s3", "-s2"), n))
             if name.startswith("zero-s3") and two:
                 res["ratio_vs_stage2"] = mine / two["result"]["median_ms"]
+        if name in MP_SYSTEMS:
+            fast = ok.get((name.removesuffix("-det"), n))
+            if name.endswith("-det") and fast:
+                res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
+            mega = ok.get(("megatron-lm-det" if name.endswith("-det") else "megatron-lm", n))
+            res["ratio_vs_megatron"] = mine / mega["result"]["median_ms"] if mega else None
     for (name, n), rec in ok.items():
         if "memory" in rec["result"]:
             _memory_ratios(name, n, rec["result"]["memory"], ok)
@@ -267,6 +299,31 @@ def format_memory(records: list[dict], *, markdown: bool = False) -> str:
                 versus if versus == "—" else f"{versus} ({PEER_LABELS.get(best, best)})",
                 f"{mem['drift_bytes']}",
             ]
+        )
+    return _render(head, rows, markdown)
+
+
+def format_mp(records: list[dict], *, markdown: bool = False) -> str:
+    """The model-parallel systems' table: the mesh, the step time against DDP and Megatron, and
+    one steady step's counted elements per rank (rank 0; ZeRO's kind "model", MP's kind "mp")."""
+    head = ["system", "N", "N_d", "N_m", "stage", "ms/step", "IQR", "×DDP", "×Megatron"]
+    head += ["model elements", "mp elements"]
+    rows = []
+    ratio = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+    for rec in records:
+        c, res = rec["config"], rec["result"]
+        if c["system"] not in MP_SYSTEMS:
+            continue
+        row = [c["system"], str(c["world_size"]), str(c["dp"]), str(c["mp"]), str(c["stage"])]
+        if res["status"] != "ok":
+            rows.append(row + [res["status"]] + [""] * (len(head) - len(row) - 1))
+            continue
+        counted = res["traffic_per_step"][0]["elements"]
+        rows.append(
+            row
+            + [f"{res['median_ms']:.0f}", f"{res['p25_ms']:.0f}-{res['p75_ms']:.0f}"]
+            + [ratio(res.get("ratio_vs_ddp")), ratio(res.get("ratio_vs_megatron"))]
+            + [f"{counted['model']:,}", f"{counted['mp']:,}"]
         )
     return _render(head, rows, markdown)
 

@@ -21,6 +21,7 @@ from paper_figures import (
     table1_memory,
     table2_max_model,
     throughput,
+    throughput_mp,
     zero_r_configs,
     zero_r_mp,
 )
@@ -248,6 +249,11 @@ SOURCES = (
     (activation_memory.NAME, activation_rows, "figures/activation_memory.png"),
     (perf_model.NAME, perf_model.index_rows, "figures/perf_model.png, tables/perf_model.md"),
     (throughput.NAME, throughput.index_rows, "figures/throughput_cpu.png, tables/throughput.md"),
+    (
+        throughput_mp.NAME,
+        throughput_mp.index_rows,
+        "figures/throughput_mp.png, tables/throughput_mp.md",
+    ),
     (
         zero_r_configs.NAME,
         zero_r_configs.index_rows,

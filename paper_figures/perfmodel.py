@@ -12,6 +12,15 @@ vocabulary, MP the model-parallel degree, DP = GPUs / MP, Ψ parameters, x = B·
 per-GPU size of a transformer GEMM, g GPUs of a group inside one node, k the nodes it spans.
 """
 
+# [Note: measured MP volume] The MP communication is no assumed count of all-reduces: it is the
+# elements that our engine's tensor parallelism sends per rank (kind "mp", docs/design.md §6),
+# read from a measure.bench record of a model-parallel system (MEASURED_MP) and scaled to a
+# paper run by mp_elements, §6's fast-mode formula with the recomputation and P_a terms. The
+# record's count must equal mp_elements at the record's own size, or the model refuses it
+# (tests/distributed/test_bench_mp.py checks the formula against the count with activation
+# checkpointing and P_a too). Measured, a checkpointed block costs 5 sums of B·s·h, not the 6 of
+# docs/paper.md §1.4: torch's non-reentrant checkpoint recomputes one of the block's two sums.
+
 # [Note: what is fitted] Figure 4 has no model parallelism, and its DP communication time depends
 # on overlap and internode_efficiency only through (1 - overlap) / internode_efficiency, which it
 # cannot tell apart. So the fit varies peak_fraction, half_work and overlap, both effective
@@ -20,7 +29,9 @@ per-GPU size of a transformer GEMM, g GPUs of a group inside one node, k the nod
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -38,6 +49,10 @@ SEQ = 1024
 VOCAB = 50257
 OPTIMIZER_BYTES = 28
 """Bytes of memory traffic per parameter of one mixed-precision Adam step (see Assumptions)."""
+
+MEASURED_MP = Path(__file__).resolve().parent / "measured" / "bench_mp_anchor.json"
+"""measure.bench's records of the model-parallel systems whose counted MP traffic sets the
+model's MP volume ([Note: measured MP volume])."""
 
 DP_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}
 """docs/design.md §2 at M = N: elements each rank sends per step, in units of Ψ·(N-1)/N."""
@@ -173,17 +188,85 @@ def collective_seconds(payload: float, factor: float, gpus: int, per_node: int, 
     return intra + inter
 
 
+def mp_elements(*, layers: int, batch: int, seq: int, hidden: int, mp: int, recompute: bool,
+                p_a: bool) -> int:  # fmt: skip
+    """Elements one rank sends in the MP collectives of one micro-batch of `batch` sequences,
+    fast mode (ring all-reduces): docs/design.md §6's table, 2(N-1)⌈n/N⌉ per sum or max of n
+    elements, N = mp, X = batch·seq·hidden, T = batch·seq. Forward 2L + 1 sums of X and 3 of T,
+    backward 2L + 1 sums of X; recompute (activation checkpointing of every block) one more sum
+    of X per block; p_a one all-gather of (N-1)·⌈X/N⌉ per block."""
+    if mp == 1:
+        return 0
+    x, t = batch * seq * hidden, batch * seq
+    ring = lambda e: 2 * (mp - 1) * math.ceil(e / mp)  # noqa: E731
+    sums = (2 * layers + 1) * 2 + (layers if recompute else 0)
+    gather = layers * (mp - 1) * math.ceil(x / mp) if recompute and p_a else 0
+    return sums * ring(x) + 3 * ring(t) + gather
+
+
+def record_mp_elements(record: dict) -> tuple[int, int]:
+    """(counted, mp_elements) of one measure.bench record of a fast model-parallel system: the
+    kind "mp" elements rank 0 sent in one step, and the formula at the record's size."""
+    c = record["config"]
+    g = c["gpt"]
+    counted = record["result"]["traffic_per_step"][0]["elements"]["mp"]
+    formula = mp_elements(layers=g["n_layer"], batch=c["sequences_per_micro_batch"],
+                          seq=g["block_size"], hidden=g["n_embd"], mp=c["mp"], recompute=False,
+                          p_a=False)  # fmt: skip
+    return counted, formula * (c["micro_batches"] // c["dp"])
+
+
+@functools.cache
+def measured_mp(path: str | None = None) -> dict:
+    """The measured MP volume ([Note: measured MP volume]): of the fast MP system with the
+    largest N_m in the records at `path` (default MEASURED_MP), its counted elements, the
+    formula's at its size and their ratio, which scales every paper run's mp_elements."""
+    path = Path(path) if path is not None else MEASURED_MP
+    fast = [
+        r for r in read_json(path)["records"]
+        if r["result"]["status"] == "ok" and r["config"].get("mp", 1) > 1
+        and r["config"]["mode"] == "fast"
+    ]  # fmt: skip
+    if not fast:
+        raise ValueError(f"MEASURED_MP={str(path)!r}: no fast model-parallel record in it")
+    rec = max(fast, key=lambda r: (r["config"]["mp"], r["config"]["system"]))
+    counted, formula = record_mp_elements(rec)
+    if counted != formula:
+        raise ValueError(
+            f"MEASURED_MP: {rec['config']['system']} counted {counted} MP elements per step, "
+            f"docs/design.md §6 says {formula}: the formula no longer describes the engine"
+        )
+    c = rec["config"]
+    return {
+        "source": path.name,
+        "system": c["system"],
+        "model": c["model"],
+        "counted_elements": counted,
+        "formula_elements": formula,
+        "scale": counted / formula,
+    }
+
+
+def sent_seconds(sent_bytes: float, gpus: int, per_node: int, p: Params,
+                 hw: Hardware = HARDWARE) -> float:  # fmt: skip
+    """collective_seconds of a ring collective in which every GPU sends `sent_bytes`: its
+    payload·factor is sent_bytes·g/(g-1) for a group of g GPUs."""
+    if gpus <= 1:
+        return 0.0
+    return collective_seconds(sent_bytes * gpus / (gpus - 1), 1, gpus, per_node, p, hw)
+
+
 def _split(run: Run, p: Params, hw: Hardware) -> tuple[float, float, float, float, float]:
     """(FLOPs per GPU, GEMM size x, MP communication, DP communication before overlap and
     optimizer seconds): the parts that the three fitted parameters do not change."""
     s, h, mp, dp = SEQ, run.hidden, run.mp, run.dp
     flops = step_flops(run.batch, run.layers, h) / mp
     x = run.batch * s * h / mp
-    act = 2.0 * run.batch * s * h  # one block's activations, fp16 bytes
     mp_node = min(mp, hw.gpus_per_node)
-    mp_comm = 6 * run.layers * collective_seconds(act, 2, mp, mp_node, p, hw)
-    if run.partitioned_activations:
-        mp_comm += run.layers * collective_seconds(act, 1, mp, mp_node, p, hw)
+    # [Note: measured MP volume]: fp16 elements, every block checkpointed (the paper's runs)
+    sent = mp_elements(layers=run.layers, batch=run.batch, seq=s, hidden=h, mp=mp,
+                       recompute=True, p_a=run.partitioned_activations)  # fmt: skip
+    mp_comm = sent_seconds(2.0 * sent * measured_mp()["scale"], mp, mp_node, p, hw)
     psi = num_params(run.layers, h) / mp
     dp_node = max(1, hw.gpus_per_node // mp)  # same-MP-rank GPUs in one node
     dp_comm = collective_seconds(2.0 * psi, DP_VOLUME[run.stage], dp, dp_node, p, hw)
@@ -336,6 +419,7 @@ def build_records() -> list[dict]:
         "seq": SEQ,
         "vocab": VOCAB,
         "loss": "sum of squared log(model / paper)",
+        "mp_volume": measured_mp(),
     }
     result = {"params": asdict(p), "errors": errors, "constant_tflops": constant}
     records.append(make_record(config=fit_config, result=result, kind=KIND_FIT, provenance=prov))

@@ -21,6 +21,7 @@ from paper_figures import (
     table1_memory,
     table2_max_model,
     throughput,
+    throughput_mp,
     zero_r_configs,
     zero_r_mp,
 )
@@ -55,6 +56,11 @@ SECTIONS: list[Section] = [
         name=throughput.NAME,
         run=throughput.run,
         about="step time vs DDP, ZeRO-R, FSDP2, DeepSpeed (quick: the committed measurement)",
+    ),
+    Section(
+        name=throughput_mp.NAME,
+        run=throughput_mp.run,
+        about="Figure 2's shape at N = 4: Megatron vs ZeRO at N_m = 1, 2, 4 (quick: committed)",
     ),
     Section(
         name=zero_r_configs.NAME,

@@ -228,7 +228,8 @@ def test_tensor_memory_peak_is_exact_on_a_known_pattern():
 def test_model_sizes_are_the_stated_parameter_counts():
     """[Note: bench model sizes]: Ψ = V·d + T·d + L·(12d² + 13d) + 2d, against the built
     model's count, and the larger models' shorter default runs."""
-    stated = {"small": 120_576, "anchor": 3_716_608, "mid": 26_334_208, "large": 100_902_912}
+    stated = {"small": 120_576, "anchor": 3_716_608, "mid": 26_334_208, "large": 100_902_912,
+              "small-mp": 120_576, "mini": 675_328}  # fmt: skip
     for name, psi in stated.items():
         g = bench.MODELS[name].gpt
         d = g.n_embd
