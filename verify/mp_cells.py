@@ -355,24 +355,15 @@ def invariance(rows: list[dict]) -> list[dict]:
 
 def run_section(cells: list[MPCell], *, timeout_s: float = 900, say=print):
     """(rows, invariance rows) of the MP section; cells batched per world size."""
-    from .run import pool_run
+    from .run import section_rows
+
+    def show(r):
+        clip = "".join("c" if x else "." for x in r.get("clipped", []))
+        verdict = "PASS" if r["passed"] else "FAIL " + r["first_failure"]
+        say(f"  {r['label']:<48} clip {clip:<4} {verdict}")
 
     say("model parallelism (engine = reference/mp.py bitwise; traffic, memory; clip c/.):")
-    rows: dict[int, dict] = {}
-    for n in sorted({c.world_size for c in cells}):
-        mine = [i for i, c in enumerate(cells) if c.world_size == n]
-        try:
-            per_rank = pool_run(n, run_cells, [cells[i] for i in mine], timeout_s)
-        except Exception as exc:  # a world that died fails its cells
-            per_rank = [[{"error": f"world N={n} failed: {str(exc).splitlines()[0]}"}] * len(mine)]
-        if per_rank is None:
-            say(f"(mp at N={n} skipped: this torchrun world has another size)")
-            continue
-        for j, i in enumerate(mine):
-            rows[i] = r = row(cells[i], [p[j] for p in per_rank])
-            clip = "".join("c" if x else "." for x in r.get("clipped", []))
-            verdict = "PASS" if r["passed"] else "FAIL " + r["first_failure"]
-            say(f"  {r['label']:<48} clip {clip:<4} {verdict}")
+    rows = section_rows(cells, run_cells, row, name="mp", timeout_s=timeout_s, say=say, show=show)
     ordered = [rows[i] for i in sorted(rows)]
     inv = invariance(ordered)
     for r in inv:

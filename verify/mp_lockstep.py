@@ -239,24 +239,17 @@ def complete_cells() -> list[LockCell]:
 
 
 def run_section(cells: list[LockCell], *, timeout_s: float = 900, say=print) -> list[dict]:
-    from .run import pool_run
+    from .run import section_rows
+
+    def show(r):
+        worst = max(r.get("ratios", {}).values(), default=float("nan"))
+        verdict = "PASS" if r["passed"] else "FAIL " + r["first_failure"]
+        say(f"  {r['label']:<48} worst error/bound {worst:.3f}  {verdict}")
 
     say("model parallelism against N_m = 1 (every operator within its derived bound):")
-    rows: dict[int, dict] = {}
-    for n in sorted({c.world_size for c in cells}):
-        mine = [i for i, c in enumerate(cells) if c.world_size == n]
-        try:
-            per_rank = pool_run(n, run_cells, [cells[i] for i in mine], timeout_s)
-        except Exception as exc:  # a world that died fails its cells
-            per_rank = [[{"error": f"world N={n} failed: {str(exc).splitlines()[0]}"}] * len(mine)]
-        if per_rank is None:
-            say(f"(operators at N_m={n} skipped: this torchrun world has another size)")
-            continue
-        for j, i in enumerate(mine):
-            rows[i] = r = row(cells[i], [p[j] for p in per_rank])
-            worst = max(r.get("ratios", {}).values(), default=float("nan"))
-            verdict = "PASS" if r["passed"] else "FAIL " + r["first_failure"]
-            say(f"  {r['label']:<48} worst error/bound {worst:.3f}  {verdict}")
+    rows = section_rows(
+        cells, run_cells, row, name="operators", timeout_s=timeout_s, say=say, show=show
+    )
     return [rows[i] for i in sorted(rows)]
 
 

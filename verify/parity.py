@@ -518,8 +518,8 @@ def console_row(r: dict) -> str:
 def run_section(cells: list[ParityCell], *, timeout_s: float = 900, say=print, pool_run=None):
     """(rows, invariance rows) of the parity section; cells batched per world size. A family
     whose requirements are missing gives skipped rows naming the reason."""
-    if pool_run is None:
-        from .run import pool_run
+    from .run import section_rows
+
     rows: dict[int, dict] = {}
     say("parity with plain PyTorch (lock-step; clip: c clipped, . not; worst diff/bound):")
     for i, c in enumerate(cells):
@@ -527,20 +527,10 @@ def run_section(cells: list[ParityCell], *, timeout_s: float = 900, say=print, p
         if why:
             rows[i] = {"config": {**asdict(c), "clip_norm": c.clip}, "passed": True,
                        "skipped": why, "digest": None, "ranks_agree": True}  # fmt: skip
-    for n in sorted({c.world_size for c in cells}):
-        mine = [i for i, c in enumerate(cells) if c.world_size == n and i not in rows]
-        if not mine:
-            continue
-        try:
-            per_rank = pool_run(n, run_cells, [cells[i] for i in mine], timeout_s)
-        except Exception as exc:  # a world that died fails its cells
-            per_rank = [[{"error": f"world N={n} failed: {str(exc).splitlines()[0]}"}] * len(mine)]
-        if per_rank is None:  # under torchrun with another world size
-            say(f"(parity at N={n} skipped: this torchrun world has another size)")
-            continue
-        for k, i in enumerate(mine):
-            rows[i] = row(cells[i], [r[k] for r in per_rank])
-            say(console_row(rows[i]))
+    rows |= section_rows(
+        cells, run_cells, row, name="parity", timeout_s=timeout_s, say=say,
+        show=lambda r: say(console_row(r)), skip=set(rows), pool=pool_run,
+    )  # fmt: skip
     ordered = [rows[i] for i in sorted(rows)]
     for r in ordered:
         if r.get("skipped"):

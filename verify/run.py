@@ -36,6 +36,31 @@ def pool_run(n: int, fn, items, timeout_s: float):
     return launch.get_pool(n).run(fn, items, timeout_s=timeout_s)
 
 
+def section_rows(cells, run_cells, row, *, name, timeout_s, say, show, skip=(), pool=None):
+    """{index: row} of a section's cells (parity, model parallelism), batched per world size:
+    one pool call per world runs `run_cells` on its cells, `row(cell, per_rank)` makes each row
+    and `show(row)` prints it. A world that dies fails its cells with the reason; under
+    torchrun the other world sizes are skipped with one line; indices in `skip` are left out.
+    `pool` replaces pool_run (a test's stand-in)."""
+    pool = pool_run if pool is None else pool
+    rows: dict[int, dict] = {}
+    for n in sorted({c.world_size for c in cells}):
+        mine = [i for i, c in enumerate(cells) if c.world_size == n and i not in skip]
+        if not mine:
+            continue
+        try:
+            per_rank = pool(n, run_cells, [cells[i] for i in mine], timeout_s)
+        except Exception as exc:  # a world that died fails its cells
+            per_rank = [[{"error": f"world N={n} failed: {str(exc).splitlines()[0]}"}] * len(mine)]
+        if per_rank is None:
+            say(f"({name} at N={n} skipped: this torchrun world has another size)")
+            continue
+        for k, i in enumerate(mine):
+            rows[i] = row(cells[i], [r[k] for r in per_rank])
+            show(rows[i])
+    return rows
+
+
 def run_world(n: int, cells: list[Cell], timeout_s: float) -> list[list[dict]]:
     """Per-rank verdicts for every cell of world size n ([] if this torchrun world has
     another size)."""
