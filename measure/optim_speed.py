@@ -1,14 +1,16 @@
 """python -m measure.optim_speed: time one deterministic AdamW step on one fp32 shard, the kernel
-before [Note: in-place blocks] (zero/optim.py) beside the current one, block sizes, and fast mode.
+before [Note: in-place blocks] (zero/optim.py) beside the torch ops in blocks, the compiled loop
+(zero/optim_native.py, used where it builds), and fast mode.
 
     python -m measure.optim_speed --numel 3716608 --repeats 20 --threads 1
 
 A micro-benchmark, not a test: it prints milliseconds per step (the median over repeats, and
 the spread) and checks that every deterministic variant leaves the same bits. "previous" is the
 kernel as it was before: blocks of 64K elements whose temporaries are allocated per block and
-whose sqrt allocates two more. "blocks 2^k" is today's kernel with BLOCK = 2^k; the current
-choice is marked. "fused" is fast mode (torch's fused AdamW, not bitwise) for scale. Timings
-on a shared machine are noisy: run it on a quiet one.
+whose sqrt allocates two more. "blocks 2^k" is the torch-op kernel with BLOCK = 2^k (the one
+used without a C compiler is marked); "compiled loop" the one-pass loop. "fused" is fast mode
+(torch's fused AdamW, not bitwise) for scale. Timings on a shared machine are noisy: run it on
+a quiet one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from reference.optim import Hyper
-from zero import optim
+from zero import optim, optim_native
 
 
 def _previous(hp: Hyper, t: int, p, g, m, v) -> None:
@@ -38,13 +40,14 @@ def _previous(hp: Hyper, t: int, p, g, m, v) -> None:
         pb.sub_(torch.div(mb, d, out=d).mul_(s["step_size"]))
 
 
-def _current(block: int):
+def _current(block: int, native: bool = False):
     def step(hp, t, p, g, m, v):
-        saved, optim.BLOCK = optim.BLOCK, block
+        saved = optim.BLOCK, optim_native.ENABLED
+        optim.BLOCK, optim_native.ENABLED = block, native
         try:
             optim.deterministic_step("adamw", hp, t, p, g, {"exp_avg": m, "exp_avg_sq": v})
         finally:
-            optim.BLOCK = saved
+            optim.BLOCK, optim_native.ENABLED = saved
 
     return step
 
@@ -71,8 +74,10 @@ def main(argv=None) -> int:
     start += [torch.randn(args.numel, generator=gen), torch.rand(args.numel, generator=gen)]
     variants = {"previous (64K, allocating)": _previous}
     for k in (14, 15, 16, 17, 18, 19, 20, 22):
-        mark = " (current)" if 1 << k == optim.BLOCK else ""
+        mark = " (torch ops)" if 1 << k == optim.BLOCK else ""
         variants[f"blocks 2^{k}{mark}"] = _current(1 << k)
+    if optim_native.available():
+        variants["compiled loop (current)"] = _current(optim.BLOCK, native=True)
     variants["fused (fast mode)"] = _fused
     times: dict[str, list[float]] = {k: [] for k in variants}
     results = {}

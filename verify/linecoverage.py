@@ -115,6 +115,9 @@ def measure(verify_args) -> tuple[int, dict[str, tuple[list[int], list[int]]]]:
     with tempfile.TemporaryDirectory(prefix="zero-coverage-") as tmp:
         rc = _rcfile(Path(tmp))
         cov = coverage.Coverage(config_file=str(rc))
+        # an empty cache: the ranks compile zero/optim_native.py's loop, as on a fresh machine,
+        # so the measured lines do not depend on what an earlier run left in the user's cache
+        cache, os.environ["XDG_CACHE_HOME"] = os.environ.get("XDG_CACHE_HOME"), tmp
         cov.start()
         try:
             # imported only now: the library's module-level lines run under measurement
@@ -129,6 +132,10 @@ def measure(verify_args) -> tuple[int, dict[str, tuple[list[int], list[int]]]]:
         finally:
             cov.stop()
             cov.save()
+            if cache is None:
+                os.environ.pop("XDG_CACHE_HOME")
+            else:
+                os.environ["XDG_CACHE_HOME"] = cache
         cov.combine()
         result = {}
         for path in library_files():

@@ -108,16 +108,16 @@ def plant_one_over_n_for_m(p: Patch) -> None:
 def plant_bias_correction_t_minus_1(p: Patch) -> None:
     from zero import optim as zoptim
 
-    original = zoptim._scalars
+    original = zoptim.step_scalars  # both kernels (compiled loop, torch ops) read it
 
-    def stale(kind, hp, t, device):
-        s = original(kind, hp, t, device)
+    def stale(kind, hp, t):
+        s = dict(original(kind, hp, t))
         if kind != "sgd" and t > 1:
-            prev = original(kind, hp, t - 1, device)
+            prev = original(kind, hp, t - 1)
             s["step_size"], s["inv_sqrt_bc2"] = prev["step_size"], prev["inv_sqrt_bc2"]
         return s
 
-    p.setattr(zoptim, "_scalars", stale)
+    p.setattr(zoptim, "step_scalars", stale)
 
 
 def plant_reduce_order(p: Patch) -> None:

@@ -250,8 +250,57 @@ def all_gather(
     rec = _record(counter, "all_gather", (n - 1) * shard.numel(), padding, shard, **tag)
     if n == 1:
         return Pending(None, lambda: out.copy_(shard), rec)
+    if _p2p(group, shard):  # [Note: all-gather on gloo]
+        with guard(rec, group):
+            work = _exchange_shards(out, shard, group, tag.get("unit"))
+        pending = Pending(work, lambda: out, rec, (shard,), group)
+        if not async_op:
+            pending.wait()
+        return pending
     work = _launch(_all_gather_flat, out, shard, group=group, async_op=async_op, rec=rec)
     return Pending(work, lambda: out, rec, (shard,), group)
+
+
+# [Note: all-gather on gloo] gloo's all-gather takes 1.5-2x the time of sending each shard
+# straight to every other rank with point-to-point sends (3 MiB: 2.6 against 1.7 ms at N = 2,
+# 5.7 against 2.9 ms at N = 4; docs/machine_notes.md). The result is a copy of every rank's
+# shard, so no bit depends on how it travels, and each rank sends the same (N-1)·L elements, so
+# the counted volume is the collective's. Each unit's exchange has its own tag, so two gathers
+# in flight at once (stage 3's prefetch) cannot take each other's messages; every rank launches
+# them in the same order ([Note: one launch order] in zero/engine.py). Other backends (NCCL)
+# keep their own all-gather. GLOO_ALL_GATHER = "backend" takes gloo's own (to compare them, or
+# to let a tool that sees only collectives, such as torch's CommDebugMode, count these too).
+
+GLOO_ALL_GATHER = "p2p"
+
+
+def _p2p(group, t: torch.Tensor) -> bool:
+    return GLOO_ALL_GATHER == "p2p" and t.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
+class _Works:
+    """Several launched point-to-point operations, finished together."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def _exchange_shards(out: torch.Tensor, shard: torch.Tensor, group, unit) -> _Works:
+    """Launch out[j·L:(j+1)·L] <- rank j's shard for every j (this rank's own by a copy)."""
+    n, me, L = dist.get_world_size(group), dist.get_rank(group), shard.numel()
+    tag = 0 if unit is None else 1 + unit
+    works = []
+    for k in range(1, n):  # rank me sends to me+k while it receives from me-k: no two wait
+        dst, src = (me + k) % n, (me - k) % n  # on one peer in the same round
+        works.append(dist.isend(shard, dist.get_global_rank(group, dst), group=group, tag=tag))
+        recv = out[src * L : (src + 1) * L]
+        works.append(dist.irecv(recv, dist.get_global_rank(group, src), group=group, tag=tag))
+    out[me * L : (me + 1) * L].copy_(shard)
+    return _Works(works)
 
 
 def gather_control(

@@ -25,6 +25,7 @@ from torch.optim import sgd as torch_sgd
 from reference import optim as ref_optim
 from reference.optim import Hyper
 
+from . import optim_native
 from .partition import Run
 
 STATE_NAMES = ref_optim.state_names
@@ -50,12 +51,18 @@ def torch_optimizer(kind: str, groups: list[tuple[list, Hyper]], **options):
     return cls([{"params": ps, **torch_kwargs(kind, hp)} for ps, hp in groups], **options)
 
 
+def step_scalars(kind: str, hp: Hyper, t: int) -> dict[str, np.float32]:
+    """Step t's float32 scalars, the reference's: the one source of both kernels below (the
+    compiled loop and the torch ops), so a change here reaches whichever one runs."""
+    return ref_optim.step_scalars(kind, hp, t)
+
+
 def _scalars(kind: str, hp: Hyper, t: int, device) -> dict[str, torch.Tensor]:
     # 0-dim float32 tensors on the device: a Python float would be rounded by the kernel's
     # own rules; a 0-dim tensor of the same dtype is multiplied as it is.
     return {
         k: torch.tensor(float(v), dtype=torch.float32, device=device)
-        for k, v in ref_optim.step_scalars(kind, hp, t).items()
+        for k, v in step_scalars(kind, hp, t).items()
     }
 
 
@@ -76,7 +83,19 @@ def _sqrt(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
-    """reference.optim.step, in place on tensors p (fp32 master), g and state (views allowed)."""
+    """reference.optim.step, in place on tensors p (fp32 master), g and state (views allowed):
+    Adam and AdamW in one compiled loop on the CPU where it can run (zero/optim_native.py),
+    else, and for SGD, in torch ops block by block ([Note: in-place blocks])."""
+    if kind != "sgd" and optim_native.adam(
+        kind,
+        bool(hp.weight_decay),
+        step_scalars(kind, hp, t),
+        p,
+        g,
+        state["exp_avg"],
+        state["exp_avg_sq"],
+    ):
+        return
     s = _scalars(kind, hp, t, p.device)
     ws = _Workspace(min(BLOCK, p.numel()), p.device, kind, hp)
     for lo in range(0, p.numel(), BLOCK):

@@ -108,35 +108,60 @@ def test_counted_volume_equals_the_table(deterministic, stage, n, k):
     assert payload == factor * (n - 1) * got[0]["numel"]
 
 
-def commdebug_counts(rank, n, stage):
+def commdebug_counts(rank, n, stage, gloo_all_gather):
     from torch.distributed.tensor.debug import CommDebugMode
 
-    model, eng = mlp_engine(stage, n, 2, deterministic=True, overlap=False)
-    batches = mlp_microbatches(model.cfg, seed=0, data_step=0, count=2 * n, batch_size=4)
-    # forward runs outside: stages 0-2 communicate only in backward and step, and the mode's
-    # module tracker trips over forward hooks here
-    losses = [eng(*batches[i * n + rank])[1] for i in range(2)]
-    with CommDebugMode() as mode:
-        for loss in losses:
-            eng.backward(loss)
-        eng.step()
+    from zero import collectives
+
+    sends = []
+    isend = torch.distributed.isend
+
+    def counted_isend(*args, **kwargs):
+        sends.append(1)
+        return isend(*args, **kwargs)
+
+    saved = collectives.GLOO_ALL_GATHER
+    collectives.GLOO_ALL_GATHER = gloo_all_gather  # pool workers live on: restored below
+    torch.distributed.isend = counted_isend
+    try:
+        model, eng = mlp_engine(stage, n, 2, deterministic=True, overlap=False)
+        batches = mlp_microbatches(model.cfg, seed=0, data_step=0, count=2 * n, batch_size=4)
+        # forward runs outside: stages 0-2 communicate only in backward and step, and the
+        # mode's module tracker trips over forward hooks here
+        losses = [eng(*batches[i * n + rank])[1] for i in range(2)]
+        with CommDebugMode() as mode:
+            for loss in losses:
+                eng.backward(loss)
+            eng.step()
+    finally:
+        collectives.GLOO_ALL_GATHER = saved
+        torch.distributed.isend = isend
     theirs = {str(op).split(".")[-1]: c for op, c in mode.get_comm_counts().items()}
     step = eng.counter.step - 1
     kinds = ("model", "control", "watchdog")
-    return theirs, *(eng.counter.counts(step, kind=kind) for kind in kinds)
+    return theirs, len(sends), *(eng.counter.counts(step, kind=kind) for kind in kinds)
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("gloo_all_gather", ["backend", "p2p"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_counter_agrees_with_commdebugmode(stage):
+def test_counter_agrees_with_commdebugmode(stage, gloo_all_gather):
     """torch's own c10d counter sees the same number of calls as ours: our reduce-scatters are
-    all-to-alls (deterministic), our all-gathers are all_gather_into_tensor, control and the
-    watchdog's boundary checks included (zero/watchdog.py's Watch.boundary)."""
-    theirs, model, control, watchdog = get_pool(2).run(commdebug_counts, stage)[0]
+    all-to-alls (deterministic), our all-gathers gloo's all_gather_into_tensor, control and the
+    watchdog's boundary checks included (zero/watchdog.py's Watch.boundary). With the model's
+    all-gathers as point-to-point sends ([Note: all-gather on gloo], the default on gloo), the
+    mode does not see them: each is N - 1 sends per rank instead, counted at dist.isend."""
+    n = 2
+    theirs, sends, model, control, watchdog = get_pool(n).run(
+        commdebug_counts, stage, gloo_all_gather
+    )[0]
+    p2p = gloo_all_gather == "p2p"
+    assert model["all_gather"] > 0
+    assert sends == (n - 1) * model["all_gather"] * p2p
     assert theirs == {
         "alltoall_base_": model["reduce_scatter"],  # deterministic reduce-scatter = all-to-all
         # the forwards' two checks ran before the mode was entered
-        "_allgather_base_": model["all_gather"]
+        "_allgather_base_": model["all_gather"] * (not p2p)
         + control["all_gather"]
         + watchdog["all_gather"]
         - 2,

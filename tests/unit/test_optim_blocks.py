@@ -1,9 +1,12 @@
-"""zero/optim.py's deterministic kernel ([Note: in-place blocks], [Note: correctly rounded sqrt])
-gives reference/optim.py's bits: hypothesis draws the shard size (odd sizes, sizes around the
-block edges), the block size, the step, the values' scale and the gradient's dtype, for SGD,
-Adam and AdamW with and without weight decay and momentum."""
+"""zero/optim.py's deterministic kernels give reference/optim.py's bits: the torch ops in blocks
+([Note: in-place blocks], [Note: correctly rounded sqrt]) and the compiled Adam/AdamW loop
+(zero/optim_native.py, [Note: a fused loop with the same roundings]). Hypothesis draws the
+shard size (odd sizes, sizes around the block edges), the block size, the step, the values'
+scale and the gradient's dtype, for SGD, Adam and AdamW with and without weight decay and
+momentum, through each kernel."""
 
 import contextlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +17,24 @@ from hypothesis import strategies as st
 from reference import optim as ref
 from reference.optim import Hyper
 from zero import optim as zero_optim
+from zero import optim_native
 from zero.partition import Run
+
+KERNELS = ["native", "torch"]
+
+
+@contextlib.contextmanager
+def kernel(name: str):
+    """Run the deterministic update through one kernel: the compiled loop must be there when
+    asked for (on x86-64 Linux with a C compiler, as here and in CI), or the test would
+    check the torch ops twice and call it the loop."""
+    saved, optim_native.ENABLED = optim_native.ENABLED, name == "native"
+    try:
+        if name == "native" and not optim_native.available():
+            pytest.skip("no C compiler or not x86-64: the compiled loop is not built here")
+        yield
+    finally:
+        optim_native.ENABLED = saved
 
 
 @contextlib.contextmanager
@@ -68,6 +88,7 @@ def check(case: str, n: int, t: int, seed: int, grad_dtype: str) -> None:
         assert np.array_equal(bits(tstate[k].numpy()), bits(want_state[k])), (case, k)
 
 
+@pytest.mark.parametrize("kern", KERNELS)
 @settings(max_examples=60, deadline=None)
 @given(
     case=st.sampled_from(sorted(CASES)),
@@ -77,17 +98,53 @@ def check(case: str, n: int, t: int, seed: int, grad_dtype: str) -> None:
     seed=st.integers(0, 2**32 - 1),
     grad_dtype=st.sampled_from(sorted(GRAD_DTYPES)),
 )
-def test_blocks_give_the_reference_bits(case, block, n, t, seed, grad_dtype):
+def test_blocks_give_the_reference_bits(kern, case, block, n, t, seed, grad_dtype):
     """Many blocks, a ragged last one, one block larger than the shard: always the reference's
-    bits (a small BLOCK puts the block edges where hypothesis can reach them)."""
-    with block_size(block):
+    bits (a small BLOCK puts the block edges where hypothesis can reach them; the compiled
+    loop has no blocks, and SGD always takes the torch ops)."""
+    with kernel(kern), block_size(block):
         check(case, n, t, seed, grad_dtype)
 
 
+@pytest.mark.parametrize("kern", KERNELS)
 @pytest.mark.parametrize("case", ["sgd-nesterov-wd", "adam-l2", "adamw"])
-def test_the_real_block_size_gives_the_reference_bits(case):
+def test_the_real_block_size_gives_the_reference_bits(kern, case):
     """The kernel's own BLOCK: two full blocks and an odd remainder."""
-    check(case, 2 * zero_optim.BLOCK + 12_345, t=4, seed=7, grad_dtype="fp32")
+    with kernel(kern):
+        check(case, 2 * zero_optim.BLOCK + 12_345, t=4, seed=7, grad_dtype="fp32")
+
+
+def test_the_loop_runs_where_it_should():
+    """The engine's shards take the loop (fp32, contiguous, CPU); a strided view does not, and
+    is left untouched for the torch ops."""
+    with kernel("native"):
+        s = ref.step_scalars("adamw", CASES["adamw"][1], 1)
+        p, g, m, v = (torch.ones(10) for _ in range(4))
+        assert optim_native.adam("adamw", True, s, p, g, m, v)
+        assert not torch.equal(p, torch.ones(10))  # it stepped
+        q = torch.ones(20)[::2]
+        assert not optim_native.adam("adamw", True, s, q, g, m, v)
+        assert torch.equal(q, torch.ones(10))
+
+
+def test_fused_multiply_add_in_the_loop_is_caught():
+    """The check can fail for the loop: built without -ffp-contract=off (and with FMA
+    instructions), v·b2 + tmp and m·b1 + tmp round once instead of twice, and some element's
+    bits differ from the reference's."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or "fma" not in cpuinfo.read_text().split():
+        pytest.skip("this processor has no FMA instructions")
+    flags = tuple(f for f in optim_native._FLAGS if f != "-ffp-contract=off")
+    planted = optim_native._build(flags=(*flags, "-ffp-contract=fast", "-mfma"))
+    if planted is None:
+        pytest.skip("no C compiler here")
+    with kernel("native"):
+        saved, optim_native._LIB[:] = list(optim_native._LIB), [planted]
+        try:
+            with pytest.raises(AssertionError):
+                check("adamw", 3000, 3, 1, "fp32")
+        finally:
+            optim_native._LIB[:] = saved
 
 
 def test_a_changed_operation_order_is_caught():
@@ -102,7 +159,7 @@ def test_a_changed_operation_order_is_caught():
 
     zero_optim._adam_block = lerp_order
     try:
-        with pytest.raises(AssertionError):
+        with kernel("torch"), pytest.raises(AssertionError):
             check("adamw", 3000, 3, 1, "fp32")
     finally:
         zero_optim._adam_block = original

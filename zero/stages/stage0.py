@@ -120,6 +120,17 @@ class Stage0:
     def complete(self, u: FlatUnit, pending: C.Pending) -> None:
         """Deterministic: each B_k shard joins the unit's streaming tree ([Note: the tree T])."""
         u.stream.push(pending.wait())
+        if self.ctx.clock.microstep == self.cfg.micro_batches // self.ctx.world_size - 1:
+            self.reduced(u)
+
+    def reduced(self, u: FlatUnit) -> None:
+        """Deterministic, after the step's last micro-step: u's shard of R is final.
+        [Note: early gradient gather] Every rank runs the whole optimizer here, so R's shards
+        are all-gathered into u.grad; launched now, while backward still runs on the units
+        before u, instead of one unit after another inside step(), where nothing overlaps it.
+        The same collective on the same data: the bits and the counted volume do not change."""
+        shard = self.take_stream(u)
+        u.pending = self.all_gather(u, u.grad, shard, "grad_gather", async_op=self.cfg.overlap)
 
     def accumulate_locally(self, u: FlatUnit) -> None:
         if self.ctx.clock.microstep == 0:
@@ -178,12 +189,8 @@ class Stage0:
 
     def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
         """R over the whole unit: every rank runs the whole optimizer at stage 0."""
-        if self.cfg.deterministic:
-            shard = self.take_stream(u)
-            self.all_gather(u, u.grad, shard, "grad_gather").wait()
-        else:
-            u.pending.wait()  # launched after the last micro-batch's backward
-            u.pending = None
+        u.pending.wait()  # launched in backward: the all-reduce (fast), R's all-gather (det)
+        u.pending = None
         return u.grad
 
     def take_stream(self, u: FlatUnit) -> torch.Tensor:

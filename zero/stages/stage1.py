@@ -32,6 +32,9 @@ class Stage1(Stage0):
     def runs(self, u: FlatUnit):
         return u.part.runs()
 
+    def reduced(self, u: FlatUnit) -> None:
+        """Each rank updates only its shard of R: it stays in the tree until step()."""
+
     def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
         """R's shard r, which lands in the rank's own slice of the full gradient buffer."""
         own = u.grad[u.part.own]
