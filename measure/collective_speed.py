@@ -20,6 +20,7 @@ from zero import collectives as C
 from zero.launch import spawn
 
 WAYS = ("backend", "p2p")
+TAG = dict(phase="bench", kind="model", unit=0)
 
 
 def _rank(rank: int, n: int, sizes: list[int], repeats: int) -> dict:
@@ -36,7 +37,7 @@ def _rank(rank: int, n: int, sizes: list[int], repeats: int) -> dict:
                 buf = torch.empty(numel)
                 dist.barrier()
                 t0 = time.perf_counter()
-                C.all_gather(buf, shard, group=None, counter=C.CommCounter(), padding=0, tag={})
+                C.all_gather(buf, shard, group=None, counter=C.CommCounter(), padding=0, tag=TAG)
                 if r:
                     times[way].append(time.perf_counter() - t0)
                 got[way] = buf

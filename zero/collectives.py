@@ -291,6 +291,7 @@ class _Works:
 
 def _exchange_shards(out: torch.Tensor, shard: torch.Tensor, group, unit) -> _Works:
     """Launch out[j·L:(j+1)·L] <- rank j's shard for every j (this rank's own by a copy)."""
+    group = dist.group.WORLD if group is None else group  # get_global_rank needs the object
     n, me, L = dist.get_world_size(group), dist.get_rank(group), shard.numel()
     tag = 0 if unit is None else 1 + unit
     works = []
