@@ -8,6 +8,8 @@ The legend of every column: benchmarks/cpu-2core-2026-11.md, section "How the st
 
 from __future__ import annotations
 
+import numpy as np
+
 from zero.memory import model_state_breakdown
 
 OURS = (
@@ -135,6 +137,10 @@ def add_ratios(records: list[dict]) -> None:
             fast = ok.get((name.removesuffix("-det"), n))
             if name.endswith("-det") and fast:
                 res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
+                res["ratio_vs_fast_by_repeat"] = [
+                    a / b
+                    for a, b in zip(res["repeat_medians_ms"], fast["result"]["repeat_medians_ms"])
+                ]
             two = ok.get((name.replace("-s3", "-s2"), n))
             if name.startswith("zero-s3") and two:
                 res["ratio_vs_stage2"] = mine / two["result"]["median_ms"]
@@ -169,10 +175,21 @@ def _memory_ratios(name: str, n: int, mem: dict, ok: dict) -> None:
     mem["peak_over_accounted"] = mem["peak_bytes"] / accounted
 
 
+def spread(per_round: list[float] | None) -> str:
+    """The noise of a ratio: its quartiles over the rounds, each round's ratio taken between the
+    two systems' medians of that round ([Note: alternating repeats]: they ran seconds apart)."""
+    if not per_round:
+        return "—"
+    q25, q75 = np.percentile(per_round, [25, 75])
+    return f"{q25:.2f}-{q75:.2f}"
+
+
 def format_table(records: list[dict], *, markdown: bool = False) -> str:
-    """The results table, drawn from the records (never from numbers typed in)."""
+    """The results table, drawn from the records (never from numbers typed in). ×DDP/round and
+    ×fast/round: the interquartile range of the ratio over the rounds (`spread`)."""
     peers = [p for p in PEER_LABELS if any(r["config"]["system"] == p for r in records)]
-    head = ["system", "N", "ms/step", "IQR", "MFU", "×DDP", "×fast", "×s2"]
+    head = ["system", "N", "ms/step", "IQR", "MFU", "×DDP", "×DDP/round", "×fast", "×fast/round"]
+    head += ["×s2"]
     head += [f"×{PEER_LABELS[p]}" for p in peers] + ["Δloss"]
     rows = []
     for rec in records:
@@ -191,7 +208,9 @@ def format_table(records: list[dict], *, markdown: bool = False) -> str:
             f"{res['p25_ms']:.0f}-{res['p75_ms']:.0f}",
             "—" if res.get("mfu") is None else f"{100 * res['mfu']:.1f}%",
             ratio(res.get("ratio_vs_ddp")),
+            spread(res.get("ratio_vs_ddp_by_repeat")),
             ratio(res.get("ratio_vs_fast")),
+            spread(res.get("ratio_vs_fast_by_repeat")),
             ratio(res.get("ratio_vs_stage2")),
             *(ratio(res.get("ratio_vs", {}).get(p)) for p in peers),
             "—" if diff is None else f"{diff:.0e}",

@@ -1,11 +1,13 @@
 """Step time on CPU/gloo, our stages beside DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed
 (python -m measure.bench), drawn from its records.
 
-The quick profile renders the committed measurement, paper_figures/measured/bench_step_time.json
-(a bench run takes tens of minutes and wants a quiet machine); --profile full measures again
-(N = 2 and 4, the anchor GPT, with --profile) and renders that. Writes results/throughput.json,
-figures/throughput_cpu.png, tables/throughput.md and, from records with a profile, the per-phase
-figure figures/throughput_phases.png (phase_figure).
+The quick profile renders the committed measurements, one file per model size in MEASURED
+(paper_figures/measured/bench_step_time*.json; a bench run takes from half an hour at the anchor
+size to hours at the large one, and wants a quiet machine); --profile full measures the anchor
+size again (N = 2 and 4, with --profile) and renders that. Writes results/throughput.json,
+figures/throughput_cpu.png (a row of panels per model size, a panel per N), tables/throughput.md
+and, from records with a profile, the per-phase figure figures/throughput_phases.png
+(phase_figure).
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from paper_figures.common import (
 from zero.results import read_json, write_atomic
 
 NAME = "throughput"
-MEASURED = Path(__file__).resolve().parent / "measured" / "bench_step_time.json"
+_DIR = Path(__file__).resolve().parent / "measured"
+MEASURED = {
+    "anchor": _DIR / "bench_step_time.json",
+    "mid": _DIR / "bench_step_time_mid.json",
+    "large": _DIR / "bench_step_time_large.json",
+}
+"""measure.bench's records per model size (`--model anchor|mid|large --json ...`); a size whose
+file is absent is not drawn (the anchor's must exist)."""
 
 
 def compute(profile: str) -> dict:
@@ -34,24 +43,62 @@ def compute(profile: str) -> dict:
         records = [r for n in cfg.world_sizes for r in bench.bench_world(n, cfg)]
         bench_table.add_ratios(records)
         return {"section": NAME, "source": "measured by this run", "records": records}
-    payload = read_json(MEASURED)
-    records = payload["records"] if isinstance(payload, dict) else payload
-    return {"section": NAME, "source": f"carried from {MEASURED.name}", "records": records}
+    records, names = [], []
+    for model, path in MEASURED.items():
+        if model != "anchor" and not path.is_file():
+            continue
+        payload = read_json(path)
+        records += payload["records"] if isinstance(payload, dict) else payload
+        names.append(path.name)
+    return {"section": NAME, "source": f"carried from {', '.join(names)}", "records": records}
+
+
+def panels(records: list[dict]) -> list[tuple[str, int, list[dict]]]:
+    """(model, N, its records) for every model size and N present, in MEASURED's order of sizes
+    and rising N: one panel each."""
+    order = {m: i for i, m in enumerate(MEASURED)}
+    keys = sorted(
+        {(r["config"].get("model", "?"), r["config"]["world_size"]) for r in records},
+        key=lambda k: (order.get(k[0], len(order)), k[0], k[1]),
+    )
+    return [
+        (m, n, [r for r in records if (r["config"].get("model", "?"), r["config"]["world_size"])
+                == (m, n)])
+        for m, n in keys
+    ]  # fmt: skip
+
+
+def _grid(keys: list[tuple[str, int, list[dict]]], size: tuple[float, float]):
+    """A figure with a row per model size and a column per N; the axes in `keys` order (cells
+    a size lacks are removed)."""
+    models = list(dict.fromkeys(m for m, _, _ in keys))
+    sizes = sorted({n for _, n, _ in keys})
+    fig = new_figure((size[0] * len(sizes), size[1] * len(models)))
+    grid = fig.subplots(len(models), len(sizes), squeeze=False)
+    used = [grid[models.index(m)][sizes.index(n)] for m, n, _ in keys]
+    for ax in grid.flat:
+        if ax not in used:
+            ax.remove()
+    return fig, used
 
 
 def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     records = [r for r in payload["records"] if r["result"]["status"] == "ok"]
+    models = list(dict.fromkeys(m for m, _, _ in panels(payload["records"])))
+    sections = [
+        f"## {m} GPT\n\n"
+        + bench_table.format_table(
+            [r for r in payload["records"] if r["config"].get("model", "?") == m], markdown=True
+        )
+        for m in models
+    ]
     write_atomic(
         out.table(NAME),
-        "# Step time, CPU/gloo (python -m measure.bench)\n\n"
-        + bench_table.format_table(payload["records"], markdown=True)
-        + "\n",
+        "# Step time, CPU/gloo (python -m measure.bench)\n\n" + "\n\n".join(sections) + "\n",
     )
-    sizes = sorted({r["config"]["world_size"] for r in records})
-    fig = new_figure((6 * len(sizes), 5))
-    axes = fig.subplots(1, len(sizes), squeeze=False)[0]
-    for ax, n in zip(axes, sizes, strict=True):
-        here = [r for r in records if r["config"]["world_size"] == n]
+    keys = panels(records)
+    fig, axes = _grid(keys, (6, 5))
+    for ax, (model, n, here) in zip(axes, keys, strict=True):
         names = [r["config"]["system"] for r in here]
         ratios = [r["result"]["ratio_vs_ddp"] for r in here]
         colors = ["C0" if s in bench_table.OURS else "C7" for s in names]
@@ -60,7 +107,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         ax.invert_yaxis()
         ax.set_xlabel("step time ÷ DDP's (below 1 is faster)")
         ax.set_ylabel("system (blue: ours)")
-        ax.set_title(f"N = {n}, anchor GPT, fp32 AdamW, gloo")
+        ax.set_title(f"N = {n}, {model} GPT, fp32 AdamW, gloo")
     fig.suptitle("Step time beside DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed")
     path = save_figure(fig, out.figure("throughput_cpu"))
     if any(bench_table.phase_parts(r) for r in records):
@@ -69,17 +116,14 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
 
 
 def phase_figure(records: list[dict]):
-    """Where a step's time goes: one stacked bar per profiled system, one panel per N, the parts
+    """Where a step's time goes: one stacked bar per profiled system, one panel per model size and N, the parts
     of measure.bench_table.PHASE_PARTS (ms, the mean over ranks, the median over steps)."""
     profiled = [r for r in records if bench_table.phase_parts(r)]
     if not profiled:
         raise ValueError("records: none has a profile; allowed are records of a --profile run")
-    sizes = sorted({r["config"]["world_size"] for r in profiled})
-    model = profiled[0]["config"].get("model", "?")
-    fig = new_figure((6 * len(sizes), 5.5))
-    axes = fig.subplots(1, len(sizes), squeeze=False)[0]
-    for ax, n in zip(axes, sizes, strict=True):
-        here = [r for r in profiled if r["config"]["world_size"] == n]
+    keys = panels(profiled)
+    fig, axes = _grid(keys, (6, 5.5))
+    for ax, (model, n, here) in zip(axes, keys, strict=True):
         names = [r["config"]["system"] for r in here]
         left = [0.0] * len(here)
         for i, (key, label) in enumerate(bench_table.PHASE_PARTS):
@@ -108,7 +152,8 @@ def index_rows(payload: dict) -> list[list[str]]:
             prov = r["provenance"]
             rows.append(
                 [
-                    f"Step time {c['system']} at N = {c['world_size']} ÷ DDP's (CPU, anchor GPT)",
+                    f"Step time {c['system']} at N = {c['world_size']} ÷ DDP's "
+                    f"(CPU, {c.get('model', '?')} GPT)",
                     "– (the paper: V100s)",
                     f"{res['ratio_vs_ddp']:.2f}",
                     "–",

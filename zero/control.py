@@ -16,6 +16,7 @@ import torch
 from reference.tree import global_norm
 
 from . import collectives as C
+from . import optim_native
 from .unit import FlatUnit
 
 
@@ -23,7 +24,11 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None = None) -
     """reference.tree.chunk_sumsq in torch: float64 squares, pairwise halving per chunk. In
     place on one float64 copy: the same elementwise additions as the reference, no temporaries.
     keep (bool, x's length): the elements outside it count as +0 (a replicated parameter on a
-    model-parallel rank m > 0, zero/mp/control.py), as the reference's zeros do."""
+    model-parallel rank m > 0, zero/mp/control.py), as the reference's zeros do. On the CPU
+    the compiled loop does the same additions chunk by chunk (zero/optim_native.py)."""
+    fused = optim_native.chunk_sumsq(x, chunk, keep)
+    if fused is not None:
+        return fused
     s = x.to(torch.float64, copy=True).view(-1, chunk)
     if keep is not None:
         s.masked_fill_(~keep.to(s.device).view(-1, chunk), 0.0)

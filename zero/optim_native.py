@@ -8,6 +8,11 @@ and loaded with ctypes (no torch headers, so the build takes well under a second
 is no compiler, the build fails, or the tensors are not contiguous fp32 on the CPU, `available`
 is False or `adam` returns False and zero/optim.py runs its torch ops instead: the same bits.
 
+The same library holds the step's other full pass over the gradient, the clipping norm's chunk
+partials (zero/control.py's chunk_sumsq): the torch ops copy the shard to float64 and halve it
+log2(C) times, each halving a strided pass over the whole copy; the loop halves one chunk at a
+time in a C-element buffer that stays in cache. The additions are the same, in the same pairs.
+
 [Note: a fused loop with the same roundings] Each C statement below is one of the reference's
 operations on float32 values, so each rounds once to float32, as the torch op does:
   - x86-64 evaluates float arithmetic in float32 (FLT_EVAL_METHOD 0; SSE, not x87);
@@ -63,6 +68,25 @@ void adam_step(float *p, const float *g, float *m, float *v, int64_t n, int adam
         p[i] = pi - d;
     }
 }
+
+/* reference/tree.py's chunk_sumsq: per chunk of c elements, float64 squares (exact: a float32
+   has 24 significant bits), then s[i] = s[i] + s[i + h] for h = c/2, c/4, ..., 1. The same
+   additions as the reference's whole-array passes, done one chunk at a time in buf (c doubles,
+   in cache) instead of over the whole shard. keep (may be NULL): elements where it is 0 count
+   as +0. */
+void chunk_sumsq(const float *x, const uint8_t *keep, int64_t n, int64_t c, double *buf,
+                 double *out) {
+    for (int64_t k = 0; k < n / c; k++) {
+        const float *xk = x + k * c;
+        for (int64_t i = 0; i < c; i++) {
+            double d = (keep && !keep[k * c + i]) ? 0.0 : (double)xk[i];
+            buf[i] = d * d;
+        }
+        for (int64_t h = c / 2; h >= 1; h /= 2)
+            for (int64_t i = 0; i < h; i++) buf[i] = buf[i] + buf[i + h];
+        out[k] = buf[0];
+    }
+}
 """
 
 _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c99")
@@ -106,6 +130,9 @@ def _build(source: str = _SOURCE, flags: tuple[str, ...] = _FLAGS) -> ctypes.CDL
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     fn.argtypes += [ctypes.c_float] * 9
+    fn = handle.chunk_sumsq
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
     return handle
 
 
@@ -155,3 +182,28 @@ def adam(kind: str, decay_on: bool, s: dict, p, g, m, v) -> bool:
         ),
     )
     return True
+
+
+def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch.Tensor | None:
+    """zero/control.py's chunk partials (float64, one per chunk) from the loop, or None where it
+    cannot run (then the torch ops run: the same bits, tests/unit/test_optim_blocks.py)."""
+    if (
+        x.device.type != "cpu"
+        or (keep is not None and keep.device.type != "cpu")
+        or x.dtype != torch.float32
+        or not x.is_contiguous()
+        or (keep is not None and (keep.dtype != torch.bool or not keep.is_contiguous()))
+        or not available()
+    ):
+        return None
+    n = x.numel()
+    if n % chunk or (keep is not None and keep.numel() != n):
+        k = None if keep is None else keep.numel()
+        raise ValueError(f"chunk_sumsq: x has {n} elements, keep {k}; chunk={chunk} must divide both")
+    out = torch.empty(n // chunk, dtype=torch.float64)
+    buf = torch.empty(chunk, dtype=torch.float64)
+    _LIB[0].chunk_sumsq(
+        x.data_ptr(), None if keep is None else keep.data_ptr(), n, chunk, buf.data_ptr(),
+        out.data_ptr(),
+    )
+    return out

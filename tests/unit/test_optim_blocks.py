@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 
 from reference import optim as ref
 from reference.optim import Hyper
+from reference.tree import chunk_sumsq as ref_sumsq
 from zero import optim as zero_optim
 from zero import optim_native
+from zero.control import chunk_sumsq
 from zero.partition import Run
 
 KERNELS = ["native", "torch"]
@@ -163,3 +165,72 @@ def test_a_changed_operation_order_is_caught():
             check("adamw", 3000, 3, 1, "fp32")
     finally:
         zero_optim._adam_block = original
+
+
+# -- the norm's chunk partials (zero/control.py's chunk_sumsq) ---------------------------------
+
+
+def special_values(rng, n):
+    """Normal values over a wide range of scales, with signed zeros, subnormals, infinities and
+    NaNs sprinkled in: every class of float32 the partials must carry through."""
+    x = (rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
+    where = rng.integers(0, n, 8)
+    x[where] = np.array([0.0, -0.0, 1e-45, -3e-42, np.inf, -np.inf, np.nan, 3e38], np.float32)
+    return x
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([128, 256, 4096]),
+    st.integers(1, 5),
+    st.booleans(),
+    st.booleans(),
+)
+def test_chunk_partials_give_the_reference_bits(seed, chunk, chunks, masked, specials):
+    """The loop's partials = reference/tree.py's chunk_sumsq bit for bit, with and without a
+    keep mask (outside it an element counts as +0), and = zero/control.py's torch ops."""
+    rng = np.random.default_rng(seed)
+    n = chunk * chunks
+    x = special_values(rng, n) if specials else rng.standard_normal(n).astype(np.float32)
+    keep = torch.from_numpy(rng.random(n) < 0.7) if masked else None
+    want = ref_sumsq(np.where(keep.numpy(), x, np.float32(0)) if masked else x, chunk)
+    with kernel("native"):
+        got = optim_native.chunk_sumsq(torch.from_numpy(x), chunk, keep)
+    with kernel("torch"):
+        ops = chunk_sumsq(torch.from_numpy(x), chunk, keep)
+    assert got is not None
+    assert np.array_equal(got.numpy().view(np.uint64), want.view(np.uint64))
+    assert np.array_equal(ops.numpy().view(np.uint64), want.view(np.uint64))
+
+
+def test_chunk_partials_in_another_order_are_caught():
+    """The check can fail: the same squares summed left to right (one accumulator per chunk,
+    the obvious loop) give other bits than pairwise halving on some chunk."""
+    source = optim_native._SOURCE.replace(
+        "for (int64_t h = c / 2; h >= 1; h /= 2)\n            for (int64_t i = 0; i < h; i++)"
+        " buf[i] = buf[i] + buf[i + h];",
+        "for (int64_t i = 1; i < c; i++) buf[0] = buf[0] + buf[i];",
+    )
+    assert source != optim_native._SOURCE, "the planted loop did not replace the halving"
+    planted = optim_native._build(source=source)
+    if planted is None:
+        pytest.skip("no C compiler here")
+    x = np.random.default_rng(3).standard_normal(4096 * 4).astype(np.float32)
+    with kernel("native"):
+        saved, optim_native._LIB[:] = list(optim_native._LIB), [planted]
+        try:
+            got = optim_native.chunk_sumsq(torch.from_numpy(x), 4096, None)
+        finally:
+            optim_native._LIB[:] = saved
+    assert not np.array_equal(got.numpy().view(np.uint64), ref_sumsq(x, 4096).view(np.uint64))
+
+
+def test_chunk_partials_loop_runs_where_it_should():
+    """fp32 contiguous CPU tensors take the loop; a strided view or bf16 does not (None)."""
+    with kernel("native"):
+        assert optim_native.chunk_sumsq(torch.ones(256), 128, None) is not None
+        assert optim_native.chunk_sumsq(torch.ones(512)[::2], 128, None) is None
+        assert optim_native.chunk_sumsq(torch.ones(256, dtype=torch.bfloat16), 128, None) is None
+        with pytest.raises(ValueError, match="chunk=128"):
+            optim_native.chunk_sumsq(torch.ones(200), 128, None)

@@ -1,6 +1,7 @@
 """paper_figures.throughput.phase_figure draws the per-phase stacked bars from bench records:
 each bar's segments are the record's phases (measure.bench_table.phase_parts), in order."""
 
+import numpy as np
 import pytest
 
 from measure import bench_table
@@ -67,3 +68,64 @@ def test_figure_is_drawn_from_the_records():
     assert "phase by phase" in fig._suptitle.get_text()
     with pytest.raises(ValueError, match="records"):
         throughput.phase_figure([record("ddp", 2, None)])
+
+
+def test_one_panel_per_model_size_and_n():
+    """Records of several model sizes (the measured files of MEASURED, one per size): a panel for
+    each (size, N) present, sizes in MEASURED's order whatever the records' order, and a size
+    without a record at some N leaves that cell out rather than drawing another size's there."""
+
+    def rec(model, system, n):
+        r = record(system, n, OURS if system.startswith("zero") else PEER)
+        r["config"]["model"] = model
+        return r
+
+    recs = [rec("mid", "zero-s0", 2), rec("anchor", "zero-s0", 4), rec("anchor", "ddp", 2)]
+    recs.append(rec("anchor", "zero-s0", 2))
+    keys = [(m, n) for m, n, _ in throughput.panels(recs)]
+    assert keys == [("anchor", 2), ("anchor", 4), ("mid", 2)]
+    fig = throughput.phase_figure(recs)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert [t.split(" GPT")[0] for t in titles] == ["N = 2, anchor", "N = 4, anchor", "N = 2, mid"]
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["ddp", "zero-s0"]  # the anchor's N = 2 records only, in record order
+
+
+def test_ratio_noise_is_the_quartiles_over_rounds():
+    """×DDP/round and ×fast/round: the ratio round by round (each round's medians, paired), and
+    its quartiles in the table; DDP against itself is exactly 1 in every round."""
+
+    def rec(system, medians):
+        return {
+            "config": {"system": system, "world_size": 2, "model": "small"},
+            "result": {
+                "status": "ok",
+                "median_ms": float(np.median(medians)),
+                "p25_ms": 0.0,
+                "p75_ms": 0.0,
+                "repeat_medians_ms": medians,
+                "build_losses": [],
+                "first_data_steps": [],
+                "losses": [],
+            },
+        }
+
+    recs = [
+        rec("ddp", [100.0, 200.0, 100.0, 200.0, 100.0]),
+        rec("zero-s1", [110.0, 180.0, 90.0, 220.0, 100.0]),
+        rec("zero-s1-det", [121.0, 180.0, 99.0, 220.0, 100.0]),
+    ]
+    bench_table.add_ratios(recs)
+    fast, det = recs[1]["result"], recs[2]["result"]
+    assert fast["ratio_vs_ddp_by_repeat"] == [1.1, 0.9, 0.9, 1.1, 1.0]
+    assert det["ratio_vs_fast_by_repeat"] == [1.1, 1.0, 1.1, 1.0, 1.0]
+    assert "ratio_vs_fast_by_repeat" not in fast
+    head, _, *rows = bench_table.format_table(recs, markdown=True).splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    at, atf = cols.index("×DDP/round"), cols.index("×fast/round")
+    # numpy's linear quartiles (the 2nd and 4th of 5 sorted values): zero-s1 over DDP
+    # [0.9, 0.9, 1.0, 1.1, 1.1]; zero-s1-det over DDP [0.9, 0.99, 1.0, 1.1, 1.21]; over fast
+    # [1.0, 1.0, 1.0, 1.1, 1.1]
+    assert [c[at] for c in cells] == ["1.00-1.00", "0.90-1.10", "0.99-1.10"]
+    assert [c[atf] for c in cells] == ["—", "—", "1.00-1.10"]
