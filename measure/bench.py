@@ -180,6 +180,11 @@ class BenchConfig:
     """Seconds one call into the ranks may take before they are killed (a hang is an error)."""
     note: str = ""
     """A remark kept in every record's config (e.g. that the machine was loaded)."""
+    deepspeed_bucket: int | None = None
+    """DeepSpeed's `reduce_bucket_size` and `allgather_bucket_size`, in elements. None: its
+    defaults, 5·10⁸ elements, whose reduce bucket is one fp32 buffer of 1.9 GiB allocated whole at
+    any model size (the peak of DeepSpeed's every stage here); 6553600 (25 MiB of fp32, DDP's
+    bucket_cap_mb) sizes it like the other systems' buckets for a memory comparison."""
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -208,6 +213,9 @@ class BenchConfig:
                 f"quiet_wait_s={self.quiet_wait_s!r}: allowed are seconds in [0, {MAX_TIMEOUT_S}]"
             )
         check_timeout(self.timeout_s)
+        b = self.deepspeed_bucket
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"deepspeed_bucket={b!r}: allowed are None or integers >= 1")
         if self.watchdog not in WATCHDOG_MODES:
             raise ValueError(f"watchdog={self.watchdog!r}: allowed are {WATCHDOG_MODES}")
         if any(s in MP_SYSTEMS for s in self.systems):
@@ -478,6 +486,11 @@ class _DeepSpeed(_Trainer):
             "gradient_clipping": 0.0,
             "steps_per_print": 1 << 30,  # its progress lines would land inside timed steps
         }
+        if cfg.deepspeed_bucket is not None:
+            self.ds_config["zero_optimization"] |= {
+                "reduce_bucket_size": cfg.deepspeed_bucket,
+                "allgather_bucket_size": cfg.deepspeed_bucket,
+            }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=self.ds_config)
         self.forward, self.backward, self.update = (
             self.engine,
@@ -634,7 +647,7 @@ def _memory(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
     growth from the second step's end to the third's (0 in steady state; see tensor_memory's
     docstring for what would make it positive). "activation_bytes": what autograd saves for
     backward in a plain GPT's forward of this rank's micro-batch (measure.resident)."""
-    from measure.resident import saved_activations
+    from measure.resident import release_free_memory, saved_activations
 
     device = _device()
     cpu0 = time.process_time()
@@ -664,6 +677,7 @@ def _memory(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
             states += report["optimizer"]
         del trainer
         gc.collect()
+    release_free_memory()  # the next system's pass starts from what this rank held before this one
     last = f"step {MEMORY_STEPS}"
     return {
         "peak_bytes": trace.peak("step 1"),
@@ -691,9 +705,14 @@ def _peak(rank: int, n: int) -> dict:
 
 
 def _drop_all(rank: int, n: int) -> None:
-    """Free every system in this rank (a shared pool outlives the benchmark)."""
+    """Free every system in this rank (a shared pool outlives the benchmark), and hand malloc's
+    free pages back to the kernel: without the trim a rank's resident memory stays at the sum of
+    every system it has built (glibc keeps freed heap pages), and at `mid` the memory pass that
+    follows the timing ran two ranks out of a 24 GiB machine."""
+    from measure.resident import release_free_memory
+
     _LIVE.clear()
-    gc.collect()
+    release_free_memory()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -979,11 +998,13 @@ def _profile_summary(per_rank: list[list[dict[str, float]]]) -> dict[str, float]
     return out
 
 
-def run_bench(cfg: BenchConfig, *, pools=None, say=print) -> list[dict]:
+def run_bench(cfg: BenchConfig, *, pools=None, say=print, done=None) -> list[dict]:
     """Every world size of cfg; returns the records with ratios filled in.
 
     pools: a function N -> WorkerPool to run in (e.g. zero.launch.get_pool); None starts a fresh
     pool per N and closes it afterwards. Under torchrun, only the launched world size runs.
+    done: called with the records so far after each world size (main writes them, so that a
+    failure at one N keeps the measurements of the others).
     """
     from zero import launch
 
@@ -999,9 +1020,12 @@ def run_bench(cfg: BenchConfig, *, pools=None, say=print) -> list[dict]:
         for n in cfg.world_sizes:
             if pools is not None:
                 records += bench_world(n, cfg, pool=pools(n), say=say)
-                continue
-            with launch.WorkerPool(n, timeout_s=cfg.timeout_s) as pool:
-                records += bench_world(n, cfg, pool=pool, say=say)
+            else:
+                with launch.WorkerPool(n, timeout_s=cfg.timeout_s) as pool:
+                    records += bench_world(n, cfg, pool=pool, say=say)
+            if done is not None and n != cfg.world_sizes[-1]:
+                add_ratios(records)
+                done(records)
     add_ratios(records)
     return records
 
@@ -1041,8 +1065,12 @@ def main(argv=None) -> int:
         if lead:
             print(*a, flush=True)
 
+    def keep(records):
+        if args.json and lead:
+            write_json(args.json, {"section": KIND, "records": records})
+
     started = time.time()
-    records = run_bench(cfg, say=say)
+    records = run_bench(cfg, say=say, done=keep)
     say(format_table(records, markdown=args.markdown))
     if cfg.profile:
         say("\n" + format_profile(records, markdown=args.markdown))
@@ -1055,8 +1083,7 @@ def main(argv=None) -> int:
         f"model {cfg.model}: Ψ = {psi:,}, B = {cfg.workload.batch_size}, "
         f"seq {cfg.workload.gpt.block_size}; {time.time() - started:.0f} s"
     )
-    if args.json and lead:
-        write_json(args.json, {"section": KIND, "records": records})
+    keep(records)
     return 0 if any(r["result"]["status"] == "ok" for r in records) else 1
 
 

@@ -168,6 +168,9 @@ def test_unavailable_system_is_reported_not_fatal():
         ({"warmup": -1}, "warmup"),
         ({"lr": 0.0}, "lr"),
         ({"timeout_s": 0}, "timeout_s"),
+        ({"deepspeed_bucket": 0}, "deepspeed_bucket"),
+        ({"deepspeed_bucket": True}, "deepspeed_bucket"),
+        ({"deepspeed_bucket": 2.5e7}, "deepspeed_bucket"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):
@@ -277,3 +280,22 @@ def test_each_stage_peaks_above_its_model_states(stage):
     for m in per_rank:
         assert m["peak_bytes"] >= m["engine_states_bytes"] >= analytic
         assert m["build_peak_bytes"] > 0
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_deepspeed_bucket_sets_its_buffers_and_its_peak():
+    """--deepspeed-bucket reaches DeepSpeed's config, and its peak follows: at its default
+    (5·10⁸ elements) the reduce bucket alone is 2·10⁹ bytes; sized 2**16 elements, the small
+    GPT's whole step stays under 64 MiB."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here")
+    cfg = dataclasses.replace(
+        SMALL, systems=("ddp", "deepspeed-s2"), steps=1, profile=False, memory=True,
+        deepspeed_bucket=1 << 16,
+    )  # fmt: skip
+    recs = run_bench(cfg, say=lambda *a: None)
+    ds = next(r for r in recs if r["config"]["system"] == "deepspeed-s2")
+    assert ds["result"]["status"] == "ok", ds["result"]
+    zero_cfg = ds["config"]["options"]["ds_config"]["zero_optimization"]
+    assert zero_cfg["reduce_bucket_size"] == zero_cfg["allgather_bucket_size"] == 1 << 16
+    assert ds["result"]["memory"]["peak_bytes"] < 64 << 20
