@@ -955,7 +955,7 @@ def _record(name, n, cfg, built, timing, profile, prov, redone, peaks, memory=No
         mfu=use["mfu"],
     )
     if profile is not None:
-        result["profile_ms"] = _profile_summary(profile)
+        result["profile_ms"], result["profile_steps_ms"] = _profile_summary(profile)
     if memory is not None:
         params = config.get("slice_params", config["num_params"])
         result["memory"] = _memory_summary(name, n, params, memory, config.get("mp", 1))
@@ -985,17 +985,20 @@ def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def _profile_summary(per_rank: list[list[dict[str, float]]]) -> dict[str, float]:
-    """Per phase: the median over steps of the mean over ranks, in ms."""
+def _profile_summary(per_rank: list[list[dict[str, float]]]) -> tuple[dict, dict]:
+    """Per phase: the median over steps of the mean over ranks, in ms; and the per-step means
+    themselves. The phases nest within each step (a sub-phase inside its phase, the phases inside
+    the step), so the per-step values add up; the medians need not (a median of a sum is not the
+    sum of the medians)."""
     phases = sorted({k for rank in per_rank for step in rank for k in step})
-    out = {}
+    medians, steps = {}, {}
     for k in phases:
         per_step = [
-            float(np.mean([rank[i].get(k, 0.0) for rank in per_rank]))
+            1e3 * float(np.mean([rank[i].get(k, 0.0) for rank in per_rank]))
             for i in range(len(per_rank[0]))
         ]
-        out[k] = 1e3 * float(np.median(per_step))
-    return out
+        medians[k], steps[k] = float(np.median(per_step)), per_step
+    return medians, steps
 
 
 def run_bench(cfg: BenchConfig, *, pools=None, say=print, done=None) -> list[dict]:

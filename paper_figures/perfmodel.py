@@ -527,11 +527,18 @@ def render(results_path, figure_path) -> Path:
 # The CPU measurements in the same three terms
 
 
+COMPUTE_PHASES = ("forward", "backward")
+COMM_PHASES = ("update.reduce", "update.refresh", "update.finish", "update.control")
+
+
 def cpu_terms(records: list[dict]) -> list[dict]:
     """From measure.bench's profiled records (runs/paper_figures/results/bench_step_time.json): each
     of our systems' measured step split as this model splits it: compute (forward + backward),
-    communication in step() (reduce + all-gather + flag + loss), optimizer (kernels + norm),
-    and the achieved FLOP/s of forward + backward (Megatron's count without recomputation)."""
+    communication in step() (the phases measure.bench_table.PROFILE_COLUMNS calls reduce,
+    all-gather, ag-wait and control: the norm's partials ride in the control exchange), optimizer
+    (its kernels), and the achieved FLOP/s of forward + backward (Megatron's count without
+    recomputation). A profile without one of those phases is refused: a renamed phase would
+    otherwise count as 0 ms."""
     out = []
     for r in records:
         c, res = r["config"], r["result"]
@@ -541,10 +548,15 @@ def cpu_terms(records: list[dict]) -> list[dict]:
         g = c["gpt"]
         flops = gpt_flops(c["batch_size"], g["block_size"], g["n_layer"], g["n_embd"],
                           g["vocab_size"], recompute=False)  # fmt: skip
-        compute = prof.get("forward", 0.0) + prof.get("backward", 0.0)
-        comm = sum(prof.get(k, 0.0) for k in ("update.reduce", "update.allgather", "update.flag",
-                                                "update.loss"))  # fmt: skip
-        opt = prof.get("update.optimizer", 0.0) + prof.get("update.norm", 0.0)
+        missing = [k for k in (*COMPUTE_PHASES, *COMM_PHASES, "update.optimizer") if k not in prof]
+        if missing:
+            raise ValueError(
+                f"records: {c['system']} at N = {c['world_size']} has no phase {missing} in its "
+                f"profile_ms; allowed are measure.bench --profile records"
+            )
+        compute = sum(prof[k] for k in COMPUTE_PHASES)
+        comm = sum(prof[k] for k in COMM_PHASES)
+        opt = prof["update.optimizer"]
         out.append({
             "system": c["system"], "world_size": c["world_size"], "step_ms": prof.get("step"),
             "median_ms": res["median_ms"], "compute_ms": compute, "comm_in_step_ms": comm,

@@ -48,7 +48,9 @@ def compute(profile: str) -> dict:
         if model != "anchor" and not path.is_file():
             continue
         payload = read_json(path)
-        records += payload["records"] if isinstance(payload, dict) else payload
+        here = payload["records"] if isinstance(payload, dict) else payload
+        bench_table.add_ratios(here)  # per size: the ratios follow from the timings, recomputed
+        records += here
         names.append(path.name)
     return {"section": NAME, "source": f"carried from {', '.join(names)}", "records": records}
 
@@ -134,7 +136,8 @@ def phase_figure(records: list[dict]):
         ax.set_xlabel("ms per step (median over steps, mean over ranks)")
         ax.set_ylabel("system")
         ax.set_title(f"N = {n}, {model} GPT, fp32 AdamW")
-    axes[-1].legend(loc="lower right", fontsize=7)
+    # right of the last panel: inside a panel it hid the longest bars
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     fig.suptitle("Where a step's time goes: measure.bench --profile, phase by phase")
     return fig
 
