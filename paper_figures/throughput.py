@@ -118,8 +118,9 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
 
 
 def phase_figure(records: list[dict]):
-    """Where a step's time goes: one stacked bar per profiled system, one panel per model size and N, the parts
-    of measure.bench_table.PHASE_PARTS (ms, the mean over ranks, the median over steps)."""
+    """Where a step's time goes: one stacked bar per profiled system, one panel per model size
+    and N, the parts of measure.bench_table.PHASE_PARTS (ms, the mean over ranks, the median over
+    steps)."""
     profiled = [r for r in records if bench_table.phase_parts(r)]
     if not profiled:
         raise ValueError("records: none has a profile; allowed are records of a --profile run")

@@ -199,11 +199,17 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch
     n = x.numel()
     if n % chunk or (keep is not None and keep.numel() != n):
         k = None if keep is None else keep.numel()
-        raise ValueError(f"chunk_sumsq: x has {n} elements, keep {k}; chunk={chunk} must divide both")
+        raise ValueError(
+            f"chunk_sumsq: x has {n} elements, keep {k}; chunk={chunk} must divide both"
+        )
     out = torch.empty(n // chunk, dtype=torch.float64)
     buf = torch.empty(chunk, dtype=torch.float64)
     _LIB[0].chunk_sumsq(
-        x.data_ptr(), None if keep is None else keep.data_ptr(), n, chunk, buf.data_ptr(),
+        x.data_ptr(),
+        None if keep is None else keep.data_ptr(),
+        n,
+        chunk,
+        buf.data_ptr(),
         out.data_ptr(),
     )
     return out

@@ -301,11 +301,15 @@ def test_throughput_and_perf_model_sections_render_their_records(tmp_path):
     throughput.run(profile="quick", out=out)
     payload = json.loads(out.result("throughput").read_text())
     table = out.table("throughput").read_text().splitlines()
-    assert len(table) == 2 + 2 + len(payload["records"])  # title, blank, head, rule, rows
-    systems = [(x.split("|")[1].strip(), int(x.split("|")[2])) for x in table[4:]]
+    # a section per model size (MEASURED's order), each a head, a rule and one row per record
+    models = list(dict.fromkeys(r["config"]["model"] for r in payload["records"]))
+    assert [x for x in table if x.startswith("## ")] == [f"## {m} GPT" for m in models]
+    rows = [x for x in table if x.startswith("| ") and not x.startswith("| system |")]
+    systems = [(x.split("|")[1].strip(), int(x.split("|")[2])) for x in rows]
     assert systems == [
         (r["config"]["system"], r["config"]["world_size"]) for r in payload["records"]
     ]
+    assert models[0] == "anchor" and set(models) <= set(throughput.MEASURED)
     ours = [r for r in payload["records"] if r["config"]["system"] in bench.OURS]
     assert len(throughput.index_rows(payload)) == len(
         [r for r in ours if r["result"]["status"] == "ok"]

@@ -64,9 +64,9 @@ def test_figure_is_drawn_from_the_records():
             assert bar.get_width() == parts[i][key]
             assert bar.get_x() == sum(parts[i][k] for k in keys[:j])  # same order of sums
     assert axes[0].get_legend() is None  # one legend, right of the last panel (outside it)
-    assert axes[-1].get_legend().get_bbox_to_anchor().transformed(
-        axes[-1].transAxes.inverted()
-    ).x0 > 1
+    assert (
+        axes[-1].get_legend().get_bbox_to_anchor().transformed(axes[-1].transAxes.inverted()).x0 > 1
+    )
     legend = [t.get_text() for t in axes[-1].get_legend().get_texts()]
     assert legend == [label for _, label in bench_table.PHASE_PARTS]
     assert "phase by phase" in fig._suptitle.get_text()
