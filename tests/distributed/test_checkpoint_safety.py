@@ -383,7 +383,7 @@ def copy_of(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
     return root, checkpoint.resolve(root)
 
 
-def refused_everywhere(root: Path, pattern: str) -> None:
+def assert_refused_everywhere(root: Path, pattern: str) -> None:
     """verify, consolidate, the CLI and a load at N = 2 all refuse, matching `pattern`."""
     with pytest.raises(CheckpointError, match=pattern):
         checkpoint.verify(root)
@@ -400,7 +400,7 @@ def test_a_fifo_shard_is_refused_without_blocking(saved, tmp_path):
     root, step_dir = copy_of(saved, tmp_path)
     (step_dir / "u0001-r0001.bin").unlink()
     os.mkfifo(step_dir / "u0001-r0001.bin")
-    refused_everywhere(root, r"u0001-r0001\.bin: a FIFO, not a regular file")
+    assert_refused_everywhere(root, r"u0001-r0001\.bin: a FIFO, not a regular file")
 
 
 @pytest.mark.dist
@@ -411,7 +411,7 @@ def test_links_and_wrong_sizes_are_refused_before_reading(saved, tmp_path):
     shutil.copy(shard, outside)  # the very same bytes, but outside the checkpoint
     shard.unlink()
     shard.symlink_to(outside)
-    refused_everywhere(root, r"u0001-r0001\.bin: a symbolic link; only regular files")
+    assert_refused_everywhere(root, r"u0001-r0001\.bin: a symbolic link; only regular files")
     shard.unlink()
     shard.symlink_to("/dev/zero")  # read until memory ran out, before
     with pytest.raises(CheckpointError, match=r"u0001-r0001\.bin: a symbolic link"):
@@ -536,7 +536,7 @@ def test_an_edited_manifest_is_refused_naming_the_file_and_the_field(saved, tmp_
     root, step_dir = copy_of(saved, tmp_path)
     change, field = EDITS[what]
     edit(step_dir, change)
-    refused_everywhere(root, rf"{step_dir / 'manifest.json'}: {field}")
+    assert_refused_everywhere(root, rf"{step_dir / 'manifest.json'}: {field}")
 
 
 @pytest.mark.dist

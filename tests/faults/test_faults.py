@@ -60,7 +60,7 @@ def release(tmp_path_factory):
     return _run(RELEASE, tmp_path_factory)
 
 
-def _right(r: Result) -> None:
+def assert_right_outcome(r: Result) -> None:
     assert r.verdict in ("survived", "refused"), (r.verdict, r.detail)
     assert r.bytes_lost == 0, r.detail
     assert r.orphans == 0 and r.temp_left == 0, r.detail
@@ -69,13 +69,13 @@ def _right(r: Result) -> None:
 
 @pytest.mark.parametrize("name", _params(FAST))
 def test_fast_case(fast, name):
-    _right(fast[name])
+    assert_right_outcome(fast[name])
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("name", _params(RELEASE))
 def test_release_case(release, name):
-    _right(release[name])
+    assert_right_outcome(release[name])
 
 
 def test_the_fast_subset_covers_every_family_but_leaks():

@@ -65,7 +65,7 @@ def bits(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float32).view(np.uint32)
 
 
-def check(case: str, n: int, t: int, seed: int, grad_dtype: str) -> None:
+def assert_reference_bits(case: str, n: int, t: int, seed: int, grad_dtype: str) -> None:
     kind, hp = CASES[case]
     rng = np.random.default_rng(seed)
     p = rng.standard_normal(n).astype(np.float32)
@@ -105,7 +105,7 @@ def test_blocks_give_the_reference_bits(kern, case, block, n, t, seed, grad_dtyp
     bits (a small BLOCK puts the block edges where hypothesis can reach them; the compiled
     loop has no blocks, and SGD always takes the torch ops)."""
     with kernel(kern), block_size(block):
-        check(case, n, t, seed, grad_dtype)
+        assert_reference_bits(case, n, t, seed, grad_dtype)
 
 
 @pytest.mark.parametrize("kern", KERNELS)
@@ -113,7 +113,7 @@ def test_blocks_give_the_reference_bits(kern, case, block, n, t, seed, grad_dtyp
 def test_the_real_block_size_gives_the_reference_bits(kern, case):
     """The kernel's own BLOCK: two full blocks and an odd remainder."""
     with kernel(kern):
-        check(case, 2 * zero_optim.BLOCK + 12_345, t=4, seed=7, grad_dtype="fp32")
+        assert_reference_bits(case, 2 * zero_optim.BLOCK + 12_345, t=4, seed=7, grad_dtype="fp32")
 
 
 def test_the_loop_runs_where_it_should():
@@ -144,7 +144,7 @@ def test_fused_multiply_add_in_the_loop_is_caught():
         saved, optim_native._LIB[:] = list(optim_native._LIB), [planted]
         try:
             with pytest.raises(AssertionError):
-                check("adamw", 3000, 3, 1, "fp32")
+                assert_reference_bits("adamw", 3000, 3, 1, "fp32")
         finally:
             optim_native._LIB[:] = saved
 
@@ -162,7 +162,7 @@ def test_a_changed_operation_order_is_caught():
     zero_optim._adam_block = lerp_order
     try:
         with kernel("torch"), pytest.raises(AssertionError):
-            check("adamw", 3000, 3, 1, "fp32")
+            assert_reference_bits("adamw", 3000, 3, 1, "fp32")
     finally:
         zero_optim._adam_block = original
 
