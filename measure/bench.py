@@ -71,6 +71,7 @@ from .bench_table import (
     format_mp,
     format_profile,
     format_table,
+    merge_records,
 )
 
 KIND = "bench.step_time"
@@ -180,6 +181,11 @@ class BenchConfig:
     """Seconds one call into the ranks may take before they are killed (a hang is an error)."""
     note: str = ""
     """A remark kept in every record's config (e.g. that the machine was loaded)."""
+    group: str = ""
+    """A name for a run of some of the systems, where all of them do not fit in memory at once
+    (`large`): the ratios pair records of the same group and N only, so each group needs `ddp`
+    and each deterministic stage its fast one ([Note: system groups] in measure/bench_table.py).
+    Runs of different groups merge with `--from-json a.json b.json --json all.json`."""
     deepspeed_bucket: int | None = None
     """DeepSpeed's `reduce_bucket_size` and `allgather_bucket_size`, in elements. None: its
     defaults, 5·10⁸ elements, whose reduce bucket is one fp32 buffer of 1.9 GiB allocated whole at
@@ -895,6 +901,7 @@ def _base_config(name: str, n: int, cfg: BenchConfig) -> dict:
         "quiet_cores": cfg.quiet_cores,
         "retries": cfg.retries,
         "note": cfg.note,
+        "group": cfg.group,
     }
     if name in MP_SYSTEMS:
         from .bench_mp import config_fields
@@ -1038,7 +1045,10 @@ def parse(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
     p = cli.new_parser("python -m measure.bench", __doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    p.add_argument("--from-json", default=None, help="print the table of a results file only")
+    p.add_argument(
+        "--from-json", nargs="+", default=None,
+        help="print the tables of results files only (several: merged; with --json, written)",
+    )  # fmt: skip
     return cli.parse(
         BenchConfig, argv, parser=p, aliases={"timeout_s": ("--timeout",)},
         choices={"model": MODELS, "systems": SYSTEMS},
@@ -1047,13 +1057,16 @@ def parse(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
 
 def main(argv=None) -> int:
     cfg, args = parse(argv)
-    if args.from_json is not None and not os.path.isfile(args.from_json):
-        raise ValueError(f"from_json={args.from_json!r}: no such file; allowed is a results file")
+    for path in args.from_json or ():
+        if not os.path.isfile(path):
+            raise ValueError(f"from_json={path!r}: no such file; allowed are results files")
     if args.json is not None:
         cli.check_writable("json", args.json, file=True)  # before the timing, not after it
     if args.from_json:
-        records = read_json(args.from_json)["records"]
+        records = merge_records([read_json(p)["records"] for p in args.from_json])
         add_ratios(records)  # the ratios follow from the timings; recomputed, never trusted
+        if args.json is not None:
+            write_json(args.json, {"section": KIND, "records": records})
         print(format_table(records, markdown=args.markdown))
         if any("profile_ms" in r["result"] for r in records):
             print("\n" + format_profile(records, markdown=args.markdown))

@@ -108,51 +108,108 @@ def _loss_by_step(res: dict) -> dict[int, float]:
     return out
 
 
+# [Note: system groups] At `large` the fifteen systems do not fit in memory at once, so they run
+# in groups (BenchConfig.group), one run each, whose records are merged. A step time is compared
+# only with what ran in the same run, interleaved round by round ([Note: alternating repeats]):
+# ×DDP and ×fast pair records of one group and N, so each group carries its own `ddp` and each
+# deterministic stage its fast one. A peer in another group is compared through DDP, as
+# (mine ÷ my group's DDP) ÷ (peer's ÷ its group's DDP). Memory peaks do not depend on what else
+# ran, so they are compared across groups as they are.
+
+
+def _system_key(r: dict) -> tuple[str, int, str]:
+    c = r["config"]
+    return c["system"], c["world_size"], c.get("group", "")
+
+
+def merge_records(runs: list[list[dict]]) -> list[dict]:
+    """The records of several runs (groups) as one list; a (system, N, group) measured twice
+    is refused by name, since its ratios would pair with either."""
+    seen, out = set(), []
+    for records in runs:
+        for r in records:
+            key = _system_key(r)
+            if key in seen:
+                system, n, group = key
+                raise ValueError(
+                    f"records: system {system!r} at N = {n} in group {group!r} appears twice; "
+                    "allowed is one record per (system, N, group): give each run its own --group"
+                )
+            seen.add(key)
+            out.append(r)
+    return out
+
+
 def add_ratios(records: list[dict]) -> None:
-    """Fill each ok record's ratios against DDP, the fast mode and the peers, at the same N."""
-    ok = {
-        (r["config"]["system"], r["config"]["world_size"]): r
-        for r in records
-        if r["result"]["status"] == "ok"
-    }
-    for (name, n), rec in ok.items():
-        res, mine = rec["result"], rec["result"]["median_ms"]
-        ddp = ok.get(("ddp", n))
-        res["ratio_vs_ddp"] = mine / ddp["result"]["median_ms"] if ddp else None
-        if ddp:
-            # Paired by round: both ran within seconds of each other ([Note: alternating repeats]).
-            res["ratio_vs_ddp_by_repeat"] = [
-                a / b for a, b in zip(res["repeat_medians_ms"], ddp["result"]["repeat_medians_ms"])
+    """Fill each ok record's ratios against DDP, the fast mode and the peers, at the same N
+    ([Note: system groups]: time ratios within one group, peers across groups through DDP)."""
+    every = [r for r in records if r["result"]["status"] == "ok"]
+    groups: dict[str, dict] = {}
+    for r in every:
+        system, n, group = _system_key(r)
+        groups.setdefault(group, {})[(system, n)] = r
+    for ok in groups.values():
+        for (name, n), rec in ok.items():
+            _time_ratios(name, n, rec["result"], ok)
+    anywhere: dict = {}  # (system, N) -> its record in the first group that has it
+    for ok in groups.values():
+        for key, rec in ok.items():
+            anywhere.setdefault(key, rec)
+    for ok in groups.values():
+        for (name, n), rec in ok.items():
+            if name in OURS:
+                rec["result"]["ratio_vs"] = _peer_ratios(n, rec["result"], ok, anywhere)
+    for ok in groups.values():
+        for (name, n), rec in ok.items():
+            if "memory" in rec["result"]:
+                _memory_ratios(name, n, rec["result"]["memory"], {**anywhere, **ok})
+
+
+def _peer_ratios(n: int, res: dict, ok: dict, anywhere: dict) -> dict[str, float]:
+    out = {}
+    for peer in PEERS:
+        if (peer, n) in ok:  # the same run: the medians compare directly
+            out[peer] = res["median_ms"] / ok[(peer, n)]["result"]["median_ms"]
+        elif (peer, n) in anywhere:
+            mine, theirs = (
+                res.get("ratio_vs_ddp"),
+                anywhere[(peer, n)]["result"].get("ratio_vs_ddp"),
+            )
+            if mine and theirs:
+                out[peer] = mine / theirs
+    return out
+
+
+def _time_ratios(name: str, n: int, res: dict, ok: dict) -> None:
+    """×DDP, ×fast, ×stage 2 and ×Megatron of one record, against records of its own run."""
+    mine = res["median_ms"]
+    ddp = ok.get(("ddp", n))
+    res["ratio_vs_ddp"] = mine / ddp["result"]["median_ms"] if ddp else None
+    if ddp:
+        # Paired by round: both ran within seconds of each other ([Note: alternating repeats]).
+        res["ratio_vs_ddp_by_repeat"] = [
+            a / b for a, b in zip(res["repeat_medians_ms"], ddp["result"]["repeat_medians_ms"])
+        ]
+        # matched by data step: a repeat timed again shifts one system's steps
+        mine_at, theirs_at = _loss_by_step(res), _loss_by_step(ddp["result"])
+        pairs = [abs(mine_at[s] - theirs_at[s]) for s in mine_at.keys() & theirs_at.keys()]
+        res["max_abs_loss_diff_vs_ddp"] = max(pairs) if pairs else None
+    if name in OURS:
+        fast = ok.get((name.removesuffix("-det"), n))
+        if name.endswith("-det") and fast:
+            res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
+            res["ratio_vs_fast_by_repeat"] = [
+                a / b for a, b in zip(res["repeat_medians_ms"], fast["result"]["repeat_medians_ms"])
             ]
-            # matched by data step: a repeat timed again shifts one system's steps
-            mine_at, theirs_at = _loss_by_step(res), _loss_by_step(ddp["result"])
-            pairs = [abs(mine_at[s] - theirs_at[s]) for s in mine_at.keys() & theirs_at.keys()]
-            res["max_abs_loss_diff_vs_ddp"] = max(pairs) if pairs else None
-        if name in OURS:
-            res["ratio_vs"] = {
-                peer: mine / ok[(peer, n)]["result"]["median_ms"]
-                for peer in PEERS
-                if (peer, n) in ok
-            }
-            fast = ok.get((name.removesuffix("-det"), n))
-            if name.endswith("-det") and fast:
-                res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
-                res["ratio_vs_fast_by_repeat"] = [
-                    a / b
-                    for a, b in zip(res["repeat_medians_ms"], fast["result"]["repeat_medians_ms"])
-                ]
-            two = ok.get((name.replace("-s3", "-s2"), n))
-            if name.startswith("zero-s3") and two:
-                res["ratio_vs_stage2"] = mine / two["result"]["median_ms"]
-        if name in MP_SYSTEMS:
-            fast = ok.get((name.removesuffix("-det"), n))
-            if name.endswith("-det") and fast:
-                res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
-            mega = ok.get(("megatron-lm-det" if name.endswith("-det") else "megatron-lm", n))
-            res["ratio_vs_megatron"] = mine / mega["result"]["median_ms"] if mega else None
-    for (name, n), rec in ok.items():
-        if "memory" in rec["result"]:
-            _memory_ratios(name, n, rec["result"]["memory"], ok)
+        two = ok.get((name.replace("-s3", "-s2"), n))
+        if name.startswith("zero-s3") and two:
+            res["ratio_vs_stage2"] = mine / two["result"]["median_ms"]
+    if name in MP_SYSTEMS:
+        fast = ok.get((name.removesuffix("-det"), n))
+        if name.endswith("-det") and fast:
+            res["ratio_vs_fast"] = mine / fast["result"]["median_ms"]
+        mega = ok.get(("megatron-lm-det" if name.endswith("-det") else "megatron-lm", n))
+        res["ratio_vs_megatron"] = mine / mega["result"]["median_ms"] if mega else None
 
 
 def _memory_ratios(name: str, n: int, mem: dict, ok: dict) -> None:

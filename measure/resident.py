@@ -241,7 +241,8 @@ def saved_activations(params=()):
 
     def pack(t):
         saved.add(t)
-        return t
+        # [Note: pack hooks keep a detached tensor] in zero/zero_r/activations.py
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield saved

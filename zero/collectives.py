@@ -159,6 +159,24 @@ class Pending:
             self._keep = ()
         return self._result
 
+    def __del__(self):
+        if self._record.end is None and self._work is not None:
+            _abandon((self._work, self._keep, self._finish))
+
+
+# [Note: abandoned collectives] A collective launched and never waited (an engine dropped after an
+# error in backward, or between backward and step()) must not be destroyed before it completes:
+# gloo cancels a point-to-point send or receive whose work object is destroyed, and the peer's
+# matching operation, with every collective queued behind it on the group, then never completes
+# (the next barrier of the process hangs). A Pending dropped unwaited parks its work, with the
+# tensors it reads and writes, here; parked works that have completed are let go at the next park.
+_ABANDONED: list = []
+
+
+def _abandon(parked: tuple) -> None:
+    _ABANDONED[:] = [p for p in _ABANDONED if not p[0].is_completed()]
+    _ABANDONED.append(parked)
+
 
 def _record(counter: CommCounter, op: str, elements: int, padding: int, like, **tag) -> CommRecord:
     """Count one call: `elements` this rank sends (padding included), in like's dtype."""
@@ -287,6 +305,9 @@ class _Works:
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def _exchange_shards(out: torch.Tensor, shard: torch.Tensor, group, unit) -> _Works:

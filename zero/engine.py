@@ -23,6 +23,8 @@ and the step's one control exchange tells every rank ([Note: one control exchang
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,18 +163,27 @@ class ZeroEngine(nn.Module):
         self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
         self.t, self.data_step, self._losses = 0, 0, []  # _losses: this step's, as floats
         self._next = 0  # [Note: one launch order]: units[::-1][_next] is launched next
-        for u in self.units:
-            for i, (_, p) in enumerate(u.params):
-                p.register_post_accumulate_grad_hook(self._hook(u, i))
+        # [Note: gradient hooks hold the engine weakly]
+        hooks = [
+            p.register_post_accumulate_grad_hook(_post_accumulate(weakref.ref(self), u.index, i))
+            for u in self.units
+            for i, (_, p) in enumerate(u.params)
+        ]
         mods, every_unit = dict(self.module.named_modules()), [*self.units, *self.frozen_units]
         self.called = CalledCheck(list(dict.fromkeys(u.name for u in every_unit)), mods)
+        undo = [functools.partial(_remove_hooks, hooks), self.called.stop]
         for stage in self.stages.values():
-            stage.register_hooks({u.name: mods[u.name] for u in every_unit} | {"": self.module})
+            handles = stage.register_hooks(
+                {u.name: mods[u.name] for u in every_unit} | {"": self.module}
+            )
+            undo.append(functools.partial(_remove_hooks, handles))
         self.activation_arena: CheckpointArena | None = None
         if config.activation_checkpointing:  # ZeRO-R (zero/zero_r/activations.py)
-            self.activation_arena = checkpoint_units(
+            self.activation_arena, unwrap = checkpoint_units(
                 self.units, mods, config=config, counter=self.counter, device=device, mp=mp
             )
+            undo.append(unwrap)
+        weakref.finalize(self, _run_all, undo)
 
     @property
     def microstep(self) -> int:
@@ -184,15 +195,6 @@ class ZeroEngine(nn.Module):
     def stage_of(self, u: FlatUnit) -> Stage0:
         """The stage object that runs unit u (at stage 3: Persistent for persistent units)."""
         return self._stage_of[u.index]
-
-    def _hook(self, u: FlatUnit, i: int):
-        def post_accumulate(_param) -> None:
-            u.used[i] = True  # [Note: unused parameters]: it has a gradient this step
-            u.ready += 1
-            if u.ready == len(u.params):  # overlap only decides whether it runs asynchronously
-                self._launch_ready()
-
-        return post_accumulate
 
     def _launch_ready(self, everything: bool = False) -> None:
         """[Note: one launch order] Every rank must launch the units' reductions in the same
@@ -407,3 +409,43 @@ class ZeroEngine(nn.Module):
         self.t, self.data_step, self.scaler = t, data_step, scaler
         for u in self.units:
             u.steps = [t if steps is None else int(steps[n]) for n, _ in u.params]
+
+
+# [Note: gradient hooks hold the engine weakly] A hook registered on a parameter lives in the
+# tensor's C++ autograd metadata, which Python's collector does not traverse. A hook closing over
+# the engine made the cycle parameter → hook → engine → module → parameter invisible to it: a
+# dropped engine, with its module, kept every model state alive until the process ended (in one
+# process building systems one after another, as a benchmark or a notebook does, memory grew by
+# a whole engine each time). The hook holds the engine through a weak reference and finds its unit
+# by index. When the engine is collected a finalizer takes back everything it installed on the
+# module: the parameter hooks, the module hooks of CalledCheck and stage 3, the checkpointing
+# wrappers of ZeRO-R. A module that outlives its engine then holds none of the engine's state at
+# stages 0-2. At stage 3 its parameters are the engine's Stage3Parameter views, each naming its
+# unit, so the units stay as long as the module does (gather_state() first to keep the values).
+# tests/distributed/test_engine_lifetime.py checks that a dropped engine frees its tensors.
+
+
+def _post_accumulate(engine_ref: weakref.ref, index: int, i: int):
+    """The post-accumulate-grad hook of parameter i of unit `index`."""
+
+    def post_accumulate(_param) -> None:
+        engine = engine_ref()
+        if engine is None:  # collected; its finalizer is removing this hook
+            return
+        u = engine.units[index]
+        u.used[i] = True  # [Note: unused parameters]: it has a gradient this step
+        u.ready += 1
+        if u.ready == len(u.params):  # overlap only decides whether it runs asynchronously
+            engine._launch_ready()
+
+    return post_accumulate
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+def _run_all(undo) -> None:
+    for fn in undo:
+        fn()

@@ -45,6 +45,11 @@ class CalledCheck:
             for n in self.names
         }
 
+    def stop(self) -> None:
+        """Remove the hooks still watching (the engine is gone)."""
+        while self.hooks:
+            self.hooks.popitem()[1].remove()
+
     def check(self, used: set[str]) -> None:
         """At the end of a backward; `used`: the units some of whose parameters had a
         gradient in it."""

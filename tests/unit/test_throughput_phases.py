@@ -133,3 +133,50 @@ def test_ratio_noise_is_the_quartiles_over_rounds():
     # [1.0, 1.0, 1.0, 1.1, 1.1]
     assert [c[at] for c in cells] == ["1.00-1.00", "0.90-1.10", "0.99-1.10"]
     assert [c[atf] for c in cells] == ["—", "—", "1.00-1.10"]
+
+
+def _timed(system, median, group, peak=None):
+    result = {
+        "status": "ok",
+        "median_ms": median,
+        "repeat_medians_ms": [median],
+        "build_losses": [],
+        "first_data_steps": [],
+        "losses": [],
+    }
+    if peak is not None:
+        result["memory"] = {"peak_bytes": peak, "analytic_states_bytes": 1, "activation_bytes": 1}
+    config = {"system": system, "world_size": 2, "model": "large", "group": group}
+    return {"config": config, "result": result}
+
+
+def test_groups_pair_time_within_a_run_and_peers_through_ddp():
+    """[Note: system groups]: ×DDP and ×fast use the record's own group; a peer in another group
+    is compared as the quotient of the two ×DDP; memory compares across groups directly."""
+    recs = bench_table.merge_records(
+        [
+            [_timed("ddp", 200.0, "a", 50), _timed("zero-s3", 210.0, "a", 20)],
+            [_timed("ddp", 400.0, "b", 50), _timed("zero-s3-det", 440.0, "b", 21)],
+            [_timed("ddp", 100.0, "c", 50), _timed("fsdp2-reshard", 125.0, "c", 25)],
+        ]
+    )
+    bench_table.add_ratios(recs)
+    s3, s3det, fsdp = (r["result"] for r in (recs[1], recs[3], recs[5]))
+    assert s3["ratio_vs_ddp"] == 210 / 200 and s3det["ratio_vs_ddp"] == 440 / 400
+    assert fsdp["ratio_vs_ddp"] == 125 / 100
+    assert "ratio_vs_fast" not in s3det  # its fast stage ran in another group: no pairing
+    assert s3["ratio_vs"]["fsdp2-reshard"] == (210 / 200) / (125 / 100)
+    assert s3["memory"]["best_peer_at_level"] == "fsdp2-reshard"
+    assert s3["memory"]["peak_vs_best_peer"] == 20 / 25
+    assert s3det["memory"]["peak_vs_ddp"] == 21 / 50
+
+
+def test_one_run_compares_its_medians_directly():
+    recs = [_timed("ddp", 200.0, ""), _timed("zero-s3", 210.0, ""), _timed("fsdp2", 300.0, "")]
+    bench_table.add_ratios(recs)
+    assert recs[1]["result"]["ratio_vs"]["fsdp2"] == 210 / 300
+
+
+def test_a_system_measured_twice_in_one_group_is_refused():
+    with pytest.raises(ValueError, match=r"'ddp' at N = 2 in group 'a' appears twice"):
+        bench_table.merge_records([[_timed("ddp", 1.0, "a")], [_timed("ddp", 2.0, "a")]])

@@ -93,8 +93,10 @@ class Stage0:
         """Stages 0-2 keep the working parameters whole: nothing to gather."""
         return contextlib.nullcontext()
 
-    def register_hooks(self, modules) -> None:
-        """Module hooks (stage 3 gathers around each unit's forward and backward)."""
+    def register_hooks(self, modules) -> list:
+        """Module hooks (stage 3 gathers around each unit's forward and backward); returns
+        their handles."""
+        return []
 
     def runs(self, u: FlatUnit):
         """The parameter-group runs of the master's extent (zero/partition.py)."""

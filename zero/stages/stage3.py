@@ -223,17 +223,26 @@ class Stage3(Stage2):
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def register_hooks(self, modules: dict[str, torch.nn.Module]) -> None:
-        root = modules[""]
+    def register_hooks(self, modules: dict[str, torch.nn.Module]) -> list:
+        root, handles = modules[""], []
         for u in self.units:
             if u.name:
                 m = modules[u.name]
                 if u.frozen:  # registered first, so it wraps the inputs the unit receives
-                    m.register_forward_pre_hook(mark_inputs(self, u), with_kwargs=True)
-                m.register_forward_pre_hook(lambda _m, _a, u=u: self.pre_forward(u))
-                m.register_forward_hook(lambda _m, _a, out, u=u: self.post_forward(u, out))
+                    handles.append(
+                        m.register_forward_pre_hook(mark_inputs(self, u), with_kwargs=True)
+                    )
+                handles.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self.pre_forward(u)))
+                handles.append(
+                    m.register_forward_hook(lambda _m, _a, out, u=u: self.post_forward(u, out))
+                )
         for root_unit in [u for u in self.units if not u.name]:  # trainable and frozen parts
-            root.register_forward_pre_hook(lambda _m, _a, u=root_unit: self.gather(u, "param_fwd"))
+            handles.append(
+                root.register_forward_pre_hook(
+                    lambda _m, _a, u=root_unit: self.gather(u, "param_fwd")
+                )
+            )
+        return handles
 
     def release(self, u: FlatUnit) -> None:
         """A frozen unit's backward is over (zero/stages/frozen.py's mark_inputs)."""

@@ -28,6 +28,16 @@ checkpoints) pass through the offload hook; everything else is recomputed. With
 contiguous_memory (ZeRO-R's M_D) a hook in the same place copies each checkpoint into
 the engine's activation_arena, a host one under offload_activations ([Note: checkpoint generations]
 in zero/zero_r/contiguous.py).
+
+[Note: pack hooks keep a detached tensor] A pack hook of `saved_tensors_hooks` receives the saved
+tensor with its grad_fn. When the saved tensor is the output of the node that saves it (exp,
+tanh, softmax save their results), keeping that tensor makes a cycle through C++: node → saved
+variable → tensor → node, which Python's collector cannot see. A backward breaks it; a graph
+built and dropped without one (a forward under grad that is never differentiated, a measurement
+of saved bytes) then leaks everything it saved, every time. Every hook here that keeps the
+tensor itself keeps `t.detach()`: the same storage and values (autograd puts the grad_fn back
+when it unpacks), without the edge back to the node. tests/unit/test_saved_hooks.py builds such
+graphs and checks that each hook lets them go.
 """
 
 from __future__ import annotations
@@ -58,13 +68,14 @@ def check_not_nested(names) -> None:
 
 def checkpoint_units(
     units, modules: dict[str, torch.nn.Module], *, config, counter, device, mp=None
-) -> CheckpointArena | None:
+) -> tuple[CheckpointArena | None, list]:
     """Run every non-root unit's forward under non-reentrant checkpointing (and, with
     config.offload_activations, keep its checkpointed inputs in host memory, counted in
     `counter`; with config.contiguous_memory, copy them into the CheckpointArena returned;
-    with config.partition_activations, keep 1/N_m of each over the MP group `mp`: P_a)."""
+    with config.partition_activations, keep 1/N_m of each over the MP group `mp`: P_a).
+    Returns (the arena or None, a function that puts every wrapped forward back)."""
     check_not_nested(list(config.units))
-    offload, arena = config.offload_activations, None
+    offload, arena, wrapped = config.offload_activations, None, []
     if config.contiguous_memory:  # M_D: checkpoints in one buffer (zero/zero_r/contiguous.py)
         arena = CheckpointArena(
             units=sum(1 for u in units if u.name),
@@ -86,8 +97,17 @@ def checkpoint_units(
             hooks = functools.partial(ActivationOffload, counter, u.index, arena)
         elif arena is not None:
             hooks = functools.partial(saved_tensors_hooks, arena.store, arena.load)
+        wrapped.append((m, m.__dict__.get("forward")))  # an instance forward of its own, or None
         m.forward = _checkpointed(m.forward, hooks)
-    return arena
+    return arena, functools.partial(_unwrap, wrapped)
+
+
+def _unwrap(wrapped) -> None:
+    for m, own in wrapped:
+        if own is None:
+            del m.forward
+        else:
+            m.forward = own
 
 
 def _checkpointed(forward, hooks):
@@ -124,7 +144,7 @@ class ActivationOffload(saved_tensors_hooks):
             if arena is not None:
                 return t.device, arena.store(t)  # the handle keeps the slot's generation alive
             if t.device.type != "cuda":
-                return t.device, t
+                return t.device, t.detach()  # [Note: pack hooks keep a detached tensor]
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
             return t.device, host
@@ -171,7 +191,7 @@ def saved_activation_bytes(engine):
         params = {u.working.untyped_storage().data_ptr() for u in engine.units}
         if s.nbytes() and s.data_ptr() not in params:
             saved.storages[s.data_ptr()] = s.nbytes()
-        return t
+        return t.detach()  # [Note: pack hooks keep a detached tensor]
 
     with saved_tensors_hooks(pack, lambda t: t):
         yield saved

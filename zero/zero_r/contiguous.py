@@ -137,7 +137,7 @@ class CheckpointArena:
         if slot is None:
             self.misses += 1
             self.missed_bytes += t.numel() * t.element_size()
-            return _Saved(gen, t)
+            return _Saved(gen, t.detach())  # [Note: pack hooks keep a detached tensor]
         # a pinned host slot fills asynchronously; later kernels on the stream are ordered after
         slot.copy_(t.detach().reshape(-1), non_blocking=self.pin)
         return _Saved(gen, slot.view(t.shape))
