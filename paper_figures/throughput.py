@@ -57,17 +57,21 @@ def compute(profile: str) -> dict:
 
 def panels(records: list[dict]) -> list[tuple[str, int, list[dict]]]:
     """(model, N, its records) for every model size and N present, in MEASURED's order of sizes
-    and rising N: one panel each."""
+    and rising N: one panel each. A system measured in several groups ([Note: system groups] in
+    measure/bench_table.py: `ddp` is in every one) appears once, as its first group has it."""
     order = {m: i for i, m in enumerate(MEASURED)}
     keys = sorted(
         {(r["config"].get("model", "?"), r["config"]["world_size"]) for r in records},
         key=lambda k: (order.get(k[0], len(order)), k[0], k[1]),
     )
-    return [
-        (m, n, [r for r in records if (r["config"].get("model", "?"), r["config"]["world_size"])
-                == (m, n)])
-        for m, n in keys
-    ]  # fmt: skip
+    out = []
+    for m, n in keys:
+        first: dict[str, dict] = {}
+        for r in records:
+            if (r["config"].get("model", "?"), r["config"]["world_size"]) == (m, n):
+                first.setdefault(r["config"]["system"], r)
+        out.append((m, n, list(first.values())))
+    return out
 
 
 def _grid(keys: list[tuple[str, int, list[dict]]], size: tuple[float, float]):

@@ -95,6 +95,15 @@ def test_one_panel_per_model_size_and_n():
     assert labels == ["ddp", "zero-s0"]  # the anchor's N = 2 records only, in record order
 
 
+def test_a_system_in_several_groups_is_drawn_once():
+    recs = [_timed("ddp", 200.0, "a"), _timed("zero-s3", 210.0, "a"), _timed("ddp", 100.0, "b")]
+    ((_, _, here),) = throughput.panels(recs)
+    assert [(r["config"]["system"], r["config"]["group"]) for r in here] == [
+        ("ddp", "a"),
+        ("zero-s3", "a"),
+    ]
+
+
 def test_ratio_noise_is_the_quartiles_over_rounds():
     """×DDP/round and ×fast/round: the ratio round by round (each round's medians, paired), and
     its quartiles in the table; DDP against itself is exactly 1 in every round."""
