@@ -11,6 +11,14 @@ other threads (gloo's worker threads, and gloo's own non-tensor buffers); a free
 thread of a tensor allocated here (it stays counted: the check is `drift_bytes`, the growth of
 the live bytes from one step's end to the next's, 0 in steady state); the interpreter, the
 allocator's own overhead and fragmentation (measure/resident.py measures those through RSS).
+[Note: frees on gloo's thread] A collective's work object holds its tensors, and gloo's worker
+thread holds the work until just after it marks it complete. When the rank's thread drops its own
+references first (a reduction's buffers, right after wait()), the last reference goes on gloo's
+thread and the free is not seen: those bytes would stay counted, in the peak of every later phase,
+by chance. So while tracking, every Work.wait() sleeps WAIT_SETTLE_S after it returns, and gloo
+lets go first; the rank's thread then frees the buffers where the profiler sees it. That changes
+timing only, for every system alike (DDP's, FSDP2's and DeepSpeed's waits too, as far as they
+wait from Python).
 CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus the bytes allocated
 before the block: every tensor of the caching allocator, whatever thread made it.
 """
@@ -85,6 +93,32 @@ class _Tracker:
 
 _MARK = "tensor_memory.mark:"
 
+WAIT_SETTLE_S = 0.002
+"""[Note: frees on gloo's thread]: how long each Work.wait() yields while tracking on CPU."""
+
+
+@contextlib.contextmanager
+def _settled_waits():
+    """Work.wait() followed by a WAIT_SETTLE_S sleep, for the block ([Note: frees on gloo's
+    thread])."""
+    import time
+
+    import torch.distributed as dist
+
+    work = dist.distributed_c10d.Work
+    plain = work.wait
+
+    def wait(self, *args, **kwargs):
+        done = plain(self, *args, **kwargs)
+        time.sleep(WAIT_SETTLE_S)
+        return done
+
+    work.wait = wait
+    try:
+        yield
+    finally:
+        work.wait = plain
+
 
 @contextlib.contextmanager
 def tracking(device: torch.device | str = "cpu"):
@@ -114,7 +148,7 @@ def tracking(device: torch.device | str = "cpu"):
     if device.type != "cpu":
         raise ValueError(f"device={device!r}: allowed are cpu and cuda devices")
     acts = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=acts, profile_memory=True) as prof:
+    with _settled_waits(), torch.profiler.profile(activities=acts, profile_memory=True) as prof:
         yield tracker.mark, trace
     events = prof.profiler.kineto_results.events()
     trace.marks = tracker.names

@@ -228,6 +228,47 @@ def test_tensor_memory_peak_is_exact_on_a_known_pattern():
             mark("a")
 
 
+def _timed_wait(rank, n):
+    """One gloo all-to-all waited inside tracking and one outside: (seconds each wait took,
+    whether Work.wait was patched inside, whether it was restored after)."""
+    import time
+
+    import torch.distributed as dist
+
+    from measure import tensor_memory
+
+    plain = dist.distributed_c10d.Work.wait
+    x = torch.ones(8)
+    took = []
+    with tensor_memory.tracking("cpu") as (mark, _):
+        mark("wait")
+        inside = dist.distributed_c10d.Work.wait is not plain
+        work = dist.all_to_all_single(torch.empty_like(x), x, async_op=True)
+        t0 = time.perf_counter()
+        work.wait()
+        took.append(time.perf_counter() - t0)
+    work = dist.all_to_all_single(torch.empty_like(x), x, async_op=True)
+    t0 = time.perf_counter()
+    work.wait()
+    took.append(time.perf_counter() - t0)
+    return took, inside, dist.distributed_c10d.Work.wait is plain
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_tracking_lets_gloo_drop_each_work_first():
+    """[Note: frees on gloo's thread]: inside tracking every Work.wait() yields WAIT_SETTLE_S
+    after it returns (so a wait takes at least that long), and the plain method is back after
+    the block (a wait of 8 elements then takes far less: the assertion on it is only that
+    the patch is gone, never a time)."""
+    from measure.tensor_memory import WAIT_SETTLE_S
+
+    with WorkerPool(2) as pool:
+        for took, inside, restored in pool.run(_timed_wait):
+            assert inside and restored
+            assert took[0] >= WAIT_SETTLE_S
+
+
 def test_model_sizes_are_the_stated_parameter_counts():
     """[Note: bench model sizes]: Ψ = V·d + T·d + L·(12d² + 13d) + 2d, against the built
     model's count, and the larger models' shorter default runs."""

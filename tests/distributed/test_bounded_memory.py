@@ -9,6 +9,7 @@ from engine_tools import mlp_engine, one_step
 
 from zero.collectives import KEEP_STEPS
 from zero.launch import get_pool
+from zero.models import mlp_microbatches
 from zero.train import main
 
 STEPS = 300
@@ -88,3 +89,57 @@ def test_manifest_size_is_flat_and_resume_keeps_the_history(tmp_path):
 
     assert strip(again) == strip(whole)
     assert [e["step"] for e in again["train"]] == list(range(1, 41))
+
+
+def _in_flight_at_launch(rank, n, stage, deterministic):
+    """One step of a 3-unit MLP engine whose stages record, at every reduce-scatter launch,
+    how many reductions were already in flight (the new one's buffers are allocated next), and
+    at stage 3 the unit's state when its gradient's arrival buffer is allocated; then, after
+    backward and before step(), which units still hold a launched reduction (u.pending)."""
+    model, eng = mlp_engine(stage, n, 1, deterministic=deterministic)
+    queue, seen, states = eng.ctx.reductions, [], []
+    for st in eng.stages.values():
+        plain = st.reduce_scatter
+
+        def counted(u, *args, _plain=plain, **kwargs):
+            seen.append(len(queue))
+            return _plain(u, *args, **kwargs)
+
+        st.reduce_scatter = counted
+    buckets = eng.ctx.buckets
+    arrival = buckets.arrival
+
+    def observed(u, *args):
+        states.append(u.state.value if hasattr(u, "state") else None)
+        return arrival(u, *args)
+
+    buckets.arrival = observed
+    batches = mlp_microbatches(model.cfg, seed=0, data_step=0, count=n, batch_size=4)
+    _, loss = eng(*batches[rank])
+    eng.backward(loss)
+    held = [u.index for u in eng.units if u.pending is not None]
+    eng.step()
+    return seen, states, held, queue.max_inflight
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage,deterministic", [(0, True), (1, True), (1, False), (2, False),
+                                                 (2, True), (3, False)])  # fmt: skip
+def test_reduction_buffers_are_bounded_and_freed_in_backward(stage, deterministic):
+    """[Note: bounded reductions in flight], made strict: a reduction's buffers are allocated
+    only once fewer than max_inflight others are in flight (the oldest completes first), so
+    at most max_inflight sets are ever alive; fast stage 1's reduce-scatters complete in
+    backward, so no unit holds its receive buffer (N·L) into step(); and stage 3 frees a
+    unit's gathered parameters before its gradient's arrival buffer exists. Each part fails on
+    the engine before this change (there the count reached max_inflight, every stage-1 unit
+    held a Pending into step(), and the arrival came while the unit was gathered)."""
+    for seen, states, held, bound in get_pool(2).run(_in_flight_at_launch, stage, deterministic):
+        # every unit launched one; with 3 units the third launch is where the old order had
+        # max_inflight (2) already in flight
+        assert len(seen) == 3, seen
+        assert max(seen) < bound, (seen, bound)
+        if stage in (1, 2, 3):
+            assert held == [], held  # stage 0 fast waits its in-place all-reduce at step()
+        if stage == 3:
+            assert states and set(states) == {"sharded"}, states

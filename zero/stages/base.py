@@ -63,6 +63,13 @@ class Reductions:
     def __len__(self) -> int:
         return len(self.queue)
 
+    def make_room(self) -> None:
+        """Complete the oldest reductions until one more fits within max_inflight. Called before
+        a reduction allocates its buffers, so that at most max_inflight sets are ever alive (not
+        max_inflight + 1 for the moment between a launch and the oldest's completion)."""
+        while len(self.queue) >= self.max_inflight:
+            self.pop()
+
     def launched(self, complete: Callable, u: FlatUnit, pending: C.Pending) -> None:
         """Track a launched reduction; complete the oldest beyond the in-flight bound."""
         self.queue.append((complete, u, pending))

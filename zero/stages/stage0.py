@@ -116,6 +116,7 @@ class Stage0:
             return
         u.part.flatten_into(u.grad, u.grads())  # exact upcast into the reduction dtype
         u.clear_grads()
+        self.reductions.make_room()
         self.reductions.launched(self.complete, u, self.reduce_scatter(u, u.grad))
         self.buckets.note(self.ctx, u)
 
@@ -144,8 +145,9 @@ class Stage0:
                     view += p.grad.reshape(-1).to(view.dtype)
         u.clear_grads()
 
-    def reduce_accumulated(self, u: FlatUnit) -> C.Pending:
-        """Fast mode: one all-reduce of the locally accumulated sum (in place in u.grad)."""
+    def reduce_accumulated(self, u: FlatUnit) -> C.Pending | None:
+        """Fast mode: one all-reduce of the locally accumulated sum (in place in u.grad), waited
+        at step(). (Stage 1 completes its reduce-scatter in backward and returns None.)"""
         return C.all_reduce_sum(
             u.grad,
             group=self.group,

@@ -36,20 +36,26 @@ class Stage1(Stage0):
         """Each rank updates only its shard of R: it stays in the tree until step()."""
 
     def finish_reduction(self, u: FlatUnit) -> torch.Tensor:
-        """R's shard r, which lands in the rank's own slice of the full gradient buffer."""
+        """R's shard r, in the rank's own slice of the full gradient buffer (fast mode: landed
+        there in backward, by land())."""
         own = u.grad[u.part.own]
         if self.cfg.deterministic:
             own.copy_(self.take_stream(u))
-        else:
-            own.copy_(u.pending.wait())  # launched after the last micro-batch's backward
-            u.pending = None
         return own
 
-    def reduce_accumulated(self, u: FlatUnit):
-        """Fast mode: one reduce-scatter of the locally accumulated sum."""
-        pending = self.reduce_scatter(u, u.grad)
+    def reduce_accumulated(self, u: FlatUnit) -> None:
+        """Fast mode: one reduce-scatter of the locally accumulated sum, completed through the
+        shared queue ([Note: bounded reductions in flight]), so that its receive buffer (N·L
+        on gloo's all-to-all path) is freed while backward runs instead of every unit's being
+        held until step(), a second full-size gradient at the end of backward."""
+        self.reductions.make_room()
+        self.reductions.launched(self.land, u, self.reduce_scatter(u, u.grad))
         self.buckets.note(self.ctx, u)
-        return pending
+
+    def land(self, u: FlatUnit, pending) -> None:
+        """R's shard r lands in the rank's own slice of u.grad (the collective has completed,
+        so its input may be written)."""
+        u.grad[u.part.own].copy_(pending.wait())
 
     def refresh_working(self, u: FlatUnit) -> None:
         own = u.working[u.part.own]

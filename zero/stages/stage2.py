@@ -29,9 +29,12 @@ class Stage2(Stage1):
     def post_backward(self, u: FlatUnit) -> None:
         """Reduce-scatter this micro-batch's gradients of u now, from a transient arrival buffer
         (or, with C_B, in pieces filled straight from the parameters' gradients)."""
+        self.reductions.make_room()  # before this reduction's buffers exist
         grads = u.grads()  # kept alive by the pieces' fill until the reduction completes
         u.clear_grads()
         arrival = self.buckets.arrival(u, grads, self.cfg.grad_dtype)  # 1D, N·L, or None
+        if arrival is not None:
+            grads = None  # copied into the arrival buffer: free the parameters' gradients now
         self.reductions.launched(self.complete, u, self.reduce_scatter(u, arrival, grads))
         self.buckets.note(self.ctx, u, arrival)
 

@@ -120,8 +120,13 @@ class Stage3(Stage2):
         self.gathering: dict[int, object] = {}  # unit index -> Pending all-gather
 
     def post_backward(self, u: FlatUnit) -> None:
-        super().post_backward(u)  # copy the gradients out, launch the reduce-scatter
+        """u's backward is over: free its gathered parameters first, then copy the gradients
+        out and launch the reduce-scatter (stage 2), so that the full parameters and the
+        gradient's arrival buffer are never alive together."""
+        if u.index in self.gathering:  # prefetched, but no gradient reached it this pass
+            self.gathering.pop(u.index).wait()
         self.transition(u, PartitionState.SHARDED)
+        super().post_backward(u)
 
     # -- resident state ----------------------------------------------------------------------
 
