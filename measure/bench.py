@@ -14,7 +14,9 @@ zero-redundancy, fsdp2, fsdp2-reshard, deepspeed-s{1,2,3}; fp32 AdamW, M = N. Mo
 (named only, never by default): megatron-lm, zero-s{0..3}-mp{1,2,4}[-det] (measure/bench_mp.py).
 Memory (--memory, on by default; [Note: the memory pass]): peak MiB per rank, measured by
 measure/tensor_memory.py, beside the analytic model states of the system's sharding level
-(zero/memory.py) and the activations autograd saves; ×DDP and ×best peer at the same level.
+(zero/memory.py) and the activations autograd saves; ×DDP and ×best peer at the same level;
+for ours, the bound derived from the model's shape ([Note: the memory bound] in
+measure/bench_table.py) and the peak over it.
 Legend: N ranks; ms/step the slowest rank's step, median over repeats × steps (IQR its spread);
 ×DDP / ×fast / ×s2 / ×<peer> ratios of medians; MFU model FLOPs ÷ step time ÷ measured peak
 (measure/mfu.py); Δloss the largest loss difference from DDP. Every system, column and rule is

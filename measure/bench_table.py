@@ -101,6 +101,75 @@ def analytic_states_bytes(name: str, n: int, num_params: int, mp: int = 1) -> fl
     ).total
 
 
+# [Note: the memory bound] What our engine may hold at once beyond the analytic model states S,
+# for the benchmark's configuration (fp32 throughout, M = N: one micro-step, no clipping), from
+# the model's shape and the config alone, never from the engine. X = B·T·V·4 bytes (the logits);
+# G_b, G_r the padded bytes of the largest block unit and of the root unit (reference/layout.py's
+# layout of their parameters at this N), E the bytes of the optimizer's extent (Ψ·4, or Ψ·4/N
+# from stage 1 on, padded), A the activations autograd saves (measured on the plain model).
+#   peak <= S + max(A + 3X + T_bwd, T_step)
+# - 3X, the loss: the logits the caller keeps until its backward is done, and inside the
+#   cross-entropy's backward the gradients of the log-softmax output and of the logits (the
+#   log-softmax output itself is saved, in A). DDP's measured excess is exactly this.
+# - T_bwd, the engine in forward and backward:
+#   G_r + G_b  gradients waiting in .grad for their unit's last one: the running block's, and
+#              the root's, whose tied head weight gets its gradient first and whose embedding
+#              completes it last;
+#   reductions at most 2 in flight ([Note: bounded reductions in flight]), each with a receive
+#              buffer of N·L (stage 0 deterministic, stage 1: the input is u.grad, in S) or an
+#              arrival and a receive buffer (stages 2-3): 2·G_b or 4·G_b (stage 0 fast: none,
+#              the all-reduce is in place);
+#   held       stage 0 deterministic: each unit's shard of R, kept by its gradient all-gather
+#              until step(): E/N;
+#   gathered   stage 3: the root's full working buffer and max_live = 2 blocks' (W = G here).
+# - T_step, the update, when the activations are gone: the scaled gradient (E), at most one
+#   whole-extent temporary of the optimizer (E; the deterministic blocks take 3 MiB, torch's
+#   fused kernel works in place), and stages 1-2 the send buffers of the parameter all-gather,
+#   one shard per unit, kept until the step ends (E).
+# Each term is the most it can be, and they are added as if at one moment, so this bounds the
+# peak from above; how close it is, the memory table shows (÷bound).
+_GATHER_DEPTH = 2  # zero/stages/stage3.py: max_live
+_REDUCTIONS = 2  # zero/stages/base.py: Reductions.max_inflight
+
+
+def memory_bound(config: dict) -> dict[str, float] | None:
+    """The terms of [Note: the memory bound] in bytes for one of OURS' records (config as a
+    record holds it); None for the other systems (their transients are not ours to derive)."""
+    if config["system"] not in OURS:
+        return None
+    from reference.layout import unit_layout
+    from zero.models import GPT, GPTConfig
+
+    n, stage = config["world_size"], config["stage"]
+    det = config["options"]["deterministic"]
+    chunk = config["options"]["chunk"]
+    model = GPT(GPTConfig(**config["gpt"]), device="meta")
+    units = {name: [] for name in model.unit_names()}
+    root = []
+    for name, p in model.named_parameters():
+        owner = next((u for u in units if name.startswith(u + ".")), None)
+        (units[owner] if owner else root).append((name, tuple(p.shape)))
+
+    def padded(params) -> int:  # bytes of the unit's flat buffer, N·L fp32 elements
+        return 4 * unit_layout(params, chunk=chunk).padded_numel(n)
+
+    g_b = max(padded(ps) for ps in units.values())
+    g_r = padded(root)
+    whole = g_r + sum(padded(ps) for ps in units.values())
+    extent = whole if stage == 0 else whole / n
+    g = config["gpt"]
+    x = config["batch_size"] * config["seq_len"] * g["vocab_size"] * 4
+    terms = {
+        "loss": 3 * x,
+        "waiting": g_r + g_b,
+        "reductions": 0 if stage == 0 and not det else _REDUCTIONS * g_b * (2 if stage >= 2 else 1),
+        "held": whole / n if stage == 0 and det else 0,
+        "gathered": g_r + _GATHER_DEPTH * g_b if stage == 3 else 0,
+        "step": 2 * extent + (whole / n if stage in (1, 2) else 0),
+    }
+    return {k: float(v) for k, v in terms.items()}
+
+
 def _loss_by_step(res: dict) -> dict[int, float]:
     out = dict(enumerate(res.get("build_losses", [])))
     for first, rep in zip(res["first_data_steps"], res["losses"]):
@@ -162,7 +231,8 @@ def add_ratios(records: list[dict]) -> None:
     for ok in groups.values():
         for (name, n), rec in ok.items():
             if "memory" in rec["result"]:
-                _memory_ratios(name, n, rec["result"]["memory"], {**anywhere, **ok})
+                mem = rec["result"]["memory"]
+                _memory_ratios(name, n, mem, {**anywhere, **ok}, rec["config"])
 
 
 def _peer_ratios(n: int, res: dict, ok: dict, anywhere: dict) -> dict[str, float]:
@@ -212,9 +282,10 @@ def _time_ratios(name: str, n: int, res: dict, ok: dict) -> None:
         res["ratio_vs_megatron"] = mine / mega["result"]["median_ms"] if mega else None
 
 
-def _memory_ratios(name: str, n: int, mem: dict, ok: dict) -> None:
-    """Peak over DDP's, over the best peer's at the same sharding level (ours), and over the
-    accounted bytes (analytic states + saved activations)."""
+def _memory_ratios(name: str, n: int, mem: dict, ok: dict, config: dict) -> None:
+    """Peak over DDP's, over the best peer's at the same sharding level (ours), over the
+    accounted bytes (analytic states + saved activations), and over [Note: the memory bound]
+    (ours)."""
 
     def peak(system):
         rec = ok.get((system, n))
@@ -230,6 +301,12 @@ def _memory_ratios(name: str, n: int, mem: dict, ok: dict) -> None:
     accounted = mem["analytic_states_bytes"] + mem["activation_bytes"]
     mem["accounted_bytes"] = accounted
     mem["peak_over_accounted"] = mem["peak_bytes"] / accounted
+    terms = memory_bound(config)
+    if terms is not None:  # [Note: the memory bound]
+        backward = mem["activation_bytes"] + sum(v for k, v in terms.items() if k != "step")
+        mem["bound_terms"] = terms
+        mem["bound_bytes"] = mem["analytic_states_bytes"] + max(backward, terms["step"])
+        mem["peak_over_bound"] = mem["peak_bytes"] / mem["bound_bytes"]
 
 
 def spread(per_round: list[float] | None) -> str:
@@ -349,9 +426,10 @@ def phase_parts(record: dict) -> dict[str, float]:
 
 def format_memory(records: list[dict], *, markdown: bool = False) -> str:
     """Peak tensor bytes per rank (MiB) of the records that carry the memory pass: the peak, the
-    bytes alive between steps, the analytic states and saved activations, and the ratios."""
+    bytes alive between steps, the analytic states and saved activations, our systems' bound
+    ([Note: the memory bound]), and the ratios."""
     head = ["system", "N", "level", "peak MiB", "between steps", "states", "activations"]
-    head += ["÷accounted", "×DDP", "×best peer", "drift"]
+    head += ["÷accounted", "bound", "÷bound", "×DDP", "×best peer", "drift"]
     rows = []
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     ratio = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
@@ -371,6 +449,8 @@ def format_memory(records: list[dict], *, markdown: bool = False) -> str:
                 mib(mem["analytic_states_bytes"]),
                 mib(mem["activation_bytes"]),
                 ratio(mem.get("peak_over_accounted")),
+                mib(mem["bound_bytes"]) if "bound_bytes" in mem else "—",
+                ratio(mem.get("peak_over_bound")),
                 ratio(mem.get("peak_vs_ddp")),
                 versus if versus == "—" else f"{versus} ({PEER_LABELS.get(best, best)})",
                 f"{mem['drift_bytes']}",

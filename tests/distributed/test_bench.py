@@ -302,6 +302,8 @@ def test_memory_pass_records_peaks_beside_the_analytic_states(records):
     assert ddp["peak_vs_ddp"] == 1.0 and ddp["engine_states_bytes"] is None
     assert ours["peak_vs_ddp"] == ours["peak_bytes"] / ddp["peak_bytes"]
     assert ours["best_peer_at_level"] == "ddp" and ours["peak_vs_best_peer"] == ours["peak_vs_ddp"]
+    # [Note: the memory bound] holds for the engine, and only ours has one
+    assert ours["peak_bytes"] <= ours["bound_bytes"] and "bound_bytes" not in ddp
     head, *rows = bench.format_memory(records).splitlines()
     assert head.split()[:4] == ["system", "N", "level", "peak"]
     assert [r.split()[3] for r in rows] == [f"{m['peak_bytes'] / 2**20:.2f}" for m in (ours, ddp)]

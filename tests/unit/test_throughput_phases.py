@@ -155,8 +155,57 @@ def _timed(system, median, group, peak=None):
     }
     if peak is not None:
         result["memory"] = {"peak_bytes": peak, "analytic_states_bytes": 1, "activation_bytes": 1}
-    config = {"system": system, "world_size": 2, "model": "large", "group": group}
+    config = {"system": system, "world_size": 2, "model": "large", "group": group, **_ANCHOR}
+    if system.startswith("zero-s"):
+        config["stage"] = int(system[6])
+        config["options"] = {"chunk": 4096, "deterministic": system.endswith("-det")}
     return {"config": config, "result": result}
+
+
+_ANCHOR = {
+    "gpt": {"vocab_size": 2048, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 256},
+    "batch_size": 8,
+    "seq_len": 128,
+}
+"""The anchor GPT's shape, as a record's config holds it."""
+
+
+def test_memory_bound_terms_by_hand():
+    """[Note: the memory bound] at the anchor GPT (d 256, 4 blocks, V 2048, T 128, B 8), N = 2,
+    chunks of 4096, worked out by hand. Every parameter of a block is a multiple of 64
+    elements, so the block's layout is its 789,760 elements, rounded up to 193 chunks; L is
+    97 chunks (397,312) and N·L 794,624 elements: G_b = 3,178,496 bytes. The root (wte
+    524,288 + wpe 32,768 + ln_f 512 = 557,568) is 137 chunks, L 69 chunks, G_r = 4·2·282,624
+    = 2,260,992. The whole padded model Σ = G_r + 4·G_b = 14,974,976 bytes; X = 8·128·2048·4
+    = 8,388,608."""
+    g_b, g_r, x = 3_178_496, 2_260_992, 8_388_608
+    whole = g_r + 4 * g_b
+    want = {
+        "zero-s0": dict(reductions=0, held=0, gathered=0, step=2 * whole),
+        "zero-s0-det": dict(reductions=2 * g_b, held=whole / 2, gathered=0, step=2 * whole),
+        "zero-s1": dict(reductions=2 * g_b, held=0, gathered=0, step=3 * whole / 2),
+        "zero-s2-det": dict(reductions=4 * g_b, held=0, gathered=0, step=3 * whole / 2),
+        "zero-s3": dict(reductions=4 * g_b, held=0, gathered=g_r + 2 * g_b, step=whole),
+    }
+    for system, terms in want.items():
+        got = bench_table.memory_bound(_timed(system, 1.0, "")["config"])
+        assert got == {"loss": 3 * x, "waiting": g_r + g_b, **terms}, system
+    assert bench_table.memory_bound(_timed("ddp", 1.0, "")["config"]) is None
+
+
+def test_bound_is_states_plus_the_larger_of_backward_and_step():
+    """The record's bound: S + max(A + loss + the backward terms, step); ÷bound the peak over
+    it. With one sequence per micro-batch (X = 1,048,576) and activations of 1 byte the step
+    term (2Σ at stage 0) is the larger; with 8 and a large A the backward sum is."""
+    whole, waiting = 2_260_992 + 4 * 3_178_496, 2_260_992 + 3_178_496
+    for batch, acts, expect in ((1, 1, 2 * whole), (8, 10**9, 10**9 + 3 * 8_388_608 + waiting)):
+        rec = _timed("zero-s0", 1.0, "", peak=5 * 10**8)
+        rec["config"]["batch_size"] = batch
+        rec["result"]["memory"].update(analytic_states_bytes=7, activation_bytes=acts)
+        bench_table.add_ratios([rec])
+        mem = rec["result"]["memory"]
+        assert mem["bound_bytes"] == 7 + expect
+        assert mem["peak_over_bound"] == 5 * 10**8 / (7 + expect)
 
 
 def test_groups_pair_time_within_a_run_and_peers_through_ddp():
