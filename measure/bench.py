@@ -72,6 +72,7 @@ from .bench_table import (
     format_memory,
     format_mp,
     format_profile,
+    format_targets,
     format_table,
     merge_records,
 )
@@ -1070,6 +1071,7 @@ def main(argv=None) -> int:
         if args.json is not None:
             write_json(args.json, {"section": KIND, "records": records})
         print(format_table(records, markdown=args.markdown))
+        print("\n" + format_targets(records, markdown=args.markdown))
         if any("profile_ms" in r["result"] for r in records):
             print("\n" + format_profile(records, markdown=args.markdown))
         if any("memory" in r["result"] for r in records):
@@ -1090,6 +1092,7 @@ def main(argv=None) -> int:
     started = time.time()
     records = run_bench(cfg, say=say, done=keep)
     say(format_table(records, markdown=args.markdown))
+    say("\n" + format_targets(records, markdown=args.markdown))
     if cfg.profile:
         say("\n" + format_profile(records, markdown=args.markdown))
     if cfg.memory:

@@ -318,6 +318,43 @@ def spread(per_round: list[float] | None) -> str:
     return f"{q25:.2f}-{q75:.2f}"
 
 
+TARGETS = {
+    **{f"zero-s{k}": ("ratio_vs_ddp", 1.00) for k in (0, 1, 2)},
+    "zero-s3": ("ratio_vs_ddp", 1.05),
+    **{f"zero-s{k}-det": ("ratio_vs_fast", 1.03) for k in range(4)},
+}
+"""The issue's step-time targets: fast stages 0-2 at most 1.00× DDP, stage 3 at most 1.05×,
+each deterministic stage at most 1.03× its fast one."""
+
+
+def format_targets(records: list[dict], *, markdown: bool = False) -> str:
+    """One row per target and record that has its ratio: the ratio, its per-round quartiles,
+    the target, and whether it is met (a system run in two groups has each ratio once)."""
+    head = ["model", "N", "system", "ratio", "per round", "target", "met"]
+    rows = []
+    for rec in records:
+        name, res = rec["config"]["system"], rec["result"]
+        if name not in TARGETS or res.get("status") != "ok":
+            continue
+        key, limit = TARGETS[name]
+        value = res.get(key)
+        if value is None:
+            continue
+        what = "×DDP" if key == "ratio_vs_ddp" else "×fast"
+        rows.append(
+            [
+                rec["config"]["model"],
+                str(rec["config"]["world_size"]),
+                name,
+                f"{value:.2f} {what}",
+                spread(res.get(key + "_by_repeat")),
+                f"≤ {limit:.2f}",
+                "yes" if round(value, 2) <= limit else "no",
+            ]
+        )
+    return _render(head, rows, markdown)
+
+
 def format_table(records: list[dict], *, markdown: bool = False) -> str:
     """The results table, drawn from the records (never from numbers typed in). ×DDP/round and
     ×fast/round: the interquartile range of the ratio over the rounds (`spread`)."""

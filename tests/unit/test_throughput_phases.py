@@ -238,3 +238,28 @@ def test_one_run_compares_its_medians_directly():
 def test_a_system_measured_twice_in_one_group_is_refused():
     with pytest.raises(ValueError, match=r"'ddp' at N = 2 in group 'a' appears twice"):
         bench_table.merge_records([[_timed("ddp", 1.0, "a")], [_timed("ddp", 2.0, "a")]])
+
+
+def test_targets_table_reads_each_ratio_against_its_target():
+    """format_targets: fast stages 0-2 against 1.00× DDP, stage 3 against 1.05×, deterministic
+    stages against 1.03× their fast stage; a record without the ratio (its pair ran in another
+    group) gives no row, and a peer none at all."""
+    recs = [
+        _timed("ddp", 100.0, "a"),
+        _timed("zero-s2", 101.0, "a"),
+        _timed("zero-s3", 105.0, "a"),
+        _timed("zero-s3-det", 108.0, "a"),
+        _timed("zero-s1-det", 50.0, "b"),
+    ]
+    for r in recs:
+        r["result"]["repeat_medians_ms"] = [r["result"]["median_ms"]] * 2
+    bench_table.add_ratios(recs)
+    head, *rows = bench_table.format_targets(recs).splitlines()
+    cells = [r.split() for r in rows]
+    assert head.split() == ["model", "N", "system", "ratio", "per", "round", "target", "met"]
+    # 101/100 over 1.00; 105/100 at 1.05; 108/105 = 1.029 within 1.03
+    assert [(c[2], c[3], c[-1]) for c in cells] == [
+        ("zero-s2", "1.01", "no"),
+        ("zero-s3", "1.05", "yes"),
+        ("zero-s3-det", "1.03", "yes"),
+    ]
