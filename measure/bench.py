@@ -72,8 +72,8 @@ from .bench_table import (
     format_memory,
     format_mp,
     format_profile,
-    format_targets,
     format_table,
+    format_targets,
     merge_records,
 )
 
