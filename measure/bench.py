@@ -67,6 +67,7 @@ from .bench_table import (
     OURS,
     SHARDING_LEVEL,
     SYSTEMS,
+    TARGETS,
     add_ratios,
     analytic_states_bytes,
     format_memory,
@@ -1071,7 +1072,8 @@ def main(argv=None) -> int:
         if args.json is not None:
             write_json(args.json, {"section": KIND, "records": records})
         print(format_table(records, markdown=args.markdown))
-        print("\n" + format_targets(records, markdown=args.markdown))
+        if any(r["config"]["system"] in TARGETS for r in records):
+            print("\n" + format_targets(records, markdown=args.markdown))
         if any("profile_ms" in r["result"] for r in records):
             print("\n" + format_profile(records, markdown=args.markdown))
         if any("memory" in r["result"] for r in records):
@@ -1092,7 +1094,8 @@ def main(argv=None) -> int:
     started = time.time()
     records = run_bench(cfg, say=say, done=keep)
     say(format_table(records, markdown=args.markdown))
-    say("\n" + format_targets(records, markdown=args.markdown))
+    if any(s in TARGETS for s in cfg.systems):
+        say("\n" + format_targets(records, markdown=args.markdown))
     if cfg.profile:
         say("\n" + format_profile(records, markdown=args.markdown))
     if cfg.memory:

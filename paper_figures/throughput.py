@@ -58,7 +58,8 @@ def compute(profile: str) -> dict:
 def panels(records: list[dict]) -> list[tuple[str, int, list[dict]]]:
     """(model, N, its records) for every model size and N present, in MEASURED's order of sizes
     and rising N: one panel each. A system measured in several groups ([Note: system groups] in
-    measure/bench_table.py: `ddp` is in every one) appears once, as its first group has it."""
+    measure/bench_table.py: `ddp` is in every one) appears once, as the first group that gives it
+    a ×DDP has it (a group without `ddp` gives none), else as its first group has it."""
     order = {m: i for i, m in enumerate(MEASURED)}
     keys = sorted(
         {(r["config"].get("model", "?"), r["config"]["world_size"]) for r in records},
@@ -69,9 +70,15 @@ def panels(records: list[dict]) -> list[tuple[str, int, list[dict]]]:
         first: dict[str, dict] = {}
         for r in records:
             if (r["config"].get("model", "?"), r["config"]["world_size"]) == (m, n):
-                first.setdefault(r["config"]["system"], r)
+                name = r["config"]["system"]
+                if name not in first or _ddp(r) is not None and _ddp(first[name]) is None:
+                    first[name] = r
         out.append((m, n, list(first.values())))
     return out
+
+
+def _ddp(record: dict) -> float | None:
+    return record["result"].get("ratio_vs_ddp")
 
 
 def _grid(keys: list[tuple[str, int, list[dict]]], size: tuple[float, float]):
@@ -105,8 +112,9 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     keys = panels(records)
     fig, axes = _grid(keys, (6, 5))
     for ax, (model, n, here) in zip(axes, keys, strict=True):
+        here = [r for r in here if _ddp(r) is not None]  # timed only beside its fast stage
         names = [r["config"]["system"] for r in here]
-        ratios = [r["result"]["ratio_vs_ddp"] for r in here]
+        ratios = [_ddp(r) for r in here]
         colors = ["C0" if s in bench_table.OURS else "C7" for s in names]
         ax.barh(names, ratios, color=colors)
         ax.axvline(1.0, color="k", lw=1)
@@ -152,11 +160,13 @@ def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
 
 
 def index_rows(payload: dict) -> list[list[str]]:
-    """INDEX.md rows: our stages' step time over DDP's (the paper has no CPU numbers)."""
+    """INDEX.md rows: our stages' step time over DDP's (the paper has no CPU numbers), one per
+    system, size and N as the figure draws it (`panels`)."""
     rows = []
-    for r in payload["records"]:
+    ok = [r for r in payload["records"] if r["result"]["status"] == "ok"]
+    for r in (r for _, _, here in panels(ok) for r in here):
         c, res = r["config"], r["result"]
-        if c["system"] in bench_table.OURS and res["status"] == "ok":
+        if c["system"] in bench_table.OURS and _ddp(r) is not None:
             prov = r["provenance"]
             rows.append(
                 [

@@ -104,6 +104,24 @@ def test_a_system_in_several_groups_is_drawn_once():
     ]
 
 
+def test_a_system_is_drawn_from_the_group_that_has_its_ddp_ratio():
+    """A system timed in a group without `ddp` (beside its deterministic stage only) has no ×DDP
+    there: the panel takes it from the group that has one, whichever came first."""
+    recs = [
+        _timed("zero-s0", 105.0, "fast-det"),
+        _timed("zero-s0-det", 110.0, "fast-det"),
+        _timed("ddp", 100.0, "plain"),
+        _timed("zero-s0", 99.0, "plain"),
+    ]
+    bench_table.add_ratios(recs)
+    ((_, _, here),) = throughput.panels(recs)
+    got = {
+        r["config"]["system"]: (r["config"]["group"], r["result"].get("ratio_vs_ddp")) for r in here
+    }
+    assert got["zero-s0"] == ("plain", 0.99)
+    assert got["zero-s0-det"] == ("fast-det", None)  # kept in the panel's records, not drawn
+
+
 def test_ratio_noise_is_the_quartiles_over_rounds():
     """×DDP/round and ×fast/round: the ratio round by round (each round's medians, paired), and
     its quartiles in the table; DDP against itself is exactly 1 in every round."""
