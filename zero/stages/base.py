@@ -71,7 +71,7 @@ class Reductions:
             self.pop()
 
     def launched(self, complete: Callable, u: FlatUnit, pending: C.Pending) -> None:
-        """Track a launched reduction; complete the oldest beyond the in-flight bound."""
+        """Track a launched reduction (its caller made room first; the loop is a guard)."""
         self.queue.append((complete, u, pending))
         while len(self.queue) > self.max_inflight:
             self.pop()

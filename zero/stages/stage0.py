@@ -112,7 +112,7 @@ class Stage0:
         if not self.cfg.deterministic:
             self.accumulate_locally(u)
             if self.ctx.clock.microstep == self.cfg.micro_batches // self.ctx.world_size - 1:
-                u.pending = self.reduce_accumulated(u)
+                self.reduce_accumulated(u)
             return
         u.part.flatten_into(u.grad, u.grads())  # exact upcast into the reduction dtype
         u.clear_grads()
@@ -145,10 +145,10 @@ class Stage0:
                     view += p.grad.reshape(-1).to(view.dtype)
         u.clear_grads()
 
-    def reduce_accumulated(self, u: FlatUnit) -> C.Pending | None:
-        """Fast mode: one all-reduce of the locally accumulated sum (in place in u.grad), waited
-        at step(). (Stage 1 completes its reduce-scatter in backward and returns None.)"""
-        return C.all_reduce_sum(
+    def reduce_accumulated(self, u: FlatUnit) -> None:
+        """Fast mode: one all-reduce of the locally accumulated sum (in place in u.grad), kept in
+        u.pending and waited at step()."""
+        u.pending = C.all_reduce_sum(
             u.grad,
             group=self.group,
             counter=self.counter,
