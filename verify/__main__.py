@@ -39,7 +39,7 @@ from pathlib import Path
 
 from zero import cli
 from zero.launch import check_timeout
-from zero.results import provenance, write_atomic, write_json
+from zero.results import ISA_LADDER, cpu_kernels, kernel_caps, provenance, write_atomic, write_json
 
 from . import matrix
 from .harness import Cell
@@ -117,6 +117,12 @@ def parse(argv=None) -> argparse.Namespace:
         help="a JSON report of an earlier run: every cell run by both must end in the same "
         "state digest (a refactoring check)",
     )
+    p.add_argument(
+        "--digests",
+        default=None,
+        help="write only each cell's configuration and end-state digest, with the provenance "
+        "(the CPU kernels included): a small file for a later --baseline",
+    )
     p.add_argument("--list", action="store_true", help="print the cells per world size, run none")
     p.add_argument(
         "--coverage",
@@ -132,14 +138,49 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--steps {args.steps} --accumulation {args.accumulation}: each must be >= 1")
     try:
         check_timeout(args.timeout, "timeout")
-        for name in ("json", "markdown"):
+        for name in ("json", "markdown", "digests"):
             if getattr(args, name) is not None:
                 cli.check_writable(name, getattr(args, name), file=True)
     except ValueError as exc:
         p.error(cli.error_line(exc))
     if args.baseline is not None and not Path(args.baseline).is_file():
         p.error(f"--baseline {args.baseline!r}: no such file; allowed is a JSON report")
+    if args.baseline is not None:
+        try:
+            check_kernels(args.baseline)
+        except ValueError as exc:
+            p.error(str(exc))
     return args
+
+
+def check_kernels(path: str) -> None:
+    """Refuse a digest baseline taken under other CPU kernels than this run's, before any cell
+    runs: its GPT cells would differ in every bit that torch's kernels choose, not by any change of
+    ours ([Note: CPU kernels and digests] in zero/results.py). A report that records no kernels
+    is compared as it is (compare_baseline says so)."""
+    try:
+        then = (json.loads(Path(path).read_text()).get("provenance") or {}).get("cpu_kernels")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"--baseline {path!r}: not a JSON report ({exc})") from None
+    now = cpu_kernels()
+    if then is None or then == now:
+        return
+    if not isinstance(then, dict):
+        raise ValueError(f"--baseline {path!r}: provenance.cpu_kernels={then!r} is not a dict")
+    stronger = all(
+        ISA_LADDER.index(then[k]) <= ISA_LADDER.index(now[k])
+        for k in ("aten", "onednn")
+        if then.get(k) in ISA_LADDER and now.get(k) in ISA_LADDER
+    )
+    fix = (
+        f"rerun as `{kernel_caps(then)} python -m verify ...` to use its kernels here"
+        if stronger
+        else "this CPU cannot run its kernels; take a baseline on this machine"
+    )
+    raise ValueError(
+        f"--baseline {path!r}: provenance.cpu_kernels={then} but this run's are {now}; end-state "
+        f"digests depend on torch's CPU kernels, so the two cannot be compared; {fix}"
+    )
 
 
 def cells_for(args) -> list[Cell]:
@@ -271,6 +312,11 @@ def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
     cells in only one report are counted, never compared."""
     defaults = {f.name: f.default for f in dataclasses.fields(Cell)}
     old = json.loads(Path(path).read_text())
+    if (old.get("provenance") or {}).get("cpu_kernels") is None:
+        say(
+            f"baseline {path}: records no CPU kernels; its GPT cells' digests match only a run "
+            "under the kernels it was taken with ([Note: CPU kernels and digests])"
+        )
     before_rows = [r for s in ("cells", "injected") for r in old.get(s) or []]
     known = set(before_rows[0]["config"]) if before_rows else set()
     key = lambda config: json.dumps({k: config[k] for k in sorted(known)}, sort_keys=True)
@@ -292,6 +338,22 @@ def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
     for r in changed[:20]:
         say(f"  changed: {console_row(r)}")
     return changed
+
+
+DIGESTS_ABOUT = (
+    "End-state digests of python -m verify (one per cell, by full configuration): the baseline "
+    "for python -m verify --baseline THIS_FILE after a change that must not move any bit. "
+    "Comparable only under the CPU kernels in provenance.cpu_kernels."
+)
+
+
+def write_digests(path: str, report: dict) -> None:
+    """The --digests file: per cell its configuration and digest, and the run's provenance."""
+    slim = {
+        name: [{"config": r["config"], "digest": r.get("digest")} for r in report[name]]
+        for name in ("cells", "injected")
+    }
+    write_json(path, {"about": DIGESTS_ABOUT, **slim, "provenance": report["provenance"]})
 
 
 def main(argv=None) -> int:
@@ -373,6 +435,8 @@ def main(argv=None) -> int:
     changed = compare_baseline(args.baseline, cell_rows, say) if args.baseline else []
     if lead and args.json:
         write_json(args.json, sanitize(report))
+    if lead and args.digests:
+        write_digests(args.digests, report)
     if lead and args.markdown:
         text = markdown(report)
         if par is not None:

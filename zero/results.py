@@ -60,6 +60,69 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+# [Note: CPU kernels and digests]
+# The reference fixes every operation of a step once the micro-batch gradients are given, but those
+# gradients come from torch's forward and backward, whose CPU kernels are picked at run time by
+# instruction set: ATen's vectorized kernels (capped by ATEN_CPU_CAPABILITY) and oneDNN's matmuls
+# (capped by ONEDNN_MAX_CPU_ISA). A GPT's gradients on an AVX-512 machine differ in their last bits
+# from an AVX2 machine's, so two runs' end-state digests are comparable only under the same
+# kernels. Both sides of a verify cell run on one machine, so the engine-against-reference check
+# never depends on it; a digest baseline carried between machines does.
+ISA_LADDER = ("DEFAULT", "AVX2", "AVX512", "AVX512_BF16", "AMX")
+"""The instruction sets the kernel record tells apart, weakest first."""
+
+_ONEDNN_ISA = {"SSE41": "DEFAULT", "AVX": "DEFAULT", "AVX2": "AVX2", "AVX512_CORE": "AVX512",
+               "AVX512_CORE_VNNI": "AVX512", "AVX512_CORE_BF16": "AVX512_BF16",
+               "AVX512_CORE_AMX": "AMX"}  # fmt: skip
+"""ONEDNN_MAX_CPU_ISA values (the ones that matter here) on the ladder."""
+
+ONEDNN_CAP = {v: k for k, v in reversed(_ONEDNN_ISA.items())}
+"""The ONEDNN_MAX_CPU_ISA value that caps oneDNN at a rung of the ladder."""
+
+
+def _cpu_isa() -> str:
+    """The highest rung this CPU offers, from its flags (DEFAULT where they cannot be read)."""
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    if "amx_bf16" in flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX512_BF16"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "AVX512"
+    return "AVX2" if "avx2" in flags else "DEFAULT"
+
+
+def cpu_kernels() -> dict[str, str] | None:
+    """The CPU kernels torch computes gradients with ([Note: CPU kernels and digests]).
+
+    ``aten``: torch's own dispatch (``torch.backends.cpu.get_cpu_capability()``); ``onednn``: the
+    CPU's best rung capped by ONEDNN_MAX_CPU_ISA. None without torch.
+    """
+    try:
+        import torch
+    except ImportError:
+        return None
+    best = _cpu_isa()
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    limit = _ONEDNN_ISA.get(cap, "DEFAULT" if cap not in ("", "ALL") else best)
+    onednn = min(best, limit, key=ISA_LADDER.index)
+    return {"aten": torch.backends.cpu.get_cpu_capability(), "onednn": onednn}
+
+
+def kernel_caps(kernels: dict[str, str]) -> str:
+    """The environment that makes torch use `kernels` on a stronger CPU (a shell prefix)."""
+    onednn = ONEDNN_CAP.get(kernels.get("onednn", ""), "DEFAULT")
+    return (
+        f"ATEN_CPU_CAPABILITY={kernels.get('aten', 'default').lower()} ONEDNN_MAX_CPU_ISA={onednn}"
+    )
+
+
 @functools.lru_cache(maxsize=1)
 def _static_provenance() -> dict[str, Any]:
     """Provenance that does not change while a process runs (cached: git and torch are slow)."""
@@ -91,6 +154,7 @@ def _static_provenance() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "cpu_kernels": cpu_kernels(),
         "gpu": gpu,
         "gpu_count": torch.cuda.device_count() if gpu is not None else 0,
     }

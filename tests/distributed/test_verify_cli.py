@@ -88,6 +88,37 @@ def test_baseline_flags_a_cell_whose_final_digest_changed(tmp_path, capsys):
 
 
 @pytest.mark.dist
+def test_digests_file_is_a_baseline_that_names_its_cpu_kernels(tmp_path, capsys):
+    """--digests writes each cell's configuration and digest with the run's CPU kernels; it
+    serves as --baseline on the same kernels, and a file taken under other kernels is refused
+    before any cell runs, naming the field, both values and the environment that matches it."""
+    from zero.results import cpu_kernels
+
+    slim = tmp_path / "digests.json"
+    argv = ["--stages", "1", "--world-sizes", "2", "--precisions", "fp32"]
+    argv += ["--optimizers", "sgd", "--models", "mlp", "--steps", "2"]
+    assert main([*argv, "--digests", str(slim)]) == 0
+    data = json.loads(slim.read_text())
+    assert set(data) == {"about", "cells", "injected", "provenance"}
+    assert [set(c) for c in data["cells"]] == [{"config", "digest"}]
+    assert data["provenance"]["cpu_kernels"] == cpu_kernels()
+    capsys.readouterr()
+    assert main([*argv, "--baseline", str(slim)]) == 0
+    out = capsys.readouterr().out
+    assert "1/1 common cells end in the same digest" in out and "records no" not in out
+    # a machine with weaker kernels than this one's: this one can use them, and is told how
+    data["provenance"]["cpu_kernels"] = {"aten": "DEFAULT", "onednn": "DEFAULT"}
+    slim.write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--baseline", str(slim)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "provenance.cpu_kernels={'aten': 'DEFAULT', 'onednn': 'DEFAULT'}" in err
+    assert str(cpu_kernels()) in err
+    assert "ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41" in err
+
+
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_under_torchrun_it_uses_the_given_world(tmp_path):
     out = tmp_path / "v.json"

@@ -127,6 +127,33 @@ def test_baseline_matches_cells_across_a_newer_cell_field_only_at_its_default(tm
     newer = {**row, "config": {**cell.as_dict(), "loss_scale": 0.5}, "digest": "b" * 32}
     said = []
     assert compare_baseline(str(tmp_path / "old.json"), [same, newer], said.append) == []
-    assert "1/1 common cells end in the same digest (1 cells only here)" in said[0]
+    assert "records no CPU kernels" in said[0]  # an old report: compared, with a warning
+    assert "1/1 common cells end in the same digest (1 cells only here)" in said[1]
     moved = {**same, "digest": "c" * 32}
     assert compare_baseline(str(tmp_path / "old.json"), [moved], said.append) == [moved]
+
+
+def test_cpu_kernels_follow_the_onednn_cap_and_never_exceed_the_cpu(monkeypatch):
+    """The kernel record's oneDNN rung is the CPU's best capped by ONEDNN_MAX_CPU_ISA, and
+    kernel_caps turns a record back into the environment that caps a stronger CPU to it."""
+    import torch
+
+    from zero import results
+
+    best = results._cpu_isa()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert results.cpu_kernels() == {
+        "aten": torch.backends.cpu.get_cpu_capability(),
+        "onednn": best,
+    }
+    for cap, rung in (("AVX2", "AVX2"), ("avx512_core_bf16", "AVX512_BF16"), ("SSE41", "DEFAULT")):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        lower = min(best, rung, key=results.ISA_LADDER.index)  # a cap never raises the CPU's rung
+        assert results.cpu_kernels()["onednn"] == lower
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    assert results.cpu_kernels()["onednn"] == best
+    for rung in results.ISA_LADDER:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", results.ONEDNN_CAP[rung])
+        assert results.cpu_kernels()["onednn"] == min(best, rung, key=results.ISA_LADDER.index)
+    caps = results.kernel_caps({"aten": "AVX2", "onednn": "AVX2"})
+    assert caps == "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"
