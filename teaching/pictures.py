@@ -130,12 +130,22 @@ def engine_blocks(engine) -> list[Block]:
         nbytes = t.untyped_storage().nbytes()
         return (t.untyped_storage().data_ptr(), nbytes, nbytes // t.element_size())
 
+    def grad(u) -> Buffer:
+        """Between steps the buffer may be released: drawn with what a step holds in it."""
+        if u.grad_released:
+            return (
+                ("released", u.index),
+                u.grad_nbytes,
+                u.grad_nbytes // engine.config.grad_dtype.itemsize,
+            )
+        return buffer(u.grad)
+
     out: list[Block] = []
     seen: set[int] = set()  # storage pointers already counted
     for u in engine.units:
         buffers = {
             "params": [buffer(engine.working_extent(u)[0])],
-            "grads": [buffer(u.grad)],
+            "grads": [grad(u)],
             "master": [buffer(u.master)],
             "optimizer": [buffer(t) for t in u.opt.values()],
         }
@@ -146,7 +156,9 @@ def engine_blocks(engine) -> list[Block]:
             full_size=u.part.padded_numel,
             buffers=buffers,
             seen=seen,
-            partial_nbytes=engine.partial_peak(u) * u.part.shard_numel * u.grad.element_size(),
+            partial_nbytes=engine.partial_peak(u)
+            * u.part.shard_numel
+            * engine.config.grad_dtype.itemsize,
         )
     return out
 

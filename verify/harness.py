@@ -682,6 +682,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
             eng = ZeroEngine(build(device="meta"), cfg, device=device, init_seed=0, init=init_rule)
         else:
             eng = ZeroEngine(model.to(device), cfg)
+    eng.keep_reduced = True  # the reduced-gradient and norm checks read R after each step
     ref_model = None if cell.injected else build().to(device)
     verdict = _verdict(rank)
 

@@ -163,6 +163,10 @@ class ZeroEngine(nn.Module):
         self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
         self.t, self.data_step, self._losses = 0, 0, []  # _losses: this step's, as floats
         self._next = 0  # [Note: one launch order]: units[::-1][_next] is launched next
+        # verification reads the step's R after it (last_reduced); holding it keeps the
+        # gradient buffers alive between steps ([Note: gradients live within a step])
+        self.keep_reduced = False
+        self.last_reduced: list[torch.Tensor] | None = None
         # [Note: gradient hooks hold the engine weakly]
         hooks = [
             p.register_post_accumulate_grad_hook(_post_accumulate(weakref.ref(self), u.index, i))
@@ -304,7 +308,8 @@ class ZeroEngine(nn.Module):
                     f"{self.config.precision!r}; nonfinite='skip' skips"
                 )
         else:
-            self.last_reduced = held  # R as this rank holds it (valid until the next backward)
+            if self.keep_reduced:  # R as this rank holds it, valid until the next backward
+                self.last_reduced = held  # (it keeps the released gradient buffers alive)
             coef = clip_coefficient(norm, self.config.clip_norm)
             if coef is not None:
                 for x in g:
@@ -326,6 +331,9 @@ class ZeroEngine(nn.Module):
                 self.stage_of(u).refresh_working(u)  # may launch its all-gather and return
             for stage in self.stages.values():
                 stage.finish_step()
+        for u in self.units:  # [Note: gradients live within a step] (zero/unit.py)
+            u.release_grad()
+        del held, g
         norm = None if overflow else norm
         if self.scaler is not None:
             self.scaler = scaler_update(self.scaler, overflow, self.config.scaler)

@@ -7,8 +7,10 @@ or a policy: so the stages and policies can change without their readers changin
 
 [Note: counting storages] Memory is reported by storage, each counted once: a view owns
 nothing new, so the gradient arenas of contiguous_memory count once, whole, and a master that is
-a view of the working copy (pure fp32) counts under params alone. Host bytes are what
-offload_optimizer placed there; partial sums and communication buffers are device memory.
+a view of the working copy (pure fp32) counts under params alone. A gradient buffer released
+between steps counts with what it holds within a step ([Note: gradients live within a step]).
+Host bytes are what offload_optimizer placed there; partial sums and communication buffers are
+device memory.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def resident(engine) -> dict[str, list[torch.Tensor]]:
     under grads, and the compute-dtype upload staging as its own category. Frozen parameters
     (zero/frozen.py) are their own category, "frozen", when the model has any."""
     units = engine.units
-    grads = [u.grad for u in units]
+    grads = [u.grad for u in units if not u.grad_released]  # reading it would allocate it
     out = {
         "params": [engine.working_extent(u)[0] for u in units],
         "grads": grads,
@@ -95,7 +97,9 @@ def memory_split(engine) -> dict[str, dict[str, int]]:
     tensors = resident(engine)
     device = {k: owned(v, False) for k, v in tensors.items()}
     host = {k: owned(v, True) for k, v in tensors.items()}
-    device["grads"] += extra
+    # a buffer released between steps counts with the bytes it holds within one: reports
+    # are of the step's model states ([Note: gradients live within a step] in zero/unit.py)
+    device["grads"] += extra + sum(u.grad_nbytes for u in engine.units if u.grad_released)
     device["comm_buffers"], host["comm_buffers"] = engine.accounting.transient_peak, 0
     order = ["params", "frozen", "grads", "master", "optimizer", "comm_buffers", "staging"]
     return {

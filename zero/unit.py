@@ -7,6 +7,8 @@ shard, or never allocates is the stage's choice (zero/stages/), where, the place
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -61,8 +63,12 @@ class FlatUnit:
         self.master: torch.Tensor  # 1D, fp32, N·L (stage 0) or L; a view of working in fp32
         self.opt: dict[str, torch.Tensor] = {}  # 1D, fp32, the master's extent
         # 1D, reduction dtype, N·L (stages 0-1) or L (stages 2-3); with contiguous_memory a view
-        # of the gradient arena (zero/zero_r/contiguous.py); with offload (stages 2-3) on the host
-        self.grad: torch.Tensor
+        # of the gradient arena (zero/zero_r/contiguous.py); with offload (stages 2-3) on the host.
+        # Between steps it may be released ([Note: gradients live within a step]): the grad
+        # property allocates it again, zeros, on its first use.
+        self._grad: torch.Tensor | None = None
+        self.renew_grad: Callable[[], torch.Tensor] | None = None  # set where it is releasable
+        self.grad_nbytes = 0  # what u.grad holds within a step (counted while it is released)
         # offload_optimizer only (zero/zero_r/offload.py), host memory, None otherwise:
         self.host_grad: torch.Tensor | None = None  # 1D, reduction dtype, the master's extent
         self.host_stage: torch.Tensor | None = None  # 1D, reduction dtype, L: fast-mode addend
@@ -75,6 +81,38 @@ class FlatUnit:
         # optimizer steps it has taken (the same on every rank)
         self.used = [False] * len(self.params)
         self.steps = [0] * len(self.params)
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """[Note: gradients live within a step] A unit's gradient buffer is needed from its first
+        gradient in a step's backward to the end of that step's update, and not between steps:
+        the engine releases it after the update (zero_grad(set_to_none=True), in plain PyTorch
+        terms), and the first use in the next step allocates it again, zeros, so every step
+        starts from the buffer a fresh engine has. Between steps that is the whole of it (Ψ
+        at stages 0-1, Ψ/N at 2-3, in the reduction dtype), and the peak comes early in
+        backward, before most gradients exist, so the buffer no longer adds to it in full. The
+        engine still allocates it at construction, so that a rank that cannot hold its model
+        states fails there, not in its first backward. Kept resident where long life is the
+        point: a view of contiguous_memory's arena, and offload_optimizer's host buffer."""
+        if self._grad is None:
+            if self.renew_grad is None:
+                raise AttributeError(f"unit {self.name or '<root>'} has no gradient buffer")
+            self._grad = self.renew_grad()
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor) -> None:
+        self._grad = value
+        self.grad_nbytes = value.numel() * value.element_size()
+
+    @property
+    def grad_released(self) -> bool:
+        return self._grad is None and self.renew_grad is not None
+
+    def release_grad(self) -> None:
+        """After the update: drop the gradient buffer where it is releasable."""
+        if self.renew_grad is not None:
+            self._grad = None
 
     @property
     def numel(self) -> int:

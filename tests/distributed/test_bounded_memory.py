@@ -143,3 +143,64 @@ def test_reduction_buffers_are_bounded_and_freed_in_backward(stage, deterministi
             assert held == [], held  # stage 0 fast waits its in-place all-reduce at step()
         if stage == 3:
             assert states and set(states) == {"sharded"}, states
+
+
+def _grads_between_steps(rank, n, stage, deterministic, kw):
+    """Three steps of an MLP engine that releases its gradient buffers and of one that keeps
+    them (renew_grad None, the rule before the release existed): per step, whether each old
+    buffer was freed (nothing holds a reference), and both engines' end-state digests."""
+    import time
+    import weakref
+
+    from verify.harness import state_digest
+
+    out = {}
+    for keep in (False, True):
+        model, eng = mlp_engine(stage, n, 1, deterministic=deterministic, precision="bf16", **kw)
+        if keep:
+            for u in eng.units:
+                u.renew_grad = None
+        freed, ptrs, digests = [], [], []
+        for step in range(3):
+            old = [weakref.ref(u.grad) for u in eng.units]
+            ptrs.append([u.grad.data_ptr() for u in eng.units])
+            result = one_step(eng, model, rank, n, 1, step)
+            # gloo's worker thread drops its last completed work (and the tensors it holds) just
+            # after the wait returns ([Note: frees on gloo's thread] in measure/tensor_memory.py)
+            deadline = time.monotonic() + 5
+            released = [r for r, u in zip(old, eng.units, strict=True) if u.grad_released]
+            while any(r() is not None for r in released) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            freed.append([r() is None for r in old])
+            digests.append(state_digest(eng, result))
+        report = eng.memory_report()["grads"]
+        out[keep] = freed, digests, [u.grad_released for u in eng.units], ptrs, report
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage,deterministic,kw", [
+    (0, True, {}), (0, False, {}), (1, True, {}), (1, False, {}), (2, True, {}), (2, False, {}),
+    (3, True, {}), (3, False, {}), (3, True, {"persist_below": 1000}),
+    (2, True, {"contiguous_memory": True}), (3, False, {"offload_optimizer": True}),
+])  # fmt: skip
+def test_gradient_buffers_live_within_a_step(stage, deterministic, kw):
+    """[Note: gradients live within a step]: after every update each unit's gradient buffer is
+    freed (no reference left anywhere: a weak reference to it dies) and the next step allocates
+    it again; the end-state bits equal those of an engine that keeps its buffers, step by step;
+    memory_report still counts the buffer with what a step holds. contiguous_memory's arena
+    views and offload_optimizer's host shards (stages 2-3) stay, at the same address."""
+    kept_where = bool(kw.get("contiguous_memory")) or bool(kw.get("offload_optimizer"))
+    for out in get_pool(2).run(_grads_between_steps, stage, deterministic, kw):
+        (freed, digests, released, ptrs, report) = out[False]
+        (kept_freed, kept_digests, kept_released, kept_ptrs, kept_report) = out[True]
+        assert digests == kept_digests  # the release moves no bit
+        assert report == kept_report > 0  # reported as a step's model state either way
+        assert not any(map(any, kept_freed)) and not any(kept_released)
+        assert len(set(map(tuple, kept_ptrs))) == 1  # the keeping engine: one buffer per unit
+        if kept_where:
+            assert not any(map(any, freed)) and not any(released)
+            assert len(set(map(tuple, ptrs))) == 1
+        else:
+            assert all(map(all, freed)) and all(released), (freed, released)

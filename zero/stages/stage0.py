@@ -58,6 +58,8 @@ class Stage0:
         names = {x for g in groups for x in state_names(self.cfg.optimizer, self.cfg.groups[g])}
         u.opt = {x: torch.zeros_like(u.master) for x in sorted(names)}
         u.grad = self.new_grad(u)
+        if self.placement.releasable(self.grad_on_host(u.part)):
+            u.renew_grad = lambda: self.new_grad(u)  # [Note: gradients live within a step]
 
     def allocate_frozen(self, u: FlatUnit) -> None:
         """A unit's frozen parameters (zero/frozen.py): the working copy, kept whole."""

@@ -77,6 +77,12 @@ class Placement:
         assert view is not None, "the gradient arena was sized from these same partitions"
         return view
 
+    def releasable(self, on_host: bool) -> bool:
+        """Whether u.grad may be released between steps ([Note: gradients live within a step]):
+        not as a view of the gradient arena, whose long life is its point, nor as
+        offload_optimizer's host buffer."""
+        return self.grad_arena is None and not (self.offload is not None and on_host)
+
     def place(self, u: FlatUnit, *, grad_on_host: bool, extent: slice) -> None:
         """After the stage allocated u: its optimizer side to the host (offload_optimizer)."""
         if self.offload is not None:
