@@ -181,6 +181,10 @@ class BenchConfig:
     watchdog: str = "calls"
     """Our engine's ZeroConfig.watchdog ('calls', 'collectives' or 'off'): a run with 'off'
     beside one with the default measures what the watchdog's checks cost."""
+    release_grads: bool | None = None
+    """Our engine's ZeroConfig.release_grads: None, its default by device (kept on a CPU, released
+    on CUDA); True releases each unit's gradient buffer after every update (a lower peak, at the
+    cost of page faults every step on a CPU), False keeps it."""
     timeout_s: float = 900.0
     """Seconds one call into the ranks may take before they are killed (a hang is an error)."""
     note: str = ""
@@ -279,6 +283,7 @@ def zero_config(stage: int, deterministic: bool, n: int, cfg: BenchConfig) -> Ze
         units=tuple(f"transformer.h.{i}" for i in range(cfg.workload.gpt.n_layer)),
         overlap=True,
         watchdog=cfg.watchdog,
+        release_grads=cfg.release_grads,
     )
 
 
@@ -413,6 +418,7 @@ class _Ours(_Trainer):
             "overlap": c.overlap,
             "chunk": c.chunk,
             "clip_norm": c.clip_norm,
+            "release_grads": c.releases_grads(self.device),
         }
 
 

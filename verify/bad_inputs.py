@@ -60,6 +60,7 @@ def api_rows() -> list[tuple]:
         bad(ZeroConfig, f, "yes", None)
     bad(ZeroConfig, "contiguous_memory", 1)
     bad(ZeroConfig, "broadcast_buffers", None)
+    bad(ZeroConfig, "release_grads", "yes")
     bad(ZeroConfig, "watchdog", True, "every", None)
     bad(ZeroConfig, "partition_activations", "yes")
     for f in ("lr",):

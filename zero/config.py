@@ -113,6 +113,15 @@ class ZeroConfig:
     pieces between short-lived activations ([Note: contiguous memory] in zero/zero_r/contiguous.py).
     Bits unchanged (the copies are exact); `python -m measure.fragmentation` measures it on a
     GPU."""
+    release_grads: bool | None = None
+    """Whether each unit's gradient buffer lives only within a step ([Note: gradients live
+    within a step] in zero/unit.py): allocated at its first use in a step's backward and
+    released after the update, as zero_grad(set_to_none=True) releases .grad. The steady-state
+    peak per rank falls by the buffer (Ψ·reduction bytes at stages 0-1, Ψ/N at 2-3). None: on
+    CUDA, whose caching allocator hands the same blocks back at no cost; not on a CPU, where
+    memory given back comes back through page faults every step (docs/design.md, "Gradients
+    live within a step", has the measured cost). Never for contiguous_memory's arena views or
+    offload_optimizer's host shards, whose long life is their point. Bits unchanged."""
 
     broadcast_buffers: bool = True
     """Before every forward, rank 0's buffers (BatchNorm's running statistics, ...) are
@@ -171,6 +180,10 @@ class ZeroConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.release_grads is not None and not isinstance(self.release_grads, bool):
+            raise ValueError(
+                f"release_grads={self.release_grads!r}: must be None (by device), True or False"
+            )
         if self.dropout_seed is not None and (
             isinstance(self.dropout_seed, bool)
             or not isinstance(self.dropout_seed, int)
@@ -218,6 +231,10 @@ class ZeroConfig:
             scaler=self.scaler,
             nonfinite=self.nonfinite,
         )
+
+    def releases_grads(self, device: torch.device) -> bool:
+        """release_grads as it applies on `device` (None: on CUDA only)."""
+        return device.type == "cuda" if self.release_grads is None else self.release_grads
 
     @property
     def compute_dtype(self) -> torch.dtype:

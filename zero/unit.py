@@ -85,15 +85,13 @@ class FlatUnit:
     @property
     def grad(self) -> torch.Tensor:
         """[Note: gradients live within a step] A unit's gradient buffer is needed from its first
-        gradient in a step's backward to the end of that step's update, and not between steps:
-        the engine releases it after the update (zero_grad(set_to_none=True), in plain PyTorch
-        terms), and the first use in the next step allocates it again, zeros, so every step
-        starts from the buffer a fresh engine has. Between steps that is the whole of it (Ψ
-        at stages 0-1, Ψ/N at 2-3, in the reduction dtype), and the peak comes early in
-        backward, before most gradients exist, so the buffer no longer adds to it in full. The
-        engine still allocates it at construction, so that a rank that cannot hold its model
-        states fails there, not in its first backward. Kept resident where long life is the
-        point: a view of contiguous_memory's arena, and offload_optimizer's host buffer."""
+        gradient in a step's backward to the end of that step's update, and not between steps.
+        With ZeroConfig.release_grads the engine releases it after the update (as
+        zero_grad(set_to_none=True) releases .grad) and the first use in the next step allocates
+        it again, zeros, so every step starts from the buffer a fresh engine has: no bit moves.
+        A step's peak comes in backward while most gradients do not exist yet, so the buffer
+        stops adding to it in full. Without release_grads it is allocated at construction and
+        stays (a CPU's default: memory given back returns through page faults every step)."""
         if self._grad is None:
             if self.renew_grad is None:
                 raise AttributeError(f"unit {self.name or '<root>'} has no gradient buffer")

@@ -146,9 +146,9 @@ def test_reduction_buffers_are_bounded_and_freed_in_backward(stage, deterministi
 
 
 def _grads_between_steps(rank, n, stage, deterministic, kw):
-    """Three steps of an MLP engine that releases its gradient buffers and of one that keeps
-    them (renew_grad None, the rule before the release existed): per step, whether each old
-    buffer was freed (nothing holds a reference), and both engines' end-state digests."""
+    """Three steps of an MLP engine with release_grads as `kw` sets it and of one with
+    release_grads=False: per step, whether each old gradient buffer was freed (nothing holds a
+    reference), and both engines' end-state digests."""
     import time
     import weakref
 
@@ -156,11 +156,12 @@ def _grads_between_steps(rank, n, stage, deterministic, kw):
 
     out = {}
     for keep in (False, True):
-        model, eng = mlp_engine(stage, n, 1, deterministic=deterministic, precision="bf16", **kw)
-        if keep:
-            for u in eng.units:
-                u.renew_grad = None
+        options = {**kw, "release_grads": False} if keep else kw
+        model, eng = mlp_engine(
+            stage, n, 1, deterministic=deterministic, precision="bf16", **options
+        )
         freed, ptrs, digests = [], [], []
+        before = [u.grad_released for u in eng.units]  # released ones are allocated on first use
         for step in range(3):
             old = [weakref.ref(u.grad) for u in eng.units]
             ptrs.append([u.grad.data_ptr() for u in eng.units])
@@ -174,33 +175,42 @@ def _grads_between_steps(rank, n, stage, deterministic, kw):
             freed.append([r() is None for r in old])
             digests.append(state_digest(eng, result))
         report = eng.memory_report()["grads"]
-        out[keep] = freed, digests, [u.grad_released for u in eng.units], ptrs, report
+        out[keep] = freed, digests, before, [u.grad_released for u in eng.units], ptrs, report
     return out
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage,deterministic,kw", [
-    (0, True, {}), (0, False, {}), (1, True, {}), (1, False, {}), (2, True, {}), (2, False, {}),
-    (3, True, {}), (3, False, {}), (3, True, {"persist_below": 1000}),
-    (2, True, {"contiguous_memory": True}), (3, False, {"offload_optimizer": True}),
+    (0, True, {}), (1, False, {}), (3, True, {}),  # a CPU's default: kept
+    (0, True, {"release_grads": True}), (0, False, {"release_grads": True}),
+    (1, True, {"release_grads": True}), (1, False, {"release_grads": True}),
+    (2, True, {"release_grads": True}), (2, False, {"release_grads": True}),
+    (3, True, {"release_grads": True}), (3, False, {"release_grads": True}),
+    (3, True, {"release_grads": True, "persist_below": 1000}),
+    (2, True, {"release_grads": True, "contiguous_memory": True}),
+    (3, False, {"release_grads": True, "offload_optimizer": True}),
 ])  # fmt: skip
 def test_gradient_buffers_live_within_a_step(stage, deterministic, kw):
-    """[Note: gradients live within a step]: after every update each unit's gradient buffer is
-    freed (no reference left anywhere: a weak reference to it dies) and the next step allocates
-    it again; the end-state bits equal those of an engine that keeps its buffers, step by step;
-    memory_report still counts the buffer with what a step holds. contiguous_memory's arena
-    views and offload_optimizer's host shards (stages 2-3) stay, at the same address."""
-    kept_where = bool(kw.get("contiguous_memory")) or bool(kw.get("offload_optimizer"))
+    """[Note: gradients live within a step]: with release_grads, each unit's gradient buffer is
+    not allocated before the first step and is freed after every update (no reference left
+    anywhere: a weak reference to it dies), the next step allocating it again; the end-state
+    bits equal those of an engine that keeps its buffers, step by step; memory_report counts
+    the buffer with what a step holds either way. contiguous_memory's arena views and
+    offload_optimizer's host shards (stages 2-3) stay, at one address, and so does every buffer
+    on a CPU by default."""
+    releases = kw.get("release_grads") and not (
+        kw.get("contiguous_memory") or kw.get("offload_optimizer")
+    )
     for out in get_pool(2).run(_grads_between_steps, stage, deterministic, kw):
-        (freed, digests, released, ptrs, report) = out[False]
-        (kept_freed, kept_digests, kept_released, kept_ptrs, kept_report) = out[True]
+        (freed, digests, before, released, ptrs, report) = out[False]
+        (kept_freed, kept_digests, kept_before, kept_released, kept_ptrs, kept_report) = out[True]
         assert digests == kept_digests  # the release moves no bit
         assert report == kept_report > 0  # reported as a step's model state either way
-        assert not any(map(any, kept_freed)) and not any(kept_released)
+        assert not any(map(any, kept_freed)) and not any(kept_released + kept_before)
         assert len(set(map(tuple, kept_ptrs))) == 1  # the keeping engine: one buffer per unit
-        if kept_where:
-            assert not any(map(any, freed)) and not any(released)
-            assert len(set(map(tuple, ptrs))) == 1
+        if releases:
+            assert all(map(all, freed)) and all(released) and all(before), (freed, released)
         else:
-            assert all(map(all, freed)) and all(released), (freed, released)
+            assert not any(map(any, freed)) and not any(released + before)
+            assert len(set(map(tuple, ptrs))) == 1

@@ -57,9 +57,13 @@ class Stage0:
         groups = {self.ctx.group_index[n] for n, _ in u.params}
         names = {x for g in groups for x in state_names(self.cfg.optimizer, self.cfg.groups[g])}
         u.opt = {x: torch.zeros_like(u.master) for x in sorted(names)}
-        u.grad = self.new_grad(u)
-        if self.placement.releasable(self.grad_on_host(u.part)):
-            u.renew_grad = lambda: self.new_grad(u)  # [Note: gradients live within a step]
+        release = self.cfg.releases_grads(u.working.device)
+        if release and self.placement.releasable(self.grad_on_host(u.part)):
+            # [Note: gradients live within a step]: its first use in a step allocates it
+            u.renew_grad = lambda: self.new_grad(u)
+            u.grad_nbytes = self.grad_numel(u.part) * self.cfg.grad_dtype.itemsize
+        else:
+            u.grad = self.new_grad(u)
 
     def allocate_frozen(self, u: FlatUnit) -> None:
         """A unit's frozen parameters (zero/frozen.py): the working copy, kept whole."""
