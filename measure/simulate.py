@@ -249,7 +249,10 @@ def simulate_rank(
         micro_batches=world_size,
         units=tuple(model.unit_names()),
         nonfinite="skip",
-        **(options or {}),
+        # the gradient buffers exist from construction on every device, so that the resident
+        # set after construction is the paper's model states (release_grads would allocate them
+        # in the first step only, on CUDA by default)
+        **{"release_grads": False, **(options or {})},
     )
     t0 = time.perf_counter()
     engine = ZeroEngine(model, zcfg, group=group, device=device, init_seed=None, mp=ctx)

@@ -295,9 +295,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "CUDA). *after a step*: the same after one step, minus the runtime baseline that a",
         "step leaves behind whatever the model ("
         + ", ".join(f"{d}: {b / 1e6:.1f} MB" for d, b in base.items())
-        + ", measured on a 30M-parameter control rank). Records taken since 2026-11-25 hold no",
-        "gradient buffers after a step, the control rank's included (they live within a step:",
-        'docs/design.md, "Gradients live within a step"). Peaks are apart, beside the estimate',
+        + ", measured on a 30M-parameter control rank). Peaks are apart, beside the estimate",
         "that decides whether a rank fits.",
         "",
         *markdown_table(header, rows),
