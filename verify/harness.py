@@ -197,6 +197,9 @@ class Cell:
     pre-allocated contiguous arenas (ZeroConfig.contiguous_memory)."""
     bucket_elements: int | None = None
     """ZeRO-R's C_B: reduce-scatters in pieces of at most this many elements."""
+    release_grads: bool | None = None
+    """Gradient buffers released after every update and allocated again in the next step
+    (ZeroConfig.release_grads; None: the engine's default for the device)."""
     meta: bool = False
     """The engine's model is built on the meta device and materialised unit by unit with the
     models' counter-based initial values (ZeroEngine's init_seed); the reference side starts
@@ -270,6 +273,7 @@ class Cell:
             offload_optimizer=self.offload,
             contiguous_memory=self.contiguous,
             bucket_elements=self.bucket_elements,
+            release_grads=self.release_grads,
             scaler=self.scaler_config(),
         )
 

@@ -414,6 +414,7 @@ BRANCH_PREDICATES: dict[str, Callable[[Cell], bool]] = {
     "reduction in the compute dtype": lambda c: c.reduce_dtype not in (None, "fp32"),
     "activation checkpointing": lambda c: c.checkpointing,
     "contiguous memory": lambda c: c.contiguous,
+    "gradient buffers released between steps": lambda c: bool(c.release_grads),
     "non-finite gradients skipped": lambda c: c.gradients == "nonfinite",
     "injected delays": lambda c: c.delays,
     "stage 3 with a forward and overlap (prefetch)": lambda c: (
@@ -426,6 +427,7 @@ LISTED_FIELDS = (
     "stage", "world_size", "precision", "optimizer", "mode", "model", "accumulation",
     "clip_norm", "units", "gradients", "overlap", "delays", "reduce_dtype", "persist_below",
     "bucket_elements", "loss_scale", "offload", "checkpointing", "contiguous", "nonfinite",
+    "release_grads",
 )  # fmt: skip
 
 
@@ -472,8 +474,10 @@ def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
     (checkpoints then kept on the host), with the model's own gradients (recomputation needs a
     forward); and one cell per stage with contiguous memory (M_D) and checkpointing, offload on
     at stages 1 and 3, so that the device and host arenas of gradients and checkpoints all run
-    (the MLP's units have inputs of two sizes: the checkpoint arena also grows once). They
-    change memory, never the bits: deterministic cells must stay bitwise."""
+    (the MLP's units have inputs of two sizes: the checkpoint arena also grows once); the
+    checkpointing cell releases its gradient buffers between steps (release_grads, which a
+    CPU does not do by default). They change memory, never the bits: deterministic cells must
+    stay bitwise."""
     precisions = DIMENSIONS["precision"]
     out = []
     for n in world_sizes:
@@ -492,6 +496,7 @@ def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
                         checkpointing=ckpt,
                         offload=off,
                         contiguous=contiguous,
+                        release_grads=True if i == 0 else None,
                         seed=5000 + s,
                     )
                 )
