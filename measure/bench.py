@@ -80,6 +80,8 @@ from .bench_table import (
 
 KIND = "bench.step_time"
 """The results-record kind (zero.results) of one (system, N) measurement."""
+MALLOC_MODES = ("system", "keep")
+"""BenchConfig.malloc: glibc's defaults, or [Note: malloc keeps freed blocks]."""
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -185,6 +187,11 @@ class BenchConfig:
     """Our engine's ZeroConfig.release_grads: None, its default by device (kept on a CPU, released
     on CUDA); True releases each unit's gradient buffer after every update (a lower peak, at the
     cost of page faults every step on a CPU), False keeps it."""
+    malloc: str = "system"
+    """How glibc treats freed blocks in the ranks, for every system alike: 'system' leaves its
+    defaults; 'keep' fixes its thresholds so that blocks up to 32 MiB stay in the heap for reuse
+    instead of returning through page faults every step ([Note: malloc keeps freed blocks] in
+    measure/resident.py; what --release-grads costs on a CPU depends on it). CPU ranks only."""
     timeout_s: float = 900.0
     """Seconds one call into the ranks may take before they are killed (a hang is an error)."""
     note: str = ""
@@ -230,6 +237,8 @@ class BenchConfig:
         b = self.deepspeed_bucket
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"deepspeed_bucket={b!r}: allowed are None or integers >= 1")
+        if self.malloc not in MALLOC_MODES:
+            raise ValueError(f"malloc={self.malloc!r}: allowed are {MALLOC_MODES}")
         if self.watchdog not in WATCHDOG_MODES:
             raise ValueError(f"watchdog={self.watchdog!r}: allowed are {WATCHDOG_MODES}")
         if any(s in MP_SYSTEMS for s in self.systems):
@@ -720,6 +729,13 @@ def _peak(rank: int, n: int) -> dict:
     }
 
 
+def _keep_freed_blocks(rank: int, n: int) -> None:
+    from measure.resident import keep_freed_blocks
+
+    if _device().type == "cpu" and not keep_freed_blocks():
+        raise RuntimeError(f"rank {rank}: malloc='keep' needs glibc's mallopt, not found here")
+
+
 def _drop_all(rank: int, n: int) -> None:
     """Free every system in this rank (a shared pool outlives the benchmark), and hand malloc's
     free pages back to the kernel: without the trim a rank's resident memory stays at the sum of
@@ -768,6 +784,8 @@ def bench_world(n: int, cfg: BenchConfig, *, pool=None, say=print) -> list[dict]
     one zero.results record per system (status "ok", "not installed", "unavailable: ...", or
     "failed"). `pool`: a zero.launch WorkerPool of n ranks, or None under torchrun."""
     world = _World(n, pool, cfg.timeout_s)
+    if cfg.malloc == "keep":  # before any system allocates: every one runs under it
+        world.run(_keep_freed_blocks)
     built: dict[str, list[dict]] = {}
     for name in cfg.systems:
         t0 = time.perf_counter()
@@ -912,6 +930,7 @@ def _base_config(name: str, n: int, cfg: BenchConfig) -> dict:
         "retries": cfg.retries,
         "note": cfg.note,
         "group": cfg.group,
+        "malloc": cfg.malloc,
     }
     if name in MP_SYSTEMS:
         from .bench_mp import config_fields

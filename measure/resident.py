@@ -113,6 +113,33 @@ def release_free_memory() -> bool:
     return True
 
 
+# [Note: malloc keeps freed blocks] glibc gives a freed block back to the kernel when it was
+# mapped on its own: every block over the mmap threshold (128 KiB at first, rising to 32 MiB as
+# such blocks are freed), and the heap's free top over the trim threshold. A buffer freed every
+# step and allocated again in the next (zero_grad(set_to_none=True), ZeroConfig.release_grads)
+# then comes back through a page fault per 4 KiB and the kernel's zeroing of each page: at the
+# 26M GPT, N = 2, our stage 0 took 1.00x DDP's step keeping its gradient buffers and 1.10x
+# releasing them (benchmarks/cpu-2core-2026-11.md, "Gradients released on a CPU"). Fixing both
+# thresholds keeps blocks up to 32 MiB (glibc's most) in the heap, where the next allocation of
+# that size, or a step's activations, reuse them without a fault: the released run then costs
+# what the kept one does. It changes where malloc takes memory from, not how much the tensors
+# hold, so tensor-memory peaks (measure/tensor_memory.py) are the same either way.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+KEEP_BLOCK_BYTES = 32 * 2**20  # glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
+
+
+def keep_freed_blocks() -> bool:
+    """[Note: malloc keeps freed blocks]: fix glibc's mmap threshold at 32 MiB and stop it
+    trimming its heap on its own (release_free_memory() still trims). Applies to this process
+    from now on; returns whether glibc took both settings (False without glibc)."""
+    mallopt = getattr(_LIBC, "mallopt", None) if _LIBC is not None else None
+    if mallopt is None:
+        return False
+    mmap_ok = mallopt(M_MMAP_THRESHOLD, KEEP_BLOCK_BYTES)
+    trim_ok = mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # an int: the largest glibc's mallopt takes
+    return bool(mmap_ok and trim_ok)
+
+
 @dataclass(kw_only=True)
 class MemoryProbe:
     """Bytes above a baseline, measured outside the engine, on CPU (RSS) or CUDA (allocator).

@@ -104,6 +104,7 @@ def api_rows() -> list[tuple]:
     bad(BenchConfig, "repeats", 0)
     bad(BenchConfig, "world_sizes", (0,), ())
     bad(BenchConfig, "watchdog", "sometimes", False)
+    bad(BenchConfig, "malloc", "never", None)
     return rows
 
 

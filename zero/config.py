@@ -119,9 +119,11 @@ class ZeroConfig:
     released after the update, as zero_grad(set_to_none=True) releases .grad. The steady-state
     peak per rank falls by the buffer (Ψ·reduction bytes at stages 0-1, Ψ/N at 2-3). None: on
     CUDA, whose caching allocator hands the same blocks back at no cost; not on a CPU, where
-    memory given back comes back through page faults every step (docs/design.md §3, "Gradients
-    live within a step, where asked", has the measured cost). Never for contiguous_memory's arena views or
-    offload_optimizer's host shards, whose long life is their point. Bits unchanged."""
+    glibc gives large freed blocks back to the kernel and they return through page faults every
+    step, unless the process keeps them (measure.resident.keep_freed_blocks; docs/design.md §3,
+    "Gradients live within a step, where asked", has the measured costs). Never for
+    contiguous_memory's arena views or offload_optimizer's host shards, whose long life is their
+    point. Bits unchanged."""
 
     broadcast_buffers: bool = True
     """Before every forward, rank 0's buffers (BatchNorm's running statistics, ...) are

@@ -205,3 +205,42 @@ def test_measure_rank_skips_what_does_not_fit():
 def test_measure_rank_rejects_unknown_arguments():
     with pytest.raises(ValueError, match="unknown argument"):
         measure_rank(params=3e7, world_size=2, stage=3, steps=1, check_fits=False, colour=1)
+
+
+_FREED_BLOCKS = """
+import json, sys
+import torch
+from measure.resident import keep_freed_blocks, rss_bytes
+took = keep_freed_blocks() if sys.argv[1] == "keep" else None
+returned = []
+for mib in (24, 64):  # the first block of each size in the process: glibc maps it on its own
+    x = torch.ones(mib * 2**20 // 4)  # written: every page resident
+    during = rss_bytes()
+    del x
+    returned.append(during - rss_bytes())
+print(json.dumps({"took": took, "returned": returned}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["system", "keep"])
+def test_keep_freed_blocks_keeps_blocks_up_to_32_mib(mode):
+    """[Note: malloc keeps freed blocks]: a freed 24 MiB tensor goes back to the kernel under
+    glibc's defaults and stays in the heap for reuse once keep_freed_blocks() ran; a 64 MiB one,
+    over glibc's largest threshold, goes back either way. In a fresh process: mallopt is global."""
+    import json
+    import subprocess
+    import sys
+
+    if sys.platform != "linux":
+        pytest.skip("glibc's malloc and /proc/self/statm are Linux's")
+    out = subprocess.run(
+        [sys.executable, "-c", _FREED_BLOCKS, mode], capture_output=True, text=True, check=True
+    )
+    res = json.loads(out.stdout)
+    small, large = res["returned"]
+    assert abs(large - 64 * MiB) <= NOISE  # over 32 MiB: its own mapping, unmapped when freed
+    if mode == "keep":
+        assert res["took"] is True
+        assert small <= NOISE  # kept in the heap
+    else:
+        assert abs(small - 24 * MiB) <= NOISE  # glibc's default: unmapped, faulted in next time
