@@ -61,20 +61,18 @@ from zero.results import make_record, provenance, read_json, write_json
 from zero.train import train_steps
 
 from . import mfu, tensor_memory
-from .bench_table import (
+from .bench_table import (  # noqa: F401 (re-exported)
     DEFAULT_SYSTEMS,
     MP_SYSTEMS,
     OURS,
     SHARDING_LEVEL,
     SYSTEMS,
-    TARGETS,
     add_ratios,
     analytic_states_bytes,
+    format_all,
     format_memory,
-    format_mp,
     format_profile,
     format_table,
-    format_targets,
     merge_records,
 )
 
@@ -609,6 +607,17 @@ def _build(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
     }
 
 
+# [Note: CPU time per step] Each rank's CPU time over its timed steps: every thread of the
+# process (the compute thread, gloo's, the kernel's work on the rank's behalf in its sockets),
+# from the process clock (time.process_time, nanoseconds), and the kernel's part from os.times()
+# (clock ticks, 10 ms here: at a step of a few ms only the total is precise). On a machine with
+# as many cores as ranks, a rank that is never idle has CPU ≈ wall, and then whatever CPU a
+# system spends beyond DDP's, on copying or sending bytes, is wall time too: no overlap hides
+# work from a core that has no other to give. Where the ranks outnumber the cores, CPU < wall by
+# the time a rank waits for a core. The table (format_cpu) sets each system's CPU per step
+# beside its wall time and DDP's.
+
+
 def _repeat(rank: int, n: int, name: str, steps: int, warmup: int) -> dict:
     """One repeat of one system: warm-up steps, then `steps` timed steps. Per-step seconds."""
     trainer = _LIVE[name]
@@ -618,6 +627,8 @@ def _repeat(rank: int, n: int, name: str, steps: int, warmup: int) -> dict:
     seconds, losses = [], []
     gc.collect()
     gc.disable()  # a collection pause would be charged to whichever system ran into it
+    # [Note: CPU time per step]: this rank's threads over the timed steps (barriers included)
+    span0, cpu_t0, times0 = time.perf_counter(), time.process_time(), os.times()
     try:
         for _ in range(steps):
             batch = trainer.batch()  # data is made outside the timed region
@@ -630,11 +641,15 @@ def _repeat(rank: int, n: int, name: str, steps: int, warmup: int) -> dict:
             losses.append(loss)
     finally:
         gc.enable()
+    span, cpu_t, times1 = time.perf_counter() - span0, time.process_time() - cpu_t0, os.times()
     return {
         "seconds": seconds,
         "losses": losses,
         "first_step": trainer.data_step - steps,
         "cpu_s": time.process_time() - cpu0,  # every thread of this rank
+        "span_s": span,  # wall time of the timed steps' loop
+        "timed_cpu_s": cpu_t,  # its CPU time (the process clock: nanoseconds)
+        "system_s": times1.system - times0.system,  # of which the kernel's (clock ticks)
     }
 
 
@@ -976,6 +991,11 @@ def _record(name, n, cfg, built, timing, profile, prov, redone, peaks, memory=No
         "redone_other_cores": redone.get(name, []),
         "waited_for_quiet_s": sum(rep[0]["waited_s"] for rep in timing),
         "traffic_per_step": [b["traffic"] for b in built],  # per rank; None: not our engine
+        # [Note: CPU time per step]: per repeat and rank, ms per timed step of the loop's wall
+        # time, its CPU time and the kernel's part of it
+        "rank_span_ms": [[1e3 * p["span_s"] / cfg.steps for p in rep] for rep in timing],
+        "rank_cpu_ms": [[1e3 * p["timed_cpu_s"] / cfg.steps for p in rep] for rep in timing],
+        "rank_system_ms": [[1e3 * p["system_s"] / cfg.steps for p in rep] for rep in timing],
     }
     # MFU (measure/mfu.py): this rank's model FLOPs over the step's median time (the slowest
     # rank's), against the median over ranks of the peak each measured
@@ -1096,15 +1116,7 @@ def main(argv=None) -> int:
         add_ratios(records)  # the ratios follow from the timings; recomputed, never trusted
         if args.json is not None:
             write_json(args.json, {"section": KIND, "records": records})
-        print(format_table(records, markdown=args.markdown))
-        if any(r["config"]["system"] in TARGETS for r in records):
-            print("\n" + format_targets(records, markdown=args.markdown))
-        if any("profile_ms" in r["result"] for r in records):
-            print("\n" + format_profile(records, markdown=args.markdown))
-        if any("memory" in r["result"] for r in records):
-            print("\n" + format_memory(records, markdown=args.markdown))
-        if any(r["config"]["system"] in MP_SYSTEMS for r in records):
-            print("\n" + format_mp(records, markdown=args.markdown))
+        print("\n\n".join(format_all(records, markdown=args.markdown)))
         return 0
     lead = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 alone prints and writes
 
@@ -1118,15 +1130,7 @@ def main(argv=None) -> int:
 
     started = time.time()
     records = run_bench(cfg, say=say, done=keep)
-    say(format_table(records, markdown=args.markdown))
-    if any(s in TARGETS for s in cfg.systems):
-        say("\n" + format_targets(records, markdown=args.markdown))
-    if cfg.profile:
-        say("\n" + format_profile(records, markdown=args.markdown))
-    if cfg.memory:
-        say("\n" + format_memory(records, markdown=args.markdown))
-    if any(s in MP_SYSTEMS for s in cfg.systems):
-        say("\n" + format_mp(records, markdown=args.markdown))
+    say("\n\n".join(format_all(records, markdown=args.markdown)))
     psi = next((r["config"]["num_params"] for r in records if "num_params" in r["config"]), 0)
     say(
         f"model {cfg.model}: Ψ = {psi:,}, B = {cfg.workload.batch_size}, "

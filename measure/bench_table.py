@@ -461,6 +461,60 @@ def phase_parts(record: dict) -> dict[str, float]:
     return {k: parts[k] for k, _ in PHASE_PARTS}
 
 
+def cpu_per_step(record: dict) -> dict[str, float] | None:
+    """[Note: CPU time per step] (measure/bench.py) of an ok record: the medians over repeats and
+    ranks of a rank's CPU ms per timed step and of its kernel part (user: the rest); None for
+    records without them."""
+    res = record["result"]
+    if res.get("status") != "ok" or "rank_cpu_ms" not in res:
+        return None
+    cpu = float(np.median([x for rep in res["rank_cpu_ms"] for x in rep]))
+    system = float(np.median([x for rep in res["rank_system_ms"] for x in rep]))
+    return {"cpu_ms": cpu, "system_ms": system, "user_ms": cpu - system}
+
+
+def format_cpu(records: list[dict], *, markdown: bool = False) -> str:
+    """CPU per rank and step beside the wall time, and both beside DDP's of the same group and N:
+    where CPU ≈ wall the cores are the limit, and a system's extra CPU is extra time."""
+    head = ["system", "N", "ms/step", "CPU ms/step", "user", "kernel", "CPU÷wall"]
+    head += ["Δwall vs DDP", "ΔCPU vs DDP"]
+    by_key = {_system_key(r): r for r in records}
+    rows = []
+    for rec in records:
+        cpu = cpu_per_step(rec)
+        if cpu is None:
+            continue
+        system, n, group = _system_key(rec)
+        wall = rec["result"]["median_ms"]
+        ddp = by_key.get(("ddp", n, group))
+        ddp_cpu = cpu_per_step(ddp) if ddp else None
+        dw = f"{wall - ddp['result']['median_ms']:+.0f}" if ddp_cpu else "—"
+        dc = f"{cpu['cpu_ms'] - ddp_cpu['cpu_ms']:+.0f}" if ddp_cpu else "—"
+        rows.append(
+            [system, str(n), f"{wall:.0f}", f"{cpu['cpu_ms']:.0f}", f"{cpu['user_ms']:.0f}"]
+            + [f"{cpu['system_ms']:.0f}", f"{cpu['cpu_ms'] / wall:.2f}", dw, dc]
+        )
+    return _render(head, rows, markdown)
+
+
+def format_all(records: list[dict], *, markdown: bool = False) -> list[str]:
+    """Every table the records have data for, in the order measure.bench prints them."""
+    systems = {r["config"]["system"] for r in records}
+    has = lambda key: any(key in r["result"] for r in records)  # noqa: E731
+    out = [format_table(records, markdown=markdown)]
+    if systems & set(TARGETS):
+        out.append(format_targets(records, markdown=markdown))
+    if has("profile_ms"):
+        out.append(format_profile(records, markdown=markdown))
+    if has("rank_cpu_ms"):
+        out.append(format_cpu(records, markdown=markdown))
+    if has("memory"):
+        out.append(format_memory(records, markdown=markdown))
+    if systems & set(MP_SYSTEMS):
+        out.append(format_mp(records, markdown=markdown))
+    return out
+
+
 def format_memory(records: list[dict], *, markdown: bool = False) -> str:
     """Peak tensor bytes per rank (MiB) of the records that carry the memory pass: the peak, the
     bytes alive between steps, the analytic states and saved activations, our systems' bound

@@ -98,6 +98,39 @@ def test_timings_are_positive_and_complete(records):
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
+def test_cpu_time_per_step_and_its_table(records):
+    """[Note: CPU time per step]: per repeat and rank, the timed loop's wall, CPU and kernel ms
+    per step; a rank cannot use more CPU than the machine's cores in the loop's wall time, nor
+    more kernel time than CPU (up to the tick of os.times on each end); the table is the
+    medians and the difference to DDP's."""
+    import os
+
+    from measure.bench_table import cpu_per_step, format_cpu
+
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    for rec in records:
+        res = rec["result"]
+        assert rec["config"]["malloc"] == "system"
+        for key in ("rank_span_ms", "rank_cpu_ms", "rank_system_ms"):
+            assert len(res[key]) == 1 and len(res[key][0]) == 2  # repeats × ranks
+        for r in range(2):
+            span, cpu = res["rank_span_ms"][0][r], res["rank_cpu_ms"][0][r]
+            assert span >= statistics.mean(res["rank_step_ms"][0][r])  # the loop holds the steps
+            assert 0 < cpu <= os.cpu_count() * span
+            assert 0 <= res["rank_system_ms"][0][r] <= cpu + 2 * tick_ms / SMALL.steps
+    head, *rows = format_cpu(records).splitlines()
+    cols = head.split()
+    assert cols[:4] == ["system", "N", "ms/step", "CPU"]
+    ours, ddp = (cpu_per_step(r) for r in records)
+    for row, cpu in zip(rows, (ours, ddp), strict=True):
+        assert row.split()[3] == f"{cpu['cpu_ms']:.0f}"
+        assert cpu["cpu_ms"] == cpu["user_ms"] + cpu["system_ms"]
+    assert rows[0].split()[-1] == f"{ours['cpu_ms'] - ddp['cpu_ms']:+.0f}"
+    assert rows[1].split()[-2:] == ["+0", "+0"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
 def test_table_has_a_ratio_column_and_rebuilds_from_json(records, tmp_path, capsys):
     table = format_table(records)
     head, *rows = table.splitlines()

@@ -260,6 +260,61 @@ def test_stage3_counted_volume_and_calls(n, k):
         assert live <= 2 and live2 == 1  # the prefetch bound (max_live = 2), and none without
 
 
+def stage3_gathers(rank, n, overlap):
+    """Two steps of a 4-block GPT at stage 3, M = 2N: every gather of a non-root unit, as
+    (pass, unit, how): "prefetch" launched ahead, "sync" launched and waited where needed."""
+    from zero.models import GPT, GPTConfig, gpt_microbatches
+    from zero.stages.stage3 import PartitionState
+    from zero.train import train_steps
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+    cfg = ZeroConfig(stage=3, micro_batches=2 * n, overlap=overlap, units=tuple(model.unit_names()))
+    eng = ZeroEngine(model, cfg)
+    impl, seen, passes = eng.impl, [], [0]
+    inner, end_backward = impl._transition, impl.end_backward
+
+    def transition(u, to, phase):
+        if u.name and u.state is PartitionState.SHARDED and to is not PartitionState.SHARDED:
+            how = "prefetch" if to is PartitionState.GATHERING else "sync"
+            seen.append((passes[0], u.name, phase, how))
+        inner(u, to, phase)
+
+    def counted_end_backward():
+        end_backward()
+        passes[0] += 1
+
+    impl._transition, impl.end_backward = transition, counted_end_backward
+
+    def mb(s, j):
+        return gpt_microbatches(model.cfg, seed=0, data_step=s, count=j + 1, batch_size=2)[j]
+
+    train_steps(eng, mb, 2)
+    bits = [u.master.clone().view(torch.int32) for u in eng.units]
+    return seen, passes[0], bits, eng.counter.volume(0), eng.impl.peak_live
+
+
+@pytest.mark.dist
+def test_stage3_prefetches_the_ends_of_a_pass():
+    """[Note: the ends of a pass]: once a pass has taught the order, no unit is gathered
+    synchronously: the first block's forward gather is launched by the root's pre-hook and the
+    last block's backward gather as forward frees it. Without overlap every gather is
+    synchronous; the bits and the counted traffic are the same either way."""
+    on = get_pool(2).run(stage3_gathers, True)
+    off = get_pool(2).run(stage3_gathers, False)
+    blocks = [f"transformer.h.{i}" for i in range(4)]
+    for (seen, passes, bits, vol, live), (seen2, passes2, bits2, vol2, live2) in zip(on, off):
+        assert passes == passes2 == 4  # 2 steps × M/N = 2 micro-steps
+        first = [(name, phase, how) for p, name, phase, how in seen if p == 0]
+        assert first[0] == (blocks[0], "param_fwd", "sync")  # no order learned yet
+        later = [(name, phase, how) for p, name, phase, how in seen if p > 0]
+        per_pass = [(b, "param_fwd", "prefetch") for b in blocks]
+        per_pass += [(b, "param_bwd", "prefetch") for b in reversed(blocks)]
+        assert later == per_pass * 3
+        assert {how for *_, how in seen2} == {"sync"} and len(seen2) == 8 * 4
+        assert all(torch.equal(a, b) for a, b in zip(bits, bits2, strict=True))
+        assert vol == vol2 and live <= 2 and live2 == 1
+
+
 def stage3_gpt_probe(rank, n):
     from zero.models import GPT, GPTConfig, gpt_microbatches
     from zero.train import train_steps

@@ -4,7 +4,9 @@ A diff of stage 2 (zero/stages/stage2.py). Between uses, rank r holds only its s
 working parameters (compute dtype, L elements); the unit's full flat buffer exists only while the
 unit runs:
     pre_forward(u)    all-gather u (or wait for its prefetch), then prefetch the next unit
+                      (the root's pre-hook prefetches the first unit)
     post_forward(u)   free u, and mark its outputs so that its backward gathers it again
+                      (the last unit's backward gather is launched here)
     pre_backward(u)   all-gather u again, then prefetch the unit before it
     post_backward(u)  reduce-scatter u's gradients (stage 2), then free u
 The root unit (embeddings, the tied head, final norm) is used first and last, so it stays
@@ -243,9 +245,7 @@ class Stage3(Stage2):
                 )
         for root_unit in [u for u in self.units if not u.name]:  # trainable and frozen parts
             handles.append(
-                root.register_forward_pre_hook(
-                    lambda _m, _a, u=root_unit: self.gather(u, "param_fwd")
-                )
+                root.register_forward_pre_hook(lambda _m, _a, u=root_unit: self.pre_forward_root(u))
             )
         return handles
 
@@ -253,6 +253,22 @@ class Stage3(Stage2):
         """A frozen unit's backward is over (zero/stages/frozen.py's mark_inputs)."""
         if u.state is PartitionState.GATHERED:
             self.transition(u, PartitionState.SHARDED)
+
+    # [Note: the ends of a pass] Within a pass each unit's gather is launched while its neighbour
+    # computes; at the two ends nothing computed before it: the first unit of forward would be
+    # gathered after the root's, and the last unit of forward again when backward reaches it,
+    # each a synchronous gather that also waits for the slowest rank (at the 101M GPT, N = 2,
+    # 9 and 10-130 ms a step). So the root's pre-hook launches the first unit's gather (behind
+    # the embeddings), and the last unit's backward gather is launched as soon as forward frees
+    # it (behind the head and the loss). The order is the previous pass's, the same on every
+    # rank; the gathers and their counted traffic are the ones the unit had (3Ψ per micro-step).
+    # Keeping the last unit gathered instead would save its second gather, but change the
+    # paper's volume that the simulation and verify pin.
+
+    def pre_forward_root(self, u: FlatUnit) -> None:
+        self.gather(u, "param_fwd")
+        if self.last_order:  # [Note: the ends of a pass]
+            self.prefetch(self.last_order[0], "param_fwd")
 
     def pre_forward(self, u: FlatUnit) -> None:
         if u not in self.order:
@@ -265,7 +281,11 @@ class Stage3(Stage2):
         if not torch.is_grad_enabled():
             return output
         marked = OnBackward.mark(self.pre_backward, u, output)
-        return output if marked is None else marked
+        if marked is None:
+            return output
+        if self.last_order and u is self.last_order[-1]:  # [Note: the ends of a pass]
+            self.prefetch(u, "param_bwd")
+        return marked
 
     def pre_backward(self, u: FlatUnit) -> None:
         self.gather(u, "param_bwd")
