@@ -327,10 +327,18 @@ TARGETS = {
 each deterministic stage at most 1.03× its fast one."""
 
 
+def _grouped(records: list[dict]) -> bool:
+    """Whether the records come from runs in named groups ([Note: system groups]): the tables
+    then name each row's group, since a system may stand in several."""
+    return any(r["config"].get("group") for r in records)
+
+
 def format_targets(records: list[dict], *, markdown: bool = False) -> str:
     """One row per target and record that has its ratio: the ratio, its per-round quartiles,
     the target, and whether it is met (a system run in two groups has each ratio once)."""
-    head = ["model", "N", "system", "ratio", "per round", "target", "met"]
+    grouped = _grouped(records)
+    head = ["model", "N", "system", *(["group"] if grouped else [])]
+    head += ["ratio", "per round", "target", "met"]
     rows = []
     for rec in records:
         name, res = rec["config"]["system"], rec["result"]
@@ -346,6 +354,7 @@ def format_targets(records: list[dict], *, markdown: bool = False) -> str:
                 rec["config"]["model"],
                 str(rec["config"]["world_size"]),
                 name,
+                *([rec["config"].get("group") or "—"] if grouped else []),
                 f"{value:.2f} {what}",
                 spread(res.get(key + "_by_repeat")),
                 f"≤ {limit:.2f}",
@@ -519,8 +528,18 @@ def format_memory(records: list[dict], *, markdown: bool = False) -> str:
     """Peak tensor bytes per rank (MiB) of the records that carry the memory pass: the peak, the
     bytes alive between steps, the analytic states and saved activations, our systems' bound
     ([Note: the memory bound]), and the ratios."""
-    head = ["system", "N", "level", "peak MiB", "between steps", "states", "activations"]
-    head += ["÷accounted", "bound", "÷bound", "×DDP", "×best peer", "drift"]
+    grouped = _grouped(records)
+    head = ["system", "N", *(["group"] if grouped else []), "level", "peak MiB", "between steps"]
+    head += [
+        "states",
+        "activations",
+        "÷accounted",
+        "bound",
+        "÷bound",
+        "×DDP",
+        "×best peer",
+        "drift",
+    ]
     rows = []
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     ratio = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
@@ -534,6 +553,7 @@ def format_memory(records: list[dict], *, markdown: bool = False) -> str:
             [
                 rec["config"]["system"],
                 str(rec["config"]["world_size"]),
+                *([rec["config"].get("group") or "—"] if grouped else []),
                 str(mem["sharding_level"]),
                 mib(mem["peak_bytes"]),
                 mib(mem["resident_bytes"]),

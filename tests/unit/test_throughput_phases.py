@@ -274,10 +274,26 @@ def test_targets_table_reads_each_ratio_against_its_target():
     bench_table.add_ratios(recs)
     head, *rows = bench_table.format_targets(recs).splitlines()
     cells = [r.split() for r in rows]
-    assert head.split() == ["model", "N", "system", "ratio", "per", "round", "target", "met"]
-    # 101/100 over 1.00; 105/100 at 1.05; 108/105 = 1.029 within 1.03
-    assert [(c[2], c[3], c[-1]) for c in cells] == [
-        ("zero-s2", "1.01", "no"),
-        ("zero-s3", "1.05", "yes"),
-        ("zero-s3-det", "1.03", "yes"),
+    # records of named groups: each row names its group (a system may stand in several)
+    assert head.split() == [
+        "model",
+        "N",
+        "system",
+        "group",
+        "ratio",
+        "per",
+        "round",
+        "target",
+        "met",
     ]
+    # 101/100 over 1.00; 105/100 at 1.05; 108/105 = 1.029 within 1.03
+    assert [(c[2], c[3], c[4], c[-1]) for c in cells] == [
+        ("zero-s2", "a", "1.01", "no"),
+        ("zero-s3", "a", "1.05", "yes"),
+        ("zero-s3-det", "a", "1.03", "yes"),
+    ]
+    for r in recs:
+        r["config"]["group"] = ""  # one run: no group column
+    head = bench_table.format_targets(recs).splitlines()[0]
+    assert head.split() == ["model", "N", "system", "ratio", "per", "round", "target", "met"]
+    assert "group" not in bench_table.format_memory(recs).splitlines()[0].split()
