@@ -61,7 +61,7 @@ from zero.results import make_record, provenance, read_json, write_json
 from zero.train import train_steps
 
 from . import mfu, tensor_memory
-from .bench_table import (  # noqa: F401 (re-exported)
+from .bench_table import (
     DEFAULT_SYSTEMS,
     MP_SYSTEMS,
     OURS,
@@ -70,9 +70,6 @@ from .bench_table import (  # noqa: F401 (re-exported)
     add_ratios,
     analytic_states_bytes,
     format_all,
-    format_memory,
-    format_profile,
-    format_table,
     merge_records,
 )
 

@@ -118,8 +118,8 @@ def release_free_memory() -> bool:
 # such blocks are freed), and the heap's free top over the trim threshold. A buffer freed every
 # step and allocated again in the next (zero_grad(set_to_none=True), ZeroConfig.release_grads)
 # then comes back through a page fault per 4 KiB and the kernel's zeroing of each page: at the
-# 26M GPT, N = 2, our stage 0 took 1.00x DDP's step keeping its gradient buffers and 1.10x
-# releasing them (benchmarks/cpu-2core-2026-11.md, "Gradients released on a CPU"). Fixing both
+# 26M GPT, N = 2, our stage 0 took 1.01x DDP's step keeping its gradient buffers and 1.07x
+# releasing them (benchmarks/cpu-2core-2026-11.md, "Gradients released, and glibc"). Fixing both
 # thresholds keeps blocks up to 32 MiB (glibc's most) in the heap, where the next allocation of
 # that size, or a step's activations, reuse them without a fault: the released run then costs
 # what the kept one does. It changes where malloc takes memory from, not how much the tensors

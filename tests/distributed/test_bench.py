@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from measure import bench, mfu
-from measure.bench import BenchConfig, format_table, run_bench
+from measure.bench import BenchConfig, run_bench
+from measure.bench_table import format_memory, format_profile, format_table
 from zero.launch import WorkerPool, get_pool
 from zero.models import GPT
 from zero.results import SCHEMA_VERSION, read_json, write_json
@@ -147,7 +148,7 @@ def test_table_has_a_ratio_column_and_rebuilds_from_json(records, tmp_path, caps
     assert bench.main(["--from-json", str(path)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(table + "\n")  # then the profile table
-    assert bench.format_profile(records) in printed
+    assert format_profile(records) in printed
     md = format_table(records, markdown=True).splitlines()
     assert md[0].startswith("| system | N |") and md[1].startswith("|---|")
 
@@ -161,7 +162,7 @@ def test_profile_splits_the_step_into_phases(records):
     for prof in (ours, ddp):
         assert all(v >= 0 for v in prof.values())
         assert prof["forward"] + prof["backward"] + prof["update"] <= prof["step"]
-    head, *rows = bench.format_profile(records).splitlines()
+    head, *rows = format_profile(records).splitlines()
     assert head.split()[:3] == ["system", "N", "step"] and "other" in head.split()
     assert [r.split()[0] for r in rows] == ["zero-s0", "ddp"]
 
@@ -337,7 +338,7 @@ def test_memory_pass_records_peaks_beside_the_analytic_states(records):
     assert ours["best_peer_at_level"] == "ddp" and ours["peak_vs_best_peer"] == ours["peak_vs_ddp"]
     # [Note: the memory bound] holds for the engine, and only ours has one
     assert ours["peak_bytes"] <= ours["bound_bytes"] and "bound_bytes" not in ddp
-    head, *rows = bench.format_memory(records).splitlines()
+    head, *rows = format_memory(records).splitlines()
     assert head.split()[:4] == ["system", "N", "level", "peak"]
     assert [r.split()[3] for r in rows] == [f"{m['peak_bytes'] / 2**20:.2f}" for m in (ours, ddp)]
 
