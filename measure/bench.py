@@ -392,7 +392,7 @@ class _Ours(_Trainer):
     def instrument(self, ph: _Phases) -> contextlib.AbstractContextManager:
         eng, impl = self.engine, self.engine.impl
         # Engine methods are looked up on the instance at call time (the autograd hooks call
-        # self.impl.post_backward), so instance attributes intercept them; step_runs is a
+        # self.impl.post_backward), so instance attributes intercept them; step_shards is a
         # module global of zero.engine.
         return _patched(
             [
@@ -405,8 +405,8 @@ class _Ours(_Trainer):
                 (eng, "_exchange", ph.wrap("update.control", eng._exchange)),
                 (
                     engine_module,
-                    "step_runs",
-                    ph.wrap("update.optimizer", engine_module.step_runs),
+                    "step_shards",
+                    ph.wrap("update.optimizer", engine_module.step_shards),
                 ),
                 (impl, "refresh_working", ph.wrap("update.refresh", impl.refresh_working)),
                 (impl, "finish_step", ph.wrap("update.finish", impl.finish_step)),

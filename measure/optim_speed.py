@@ -27,7 +27,7 @@ from zero import optim, optim_native
 
 def _previous(hp: Hyper, t: int, p, g, m, v) -> None:
     """The deterministic AdamW as it was: 64K blocks, temporaries allocated per block."""
-    s = optim._scalars("adamw", hp, t, p.device)
+    s = optim._scalars("adamw", hp, t)
     for lo in range(0, p.numel(), 1 << 16):
         sl = slice(lo, lo + (1 << 16))
         pb, gb, mb, vb = p[sl], g[sl], m[sl], v[sl]
@@ -53,7 +53,7 @@ def _current(block: int, native: bool = False):
 
 
 def _fused(hp, t, p, g, m, v):
-    optim.fast_step("adamw", hp, t, p, g, {"exp_avg": m, "exp_avg_sq": v})
+    optim.fast_step("adamw", hp, t, [p], [g], [{"exp_avg": m, "exp_avg_sq": v}])
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,7 @@ from paper_figures import (
     activation_memory,
     comm_volume,
     fig1_memory,
+    gpu_throughput,
     paper,
     perf_model,
     simulated_ranks,
@@ -260,7 +261,9 @@ SOURCES = (
         "figures/zero_r_configs.png, tables/zero_r_configs.md",
     ),
     (zero_r_mp.NAME, zero_r_mp.index_rows, "figures/zero_r_mp.png, tables/zero_r_mp.md"),
+    (gpu_throughput.NAME, gpu_throughput.index_rows, gpu_throughput.drawn_in),
 )
+"""(section, its INDEX rows, where they are drawn: the files, or a function of the results)."""
 
 
 def build(out: Outputs) -> tuple[str, int]:
@@ -270,6 +273,7 @@ def build(out: Outputs) -> tuple[str, int]:
         if payload is None:
             missing.append(name)
             continue
+        where = where(payload) if callable(where) else where
         where = ", ".join(out.linked(p) for p in where.split(", "))
         rows += [[*row, where] for row in make(payload)]
     header = ["what", "paper", "ours", "ours/paper", "measured or computed", "machine", "drawn in"]

@@ -14,6 +14,7 @@ from paper_figures import (
     activation_memory,
     comm_volume,
     fig1_memory,
+    gpu_throughput,
     index,
     perf_model,
     sim_check,
@@ -71,6 +72,11 @@ SECTIONS: list[Section] = [
         name=zero_r_mp.NAME,
         run=zero_r_mp.run,
         about="C1-C5 at MP = 16 on simulated ranks: largest model, memory (quick: committed)",
+    ),
+    Section(
+        name=gpu_throughput.NAME,
+        run=gpu_throughput.run,
+        about="step time and MFU at N = 1 on a GPU (the committed GPU records, if any)",
     ),
     Section(name=index.NAME, run=index.run, about="INDEX.md: the paper's numbers beside ours"),
 ]

@@ -331,21 +331,21 @@ def plant_microbatch_rank_major(p: Patch) -> None:
 def plant_clip_first_unit_only(p: Patch) -> None:
     from zero import engine as engine_module
 
-    original_coef, original_runs = engine_module.clip_coefficient, engine_module.step_runs
+    original_coef, original_update = engine_module.clip_coefficient, engine_module.step_shards
     pending: dict = {}
 
     def clip_coefficient(norm, clip_norm):
         pending["coef"] = original_coef(norm, clip_norm)
         return None  # the step's own loop scales nothing ...
 
-    def step_runs(kind, groups, runs, t, master, grad, states, *, deterministic):
+    def step_shards(kind, groups, shards, *, deterministic):
         coef = pending.pop("coef", None)  # ... and only the first unit's gradient is scaled
-        if coef is not None:
-            grad.mul_(torch.tensor(coef, device=grad.device))
-        original_runs(kind, groups, runs, t, master, grad, states, deterministic=deterministic)
+        if coef is not None and shards:
+            shards[0].grad.mul_(torch.tensor(coef))
+        original_update(kind, groups, shards, deterministic=deterministic)
 
     p.setattr(engine_module, "clip_coefficient", clip_coefficient)
-    p.setattr(engine_module, "step_runs", step_runs)
+    p.setattr(engine_module, "step_shards", step_shards)
 
 
 def plant_scaler_backoff_quarter(p: Patch) -> None:

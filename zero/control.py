@@ -13,8 +13,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from reference.tree import global_norm
-
 from . import collectives as C
 from . import optim_native
 from .unit import FlatUnit
@@ -59,6 +57,9 @@ def exchange(
     1/M) g could overflow where R did not, so R itself is checked.
     [Note: unused parameters] One flag per parameter rides along: whether it had a
     gradient in any micro-batch of this rank; the step takes the maximum over ranks.
+    The loss sum, the flag and the partials stay on the device until the exchange's one read
+    ([Note: host work flat in Ψ], measure/hostwork.py): the step's only device→host copy.
+    losses: this rank's micro-batch losses, 0-dim tensors in the order they were run.
     Returns (overflow anywhere, on this rank, global mean loss, per-unit partials,
     per-unit lists of used flags), and clears this rank's flags for the next step.
     keep: None, or per unit a bool mask of this rank's extent (zero/mp/control.py): elements
@@ -67,28 +68,31 @@ def exchange(
     mine = [chunk_sumsq(own(u, x), chunk, k) for u, x, k in zip(units, g, keep)]
     partials = torch.cat(mine).to(device)  # host partials with offload_optimizer
     if inv <= 1:
-        bad = not bool(torch.isfinite(partials).all())
-        bad = bad or any(
-            not bool(torch.isfinite(own(u, x)[~k.to(x.device)]).all())
+        finite = [torch.isfinite(partials).all()]
+        finite += [
+            torch.isfinite(own(u, x)[~k.to(x.device)]).all().to(device)
             for u, x, k in zip(units, g, keep)
             if k is not None
-        )
+        ]
     else:
-        bad = any(not bool(torch.isfinite(h).all()) for h in held)
+        finite = [torch.isfinite(h).all().to(device) for h in held]
+    bad = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for x in losses:  # sum(losses) in run order, as Python's sum of floats would
+        loss_sum = loss_sum + x.to(device, torch.float64)
     flags = [float(x) for u in units for x in u.used]
-    head = torch.tensor(
-        [sum(losses), len(losses), float(bad), *flags],
-        dtype=torch.float64,
-        device=device,
-    )
+    host = to_device(torch.tensor([len(losses), *flags], dtype=torch.float64), device)
+    head = torch.cat([loss_sum.view(1), host[:1], bad.to(torch.float64).view(1), host[1:]])
     every = C.gather_control(
         torch.cat([head, partials]), group=group, counter=counter, phase="step"
     )
-    loss = float(every[:, 0].sum() / every[:, 1].sum())
-    overflow = bool(every[:, 2].max() > 0)
-    # this rank's own flags count as they are (its row of `every` holds them; a fake process
-    # group, measure/simulate.py, leaves the gathered rows unwritten)
-    seen = (every[:, 3 : 3 + len(flags)].amax(dim=0) > 0).tolist()
+    # the one read: this rank's own row too (a fake process group, measure/simulate.py,
+    # leaves the gathered rows unwritten)
+    both = torch.cat([head, every.reshape(-1)]).cpu().numpy()
+    own_head, rows = both[: len(head)], both[len(head) :].reshape(every.shape)
+    loss = float(rows[:, 0].sum() / rows[:, 1].sum())
+    overflow = bool(rows[:, 2].max() > 0)
+    seen = rows[:, 3 : 3 + len(flags)].max(axis=0, initial=0.0) > 0
     anywhere = [bool(a) or b > 0 for a, b in zip(seen, flags, strict=True)]
     used = []
     for u in units:
@@ -97,11 +101,44 @@ def exchange(
         u.used = [False] * len(u.used)
     per_unit, at = [], len(head)
     for u, x in zip(units, mine, strict=True):
-        per_unit.append(
-            every[:, at : at + x.numel()].reshape(-1)[: u.part.layout.num_chunks].cpu().numpy()
-        )
+        per_unit.append(rows[:, at : at + x.numel()].reshape(-1)[: u.part.layout.num_chunks])
         at += x.numel()
-    return overflow, bad, loss, per_unit, used
+    return overflow, bool(own_head[2] > 0), loss, per_unit, used
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting: on CUDA a copy from pinned memory
+    that the stream orders (a copy from pageable memory blocks the host until it is done)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def tree_total(x: np.ndarray) -> np.float64:
+    """reference.tree.tree_sum over the float64 values of x, the same bits, in
+    O(log2 n) whole-array operations instead of n Python additions (0.0 for no values, as
+    reference.tree.sumsq_total). [Note: the tree T] splits n leaves into power-of-two blocks,
+    one per set bit of n, largest first, each block a balanced tree, and folds the blocks'
+    sums from the right: T = B_1 + (B_2 + (... + B_k)). Each block starts at a multiple of its
+    size, so pairing neighbours (x_0 + x_1, x_2 + x_3, ...) over the whole array is one level
+    of every block at once; when the count at a level is odd, its last value is the finished
+    block of that size. tests/unit/test_reference_tree.py compares it with tree_sum."""
+    s = np.asarray(x, dtype=np.float64).reshape(-1)
+    if s.size == 0:
+        return np.float64(0.0)
+    blocks = []  # smallest first
+    with np.errstate(all="ignore"):  # non-finite partials are the overflow flag's business
+        while s.size > 1:
+            if s.size & 1:
+                blocks.append(s[-1])
+                s = s[:-1]
+            s = s[0::2] + s[1::2]
+        blocks.append(s[0])  # B_1, the largest
+        acc = blocks[0]
+        for b in blocks[1:]:  # B_k, then B_{k-1} + B_k, ..., B_1 + (...)
+            acc = b + acc
+    return np.float64(acc)
 
 
 def step_exchange(engine, held, g, inv: np.float32):
@@ -113,6 +150,7 @@ def step_exchange(engine, held, g, inv: np.float32):
         engine.units, engine._losses, held, g, inv, *args, keep=keep
     )
     if mp is None:
-        return overflow, bad, loss, global_norm(partials), used
+        flat = np.concatenate(partials) if partials else np.zeros(0)
+        return overflow, bad, loss, np.sqrt(tree_total(flat)), used
     overflow, norm, used = mp.combine(overflow, partials, used, engine.device)
     return overflow, bad, loss, norm, used

@@ -42,7 +42,7 @@ from .forward import backward_scaled, cast_inputs, forward_rng
 from .frozen import build_frozen_units
 from .materialize import StartValues
 from .mp.control import MPStep
-from .optim import live_runs, step_runs
+from .optim import Shard, live_runs, step_shards, update_batches
 from .stages import STAGE_CLASSES, StageContext, stage_class
 from .stages.base import Clock
 from .stages.stage0 import Stage0
@@ -161,7 +161,7 @@ class ZeroEngine(nn.Module):
         self.buffers = build.prepare_buffers(module, device, config.compute_dtype)
         self.counter.step = 0
         self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
-        self.t, self.data_step, self._losses = 0, 0, []  # _losses: this step's, as floats
+        self.t, self.data_step, self._losses = 0, 0, []  # _losses: this step's, 0-dim tensors
         self._next = 0  # [Note: one launch order]: units[::-1][_next] is launched next
         # verification reads the step's R after it (last_reduced); holding it keeps the
         # gradient buffers alive between steps ([Note: gradients live within a step])
@@ -234,7 +234,7 @@ class ZeroEngine(nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (mean over its samples), then finalize_backward."""
         self.at("backward")
-        self._losses.append(float(loss.detach().float()))
+        self._losses.append(loss.detach().float())  # read once, in the step's exchange
         backward_scaled(loss, None if self.scaler is None else self.scaler.scale)
         self.finalize_backward()
         self.called.check({u.name for u in self.units if any(u.used)})
@@ -250,7 +250,7 @@ class ZeroEngine(nn.Module):
         if unknown:
             raise ValueError(f"grads[{unknown[0]!r}]: no trainable parameter has that name")
         self.at("backward")
-        self._losses.append(float(loss))
+        self._losses.append(torch.tensor(float(loss), dtype=torch.float64))
         for u in reversed(self.units):
             for i, (name, p) in enumerate(u.params):
                 if name not in grads:
@@ -297,8 +297,10 @@ class ZeroEngine(nn.Module):
         held = self.placement.to_optimizer(self.units, held)  # R's extent where the update runs
         scale = 1.0 if self.scaler is None else self.scaler.scale
         inv = f32(1.0 / (scale * self.config.micro_batches))
-        c = {h.device: torch.tensor(inv, device=h.device) for h in held}
-        g = [h.float() * c[h.device] for h in held]
+        # [Note: host scalars] a 0-dim float32 tensor on the host multiplies a device tensor
+        # as a kernel argument, in float32 as it is: no copy to the device, no wait
+        c = torch.tensor(inv)
+        g = [h.float() * c for h in held]
         overflow, bad, loss, norm, used = self._exchange(held, g, inv)
         if overflow:
             if self.scaler is None and self.config.nonfinite == "raise":
@@ -312,23 +314,25 @@ class ZeroEngine(nn.Module):
                 self.last_reduced = held  # (it keeps the released gradient buffers alive)
             coef = clip_coefficient(norm, self.config.clip_norm)
             if coef is not None:
+                c = torch.tensor(coef)  # [Note: host scalars]
                 for x in g:
-                    x.mul_(torch.tensor(coef, device=x.device))
+                    x.mul_(c)
             self.t += 1
+            shards = []
             for u, gu, runs, use in zip(self.units, g, self.runs, used, strict=True):
                 lo = self.master_extent(u).start
                 live = live_runs(runs, u.part.layout.slots, lo, use, u.steps)
                 u.steps = [t + x for t, x in zip(u.steps, use, strict=True)]
-                step_runs(
+                shards.append(Shard(u.master, gu, u.opt, live))
+            for batch in update_batches(shards):
+                step_shards(
                     self.config.optimizer,
                     self.config.groups,
-                    live,
-                    u.master,
-                    gu,
-                    u.opt,
+                    [shards[i] for i in batch],
                     deterministic=self.config.deterministic,
                 )
-                self.stage_of(u).refresh_working(u)  # may launch its all-gather and return
+                for i in batch:  # may launch its all-gather and return
+                    self.stage_of(self.units[i]).refresh_working(self.units[i])
             for stage in self.stages.values():
                 stage.finish_step()
         for u in self.units:  # [Note: gradients live within a step] (zero/unit.py)

@@ -16,6 +16,8 @@ no gradient in a step are left out of its runs ([Note: skipping unused parameter
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch.optim import adam as torch_adam
@@ -25,7 +27,7 @@ from torch.optim import sgd as torch_sgd
 from reference import optim as ref_optim
 from reference.optim import Hyper
 
-from . import optim_native
+from . import optim_native, optim_triton
 from .partition import Run
 
 STATE_NAMES = ref_optim.state_names
@@ -57,12 +59,12 @@ def step_scalars(kind: str, hp: Hyper, t: int) -> dict[str, np.float32]:
     return ref_optim.step_scalars(kind, hp, t)
 
 
-def _scalars(kind: str, hp: Hyper, t: int, device) -> dict[str, torch.Tensor]:
-    # 0-dim float32 tensors on the device: a Python float would be rounded by the kernel's
-    # own rules; a 0-dim tensor of the same dtype is multiplied as it is.
+def _scalars(kind: str, hp: Hyper, t: int) -> dict[str, torch.Tensor]:
+    # 0-dim float32 tensors on the host: a Python float would be rounded by the kernel's own
+    # rules; a 0-dim tensor of the same dtype is multiplied as it is, on any device, as a
+    # kernel argument ([Note: host scalars] in zero/engine.py: no copy to the device)
     return {
-        k: torch.tensor(float(v), dtype=torch.float32, device=device)
-        for k, v in step_scalars(kind, hp, t).items()
+        k: torch.tensor(float(v), dtype=torch.float32) for k, v in step_scalars(kind, hp, t).items()
     }
 
 
@@ -85,21 +87,18 @@ def _sqrt(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
     """reference.optim.step, in place on tensors p (fp32 master), g and state (views allowed):
     Adam and AdamW in one compiled loop on the CPU where it can run (zero/optim_native.py),
-    else, and for SGD, in torch ops block by block ([Note: in-place blocks])."""
-    if kind != "sgd" and optim_native.adam(
-        kind,
-        bool(hp.weight_decay),
-        step_scalars(kind, hp, t),
-        p,
-        g,
-        state["exp_avg"],
-        state["exp_avg_sq"],
-    ):
-        return
-    s = _scalars(kind, hp, t, p.device)
-    ws = _Workspace(min(BLOCK, p.numel()), p.device, kind, hp)
-    for lo in range(0, p.numel(), BLOCK):
-        sl = slice(lo, lo + BLOCK)
+    in one Triton kernel on CUDA where Triton runs (zero/optim_triton.py), else, and for SGD,
+    in torch ops ([Note: in-place blocks]). Every path gives the reference's bits."""
+    if kind != "sgd":
+        args = (kind, bool(hp.weight_decay), step_scalars(kind, hp, t), p, g)
+        moments = (state["exp_avg"], state["exp_avg_sq"])
+        if optim_native.adam(*args, *moments) or optim_triton.adam(*args, *moments):
+            return
+    s = _scalars(kind, hp, t)
+    block = op_block(p)
+    ws = _Workspace(min(block, p.numel()), p.device, kind, hp)
+    for lo in range(0, p.numel(), block):
+        sl = slice(lo, lo + block)
         if kind == "sgd":
             buf = state["momentum_buffer"][sl] if hp.momentum else None
             _sgd_block(hp, s, t, p[sl], g[sl], buf, ws)
@@ -107,6 +106,13 @@ def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Ten
             _adam_block(
                 kind, hp, s, p[sl], g[sl], state["exp_avg"][sl], state["exp_avg_sq"][sl], ws
             )
+
+
+def op_block(p: torch.Tensor) -> int:
+    """The torch ops' block: BLOCK on the CPU, where it keeps the operands in cache; the
+    whole run elsewhere, where a loop over blocks would be host work that grows with the
+    shard ([Note: host work flat in Ψ], measure/hostwork.py)."""
+    return BLOCK if p.device.type == "cpu" else max(1, p.numel())
 
 
 BLOCK = 1 << 18
@@ -160,31 +166,31 @@ def _adam_block(kind, hp: Hyper, s, p, g, m, v, ws: _Workspace) -> None:
     p.sub_(torch.div(m, d, out=d).mul_(s["step_size"]))
 
 
-def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
-    """torch's own functional kernels on the same shard (not bitwise; bounded)."""
+def fast_step(kind, hp: Hyper, t: int, ps, gs, states: list[dict[str, torch.Tensor]]) -> None:
+    """torch's own functional kernels (not bitwise; bounded) on the runs ps (fp32 master
+    slices) with gradients gs and states, all of one group and one step count t, on one
+    device: Adam and AdamW in one multi-tensor fused call ([Note: one update launch])."""
     if kind == "sgd":
-        buf = state.get("momentum_buffer")
-        bufs = [None if t == 1 else buf]  # torch creates the buffer on the first step
-        torch_sgd.sgd(
-            [p],
-            [g],
-            bufs,
-            **torch_kwargs("sgd", hp),
-            maximize=False,
-            foreach=False,
-        )
-        if buf is not None and bufs[0] is not buf:
-            buf.copy_(bufs[0])
+        for p, g, state in zip(ps, gs, states, strict=True):
+            buf = state.get("momentum_buffer")
+            bufs = [None if t == 1 else buf]  # torch creates the buffer on the first step
+            torch_sgd.sgd([p], [g], bufs, **torch_kwargs("sgd", hp), maximize=False, foreach=False)
+            if buf is not None and bufs[0] is not buf:
+                buf.copy_(bufs[0])
         return
     fn = torch_adamw.adamw if kind == "adamw" else torch_adam.adam
     b1, b2 = hp.betas
+    device = ps[0].device
+    # the step counts, before this step, on the device: made by a fill kernel, not copied
+    # from the host; the fused kernel adds 1 to each in place
+    counts = torch.full((len(ps),), float(t - 1), dtype=torch.float32, device=device)
     fn(
-        [p],
-        [g],
-        [state["exp_avg"]],
-        [state["exp_avg_sq"]],
+        list(ps),
+        list(gs),
+        [st["exp_avg"] for st in states],
+        [st["exp_avg_sq"] for st in states],
         [],
-        [torch.tensor(float(t - 1), device=p.device)],
+        list(counts.unbind()),
         amsgrad=False,
         beta1=b1,
         beta2=b2,
@@ -194,7 +200,7 @@ def fast_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> 
         maximize=False,
         # the fused kernel (CPU and CUDA) is 3-4x faster than the single-tensor one on a
         # 2M-element shard; the lock-step bound covers any implementation's rounding
-        fused=p.device.type in ("cpu", "cuda"),
+        fused=device.type in ("cpu", "cuda"),
     )
 
 
@@ -224,20 +230,56 @@ def live_runs(runs: list[Run], slots, lo: int, used, steps) -> list[tuple[Run, i
     return out
 
 
-def step_runs(
-    kind: str,
-    groups: tuple[Hyper, ...],
-    runs: list[tuple[Run, int]],
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    states: dict[str, torch.Tensor],
-    *,
-    deterministic: bool,
+@dataclass(frozen=True)
+class Shard:
+    """One unit's update: its flat fp32 master shard, unscaled gradient and state shards, and
+    the runs to update this step, each with its t_p (live_runs)."""
+
+    master: torch.Tensor  # 1D fp32, this rank's extent
+    grad: torch.Tensor  # 1D, the master's length (fp32, or cast to it per run)
+    states: dict[str, torch.Tensor]  # name -> 1D fp32, the master's length
+    runs: list[tuple[Run, int]]
+
+
+def step_shards(
+    kind: str, groups: tuple[Hyper, ...], shards: list[Shard], *, deterministic: bool
 ) -> None:
-    """Update a flat master shard in place, one (run, t_p) of live_runs at a time."""
-    kernel = deterministic_step if deterministic else fast_step
-    for run, t in runs:
-        hp = groups[run.group]
-        sl = slice(run.start, run.stop)
-        st = {k: states[k][sl] for k in STATE_NAMES(kind, hp)}
-        kernel(kind, hp, t, master[sl], grad[sl].float(), st)
+    """Update flat master shards in place.
+
+    [Note: one update launch] Deterministic mode runs one kernel per run (the compiled loop,
+    the Triton kernel or the torch ops). Fast mode gathers the runs of every shard given by
+    (group, t_p, device) and hands each set to one multi-tensor fused call: on CUDA one launch
+    for all units where the hyper-parameters agree, instead of one per unit and run. Every
+    optimizer is elementwise, so how runs are batched changes no bit (tests/unit/
+    test_optim_blocks.py compares batched with one call per run)."""
+    batches: dict[tuple, list] = {}
+    for sh in shards:
+        for run, t in sh.runs:
+            hp = groups[run.group]
+            sl = slice(run.start, run.stop)
+            st = {k: sh.states[k][sl] for k in STATE_NAMES(kind, hp)}
+            item = (sh.master[sl], sh.grad[sl].float(), st)
+            if deterministic:
+                deterministic_step(kind, hp, t, *item)
+            else:
+                batches.setdefault((run.group, t, sh.master.device), []).append(item)
+    for (group, t, _), items in batches.items():
+        ps, gs, sts = zip(*items)
+        fast_step(kind, groups[group], t, ps, gs, list(sts))
+
+
+def update_batches(shards: list[Shard]) -> list[list[int]]:
+    """Which units' updates run together before their working copies are refreshed
+    ([Note: one update launch]): on CUDA all of them (kernels are queued, so the refreshes
+    lose nothing by waiting in the queue, and fast mode launches once); on a host (the CPU, or
+    offload's host shards) one unit at a time, so that each unit's refresh (its all-gather,
+    its copy to the device) runs while the next unit's update computes."""
+    on_device = [sh.master.device.type == "cuda" for sh in shards]
+    if shards and all(on_device):
+        return [list(range(len(shards)))]
+    return [[i] for i in range(len(shards))]
+
+
+def step_runs(kind, groups, runs, master, grad, states, *, deterministic: bool) -> None:
+    """Update one flat master shard in place, one (run, t_p) of live_runs at a time."""
+    step_shards(kind, groups, [Shard(master, grad, states, runs)], deterministic=deterministic)

@@ -89,26 +89,86 @@ def test_tensor_memory_on_cuda_is_the_allocators_peak():
     assert trace.phase_peak == [6 * MiB, 6 * MiB] and trace.phase_end == [6 * MiB, 0]
 
 
-def test_deterministic_optimizer_blocks_on_cuda_give_the_reference_bits():
-    """zero/optim.py's torch kernel with CUDA's sqrt, against reference/optim.py."""
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_deterministic_optimizer_on_cuda_gives_the_reference_bits(path):
+    """zero/optim.py's deterministic update on CUDA against reference/optim.py, bit for bit:
+    the Triton kernel (zero/optim_triton.py, the default where Triton imports: one kernel,
+    no FMA contraction, div_rn and sqrt_rn) and the torch-op fallback with CUDA's sqrt. The
+    values span 60 binades with signed zeros and subnormals, where an FMA or a flush to zero
+    would show."""
     import numpy as np
 
     from reference import optim as ref
     from reference.optim import Hyper
-    from zero import optim
+    from zero import optim, optim_triton
 
+    if path == "triton" and not optim_triton.available("cuda"):
+        pytest.skip("Triton does not import here")
     rng = np.random.default_rng(0)
     n = 2 * optim.BLOCK + 777
-    for kind, hp in (("adamw", Hyper(lr=1e-2, weight_decay=0.1)), ("adam", Hyper(lr=1e-2))):
-        p = rng.standard_normal(n).astype(np.float32)
-        g = (rng.standard_normal(n) * 2.0 ** rng.integers(-12, 12, n)).astype(np.float32)
-        st = {
-            k: np.abs(rng.standard_normal(n)).astype(np.float32) for k in ("exp_avg", "exp_avg_sq")
-        }
-        want_p, want = ref.step(kind, p, g, st, hp, 3)
-        tp = torch.from_numpy(p).cuda()
-        ts = {k: torch.from_numpy(v).cuda() for k, v in st.items()}
-        optim.deterministic_step(kind, hp, 3, tp, torch.from_numpy(g).cuda(), ts)
-        assert np.array_equal(tp.cpu().numpy().view(np.uint32), want_p.view(np.uint32)), kind
-        for k in want:
-            assert np.array_equal(ts[k].cpu().numpy().view(np.uint32), want[k].view(np.uint32))
+    saved, optim_triton.ENABLED = optim_triton.ENABLED, path == "triton"
+    try:
+        for kind, hp in (
+            ("adamw", Hyper(lr=1e-2, weight_decay=0.1)),
+            ("adam", Hyper(lr=1e-2)),
+            ("adam", Hyper(lr=1e-3, weight_decay=0.01, betas=(0.8, 0.99))),
+        ):
+            p = rng.standard_normal(n).astype(np.float32)
+            g = (rng.standard_normal(n) * 2.0 ** rng.integers(-40, 20, n)).astype(np.float32)
+            g[:4] = np.array([0.0, -0.0, 1e-45, -2e-39], np.float32)
+            st = {
+                k: np.abs(rng.standard_normal(n) * 2.0 ** rng.integers(-30, 0, n)).astype(
+                    np.float32
+                )
+                for k in ("exp_avg", "exp_avg_sq")
+            }
+            want_p, want = ref.step(kind, p, g, st, hp, 3)
+            tp = torch.from_numpy(p).cuda()
+            tg = torch.from_numpy(g).cuda()
+            ts = {k: torch.from_numpy(v).cuda() for k, v in st.items()}
+            if path == "triton":  # the kernel really ran (not the fallback)
+                scalars = ref.step_scalars(kind, hp, 3)
+                moments = (ts["exp_avg"], ts["exp_avg_sq"])
+                assert optim_triton.adam(kind, bool(hp.weight_decay), scalars, tp, tg, *moments)
+            else:
+                optim.deterministic_step(kind, hp, 3, tp, tg, ts)
+            assert np.array_equal(tp.cpu().numpy().view(np.uint32), want_p.view(np.uint32)), kind
+            for k in want:
+                got = ts[k].cpu().numpy().view(np.uint32)
+                assert np.array_equal(got, want[k].view(np.uint32)), (kind, k)
+    finally:
+        optim_triton.ENABLED = saved
+
+
+def test_one_steps_host_work_on_cuda_does_not_grow_with_the_model():
+    """measure/hostwork.py on CUDA, where every read is a real synchronisation: at two widths
+    with the same units the same counts, and the step's one read is the control exchange's."""
+    done = run(
+        [
+            "-m",
+            "measure.hostwork",
+            "--device",
+            "cuda",
+            "--widths",
+            "64",
+            "256",
+            "--layers",
+            "2",
+            "--stages",
+            "0",
+            "3",
+            "--sites",
+        ]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [
+        line.split("|")[1:-1]
+        for line in done.stdout.splitlines()
+        if line.startswith("| 0") or line.startswith("| 3")
+    ]
+    by = {}
+    for stage, _, _, _, phase, *counts in rows:
+        by.setdefault((stage.strip(), phase.strip()), set()).add(tuple(c.strip() for c in counts))
+    assert len(by) == 6 and all(len(v) == 1 for v in by.values()), by
+    sites = [line for line in done.stdout.splitlines() if " × " in line]
+    assert sites and all("zero/control.py:exchange" in line for line in sites), sites

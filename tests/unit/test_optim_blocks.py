@@ -6,6 +6,9 @@ scale and the gradient's dtype, for SGD, Adam and AdamW with and without weight 
 momentum, through each kernel."""
 
 import contextlib
+import importlib
+import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -18,25 +21,36 @@ from reference import optim as ref
 from reference.optim import Hyper
 from reference.tree import chunk_sumsq as ref_sumsq
 from zero import optim as zero_optim
-from zero import optim_native
+from zero import optim_native, optim_triton
 from zero.control import chunk_sumsq
 from zero.partition import Run
 
-KERNELS = ["native", "torch"]
+KERNELS = ["native", "triton", "torch"]
 
 
 @contextlib.contextmanager
 def kernel(name: str):
     """Run the deterministic update through one kernel: the compiled loop must be there when
     asked for (on x86-64 Linux with a C compiler, as here and in CI), or the test would
-    check the torch ops twice and call it the loop."""
-    saved, optim_native.ENABLED = optim_native.ENABLED, name == "native"
+    check the torch ops twice and call it the loop. "triton" is zero/optim_triton.py's kernel
+    under Triton's interpreter (NumPy on CPU tensors: its operations in its order; tests/gpu
+    checks the compiled kernel), installed with the dev extra on x86-64 Linux."""
+    saved = optim_native.ENABLED, optim_triton.ENABLED, os.environ.get("TRITON_INTERPRET")
+    optim_native.ENABLED, optim_triton.ENABLED = name == "native", name == "triton"
+    if name == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
     try:
         if name == "native" and not optim_native.available():
             pytest.skip("no C compiler or not x86-64: the compiled loop is not built here")
+        if name == "triton" and not optim_triton.available("cpu"):
+            pytest.skip("Triton is not installed here (pip install -e '.[dev]' on x86-64 Linux)")
         yield
     finally:
-        optim_native.ENABLED = saved
+        optim_native.ENABLED, optim_triton.ENABLED = saved[:2]
+        if saved[2] is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved[2]
 
 
 @contextlib.contextmanager
@@ -234,3 +248,144 @@ def test_chunk_partials_loop_runs_where_it_should():
         assert optim_native.chunk_sumsq(torch.ones(256, dtype=torch.bfloat16), 128, None) is None
         with pytest.raises(ValueError, match="chunk=128"):
             optim_native.chunk_sumsq(torch.ones(200), 128, None)
+
+
+# -- the launches: fast mode batched, deterministic mode flat on devices ([Note: one update
+# launch], [Note: host work flat in Ψ]) -------------------------------------------------------
+
+
+def _shards(rng, sizes, kind, hp_groups):
+    """Flat shards cut into runs that alternate between the groups, as units of a model are."""
+    out = []
+    for n in sizes:
+        cut = [0, n // 3, n // 2, n]
+        runs = [
+            (Run(start=a, stop=b, group=i % len(hp_groups)), 3)
+            for i, (a, b) in enumerate(zip(cut, cut[1:]))
+        ]
+        states = {
+            k: torch.from_numpy(np.abs(rng.standard_normal(n)).astype(np.float32))
+            for k in ("exp_avg", "exp_avg_sq")
+        }
+        master = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        grad = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        out.append(zero_optim.Shard(master, grad, states, runs))
+    return out
+
+
+def _copy(shards):
+    return [
+        zero_optim.Shard(
+            s.master.clone(), s.grad.clone(), {k: v.clone() for k, v in s.states.items()}, s.runs
+        )
+        for s in shards
+    ]
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_fast_mode_batched_over_units_gives_the_bits_of_one_call_per_run(kind):
+    """One multi-tensor fused call per (group, t) over every unit's runs = one fused call per
+    run, bit for bit (the kernel is elementwise); and it is one call per group, not per run."""
+    groups = (Hyper(lr=1e-2, weight_decay=0.1), Hyper(lr=3e-3))
+    batched = _shards(np.random.default_rng(5), [1000, 777, 64], kind, groups)
+    single = _copy(batched)
+    calls = []
+    original = zero_optim.fast_step
+
+    def counted(*a):
+        calls.append(len(a[3]))
+        return original(*a)
+
+    zero_optim.fast_step = counted
+    try:
+        zero_optim.step_shards(kind, groups, batched, deterministic=False)
+    finally:
+        zero_optim.fast_step = original
+    assert calls == [6, 3]  # group 0: runs 0 and 2 of three shards; group 1: run 1 of each
+    for sh in single:
+        for run in sh.runs:
+            zero_optim.step_runs(
+                kind, groups, [run], sh.master, sh.grad, sh.states, deterministic=False
+            )
+    for a, b in zip(batched, single):
+        assert torch.equal(a.master.view(torch.int32), b.master.view(torch.int32))
+        for k in a.states:
+            assert torch.equal(a.states[k].view(torch.int32), b.states[k].view(torch.int32))
+
+
+def test_updates_are_batched_on_cuda_and_unit_by_unit_on_a_host():
+    """update_batches: every unit in one batch where every master is on CUDA; one at a time
+    where any master lives on the host (the CPU, offload), so refreshes overlap updates."""
+    from types import SimpleNamespace
+
+    def shards(*devices):
+        return [SimpleNamespace(master=SimpleNamespace(device=torch.device(d))) for d in devices]
+
+    assert zero_optim.update_batches(shards("cuda:0", "cuda:0", "cuda:0")) == [[0, 1, 2]]
+    assert zero_optim.update_batches(shards("cpu", "cpu")) == [[0], [1]]
+    assert zero_optim.update_batches(shards("cuda:0", "cpu")) == [[0], [1]]
+    assert zero_optim.update_batches([]) == []
+
+
+def _ops_of_deterministic_step(n: int, kind: str) -> int:
+    from measure.hostwork import Counts, torch_work
+
+    hp = CASES[kind][1]
+    p, g, m, v = (torch.empty(n, device="meta") for _ in range(4))
+    counts = Counts()
+    with torch_work(counts):
+        zero_optim.deterministic_step(
+            CASES[kind][0],
+            hp,
+            2,
+            p,
+            g,
+            {"exp_avg": m, "exp_avg_sq": v}
+            if kind != "sgd-momentum-wd"
+            else {"momentum_buffer": m},
+        )
+    return counts.ops
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam-l2", "sgd-momentum-wd"])
+def test_torch_ops_off_the_cpu_are_one_pass_per_operation(kind):
+    """The torch-op fallback on a device that is not the CPU (CUDA without Triton) runs each
+    operation once over the whole run, not once per BLOCK: the same operators at 10^3 and
+    10^8 elements. The meta device stands in for CUDA (shapes, no values)."""
+    with kernel("torch"):
+        small, large = (
+            _ops_of_deterministic_step(1000, kind),
+            _ops_of_deterministic_step(10**8, kind),
+        )
+    assert small == large
+    assert zero_optim.op_block(torch.empty(10**8, device="meta")) == 10**8
+    assert zero_optim.op_block(torch.empty(10**8)) == zero_optim.BLOCK
+
+
+def test_a_contracted_multiply_add_in_the_triton_kernel_is_caught(tmp_path):
+    """The check can fail for the Triton kernel: v·b2 + tmp computed with one rounding (what
+    an FMA would do, here through float64 in the interpreter) gives other bits somewhere. The
+    planted kernel is a module file of its own: Triton reads a kernel's source from its file."""
+    source = Path(optim_triton.__file__).read_text()
+    planted = source.replace(
+        "    v = v * b2\n    v = v + tmp\n",
+        "    v = (v.to(tl.float64) * b2 + tmp.to(tl.float64)).to(tl.float32)\n",
+    )
+    assert planted != source
+    path = tmp_path / "planted_adam_kernel.py"
+    path.write_text(planted)
+    spec = importlib.util.spec_from_file_location("planted_adam_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with kernel("triton"):
+        module.tl = importlib.import_module("triton.language")  # the body's `tl`
+        saved = optim_triton._adam_kernel, dict(optim_triton._JIT)
+        optim_triton._JIT.clear()
+        optim_triton._adam_kernel = module._adam_kernel
+        try:
+            with pytest.raises(AssertionError, match="adamw"):  # the bits, not an error
+                assert_reference_bits("adamw", 3000, 3, 1, "fp32")
+        finally:
+            optim_triton._adam_kernel = saved[0]
+            optim_triton._JIT.clear()
+            optim_triton._JIT.update(saved[1])

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from reference.layout import unit_layout
@@ -18,6 +18,7 @@ from reference.tree import (
     tree_sum,
 )
 from verify.bounds import UNIT_ROUNDOFF, gamma
+from zero.control import tree_total
 
 
 def f32(x):
@@ -164,3 +165,56 @@ def test_norm_same_bits_for_every_partition(seed, sizes):
     assert abs(float(norms[0]) - exact) <= tol
     # twin: an error of 10x the bound must fail the same check
     assert not abs(float(norms[0]) + 10 * tol - exact) <= tol
+
+
+# -- the engine's vectorised T (zero/control.py's tree_total) ----------------------------------
+
+
+def tree_bits(x) -> int:
+    return int(np.float64(x).view(np.uint64))
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    st.one_of(st.integers(1, 5000), st.integers(5000, 10**6)),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["spread", "specials"]),
+)
+@example(2**19, 1, "spread")
+@example(2**19 - 1, 2, "spread")
+@example(2**19 + 1, 3, "specials")
+@example(10**6, 4, "spread")
+def test_vectorised_tree_equals_tree_sum(n, seed, kind):
+    """tree_total = reference.tree.tree_sum bit for bit at every count from 1 to 10^6 (powers
+    of two, one more and one less, and arbitrary counts), on values whose sums depend on the
+    tree's shape: magnitudes over 120 binades, and in half the draws signed zeros, a
+    subnormal, infinities and NaNs (NaN compared as NaN: its payload is not pinned)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)
+    if kind == "specials":
+        where = rng.integers(0, n, min(n, 6))
+        x[where] = np.array([0.0, -0.0, np.inf, 1e-310, -np.inf, np.nan])[: len(where)]
+    got, want = tree_total(x), tree_sum(list(x))
+    if np.isnan(want):
+        assert np.isnan(got)
+    else:
+        assert tree_bits(got) == tree_bits(want), (n, kind)
+
+
+def test_vectorised_tree_shapes_written_out():
+    """Small counts against their trees written by hand, on order-sensitive values."""
+    a, b, c, d, e = 1.0, 2.0**-53, 2.0**-53, 3.0, -1.0
+    assert tree_bits(tree_total(np.array([a]))) == tree_bits(a)
+    assert tree_bits(tree_total(np.array([a, b, c]))) == tree_bits((a + b) + c)
+    assert tree_bits(tree_total(np.array([a, b, c, d, e]))) == tree_bits(((a + b) + (c + d)) + e)
+    six = tree_total(np.array([a, b, c, d, e, b]))
+    assert tree_bits(six) == tree_bits(((a + b) + (c + d)) + (e + b))
+    seven = tree_total(np.array([a, b, c, d, e, b, c]))
+    assert tree_bits(seven) == tree_bits(((a + b) + (c + d)) + ((e + b) + c))
+    assert tree_total(np.zeros(0)) == 0.0
+    # T's shape matters: 1 + 2^-53 rounds to 1 (ties to even), so a left-to-right sum of
+    # these seven loses every small term, and T keeps two of them
+    u = 2.0**-53
+    small = tree_total(np.array([1.0, u, u, 0.0, 0.0, u, u]))
+    assert small == ((1.0 + u) + (u + 0.0)) + ((0.0 + u) + u) == 1.0 + 2 * u
+    assert ((((((1.0 + u) + u) + 0.0) + 0.0) + u) + u) == 1.0

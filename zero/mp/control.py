@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from reference.tree import sumsq_total, tree_sum
+from reference.tree import tree_sum
 
 from ..collectives import gather_control
+from ..control import to_device, tree_total
 from .collectives import MPContext
 
 
@@ -77,17 +78,16 @@ class MPStep:
     def combine(self, overflow: bool, partials, used, device):
         """[Note: MP control exchange] -> (overflow, norm, used) over the whole mesh."""
         flags = [float(x) for us in used for x in us]
-        row = torch.tensor(
-            [float(overflow), float(sumsq_total(partials)), *flags],
-            dtype=torch.float64,
-            device=device,
+        s_m = tree_total(np.concatenate(partials) if partials else np.zeros(0))
+        row = torch.tensor([float(overflow), float(s_m), *flags], dtype=torch.float64)
+        every = gather_control(
+            to_device(row, device), group=self.ctx.group, counter=self.counter, phase="mp_step"
         )
-        every = gather_control(row, group=self.ctx.group, counter=self.counter, phase="mp_step")
-        every = every.cpu()
-        every[self.ctx.rank] = row.cpu()  # a fake process group leaves the rows unwritten
+        every = every.cpu().numpy().copy()  # this exchange's one read
+        every[self.ctx.rank] = row.numpy()  # a fake process group leaves the rows unwritten
         overflow = bool(every[:, 0].max() > 0)
-        total = tree_sum([np.float64(x) for x in every[:, 1].tolist()])
-        seen = (every[:, 2:].amax(dim=0) > 0).tolist()
+        total = tree_sum([np.float64(x) for x in every[:, 1]])  # N_m values
+        seen = [bool(x) for x in every[:, 2:].max(axis=0, initial=0.0) > 0]
         out, at = [], 0
         for us in used:
             out.append(seen[at : at + len(us)])

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The prepared check for a machine with one CUDA GPU, in under 8 minutes. Run it from the
+# repository root with the machine's own python3 (no venv, no install step):
+#
+#   OUT=gpu_out tools/gpu_check.sh            # on the GPU machine
+#   PYTHON=.venv/bin/python tools/gpu_check.sh --dry-run   # here: the same parts on the CPU
+#
+# Parts, each under `timeout`, each logged to $OUT/<part>.log; a failing part does not stop the
+# others:
+#   env      python, torch, CUDA and nvidia-smi
+#   gpu      python3 -m pytest -q -rs tests/gpu                              (skipped in --dry-run)
+#   bench    torchrun --standalone --nproc-per-node 1 -m measure.gpu_bench --json $OUT/bench_gpu.json
+#            (--dry-run: --model tiny --device cpu, gloo)
+#   verify   torchrun --standalone --nproc-per-node 1 -m verify --quick --world-sizes 1
+#   hostwork python3 -m measure.hostwork --device cuda: one step's host work at two widths
+#            (--dry-run: on the CPU)
+# Then the bench's table (from its JSON) and, last, a summary: part | exit code | seconds | log.
+# torchrun is run as `$PYTHON -m torch.distributed.run`, so that it uses the same interpreter.
+set -u
+
+DRY=0
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "tools/gpu_check.sh: unknown argument: $arg (allowed: --dry-run)" >&2; exit 2 ;;
+    esac
+done
+
+if [ ! -f measure/gpu_bench.py ]; then
+    echo "tools/gpu_check.sh: run it from the repository root" >&2
+    exit 2
+fi
+OUT="${OUT:-gpu_out}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1)
+
+# seconds per part: 20 + 150 + 170 + 100 + 40 = 480 at most, and most finish well before
+declare -a ROWS=()
+START_ALL=$SECONDS
+
+part() { # part NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local log="$OUT/$name.log" t0=$SECONDS rc
+    echo "== $name (at most ${limit} s): $*" | tee "$log"
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    [ $rc -eq 124 ] && echo "== $name: timed out after ${limit} s" >>"$log"
+    ROWS+=("| $name | $rc | $((SECONDS - t0)) | $log |")
+    echo "   exit $rc in $((SECONDS - t0)) s; last lines:"
+    tail -n 3 "$log" | sed 's/^/   /'
+}
+
+skip() { # skip NAME WHY
+    ROWS+=("| $1 | skipped: $2 | 0 | – |")
+    echo "== $1: skipped ($2)"
+}
+
+part env 20 bash -c "$PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available())'; (nvidia-smi || echo 'no nvidia-smi'); nproc; free -g"
+
+if [ $DRY -eq 1 ]; then
+    skip gpu "--dry-run has no GPU"
+    BENCH_ARGS=(--model tiny --device cpu --steps 2 --warmup 1)
+else
+    part gpu 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu
+    BENCH_ARGS=()
+fi
+
+rm -f "$OUT/bench_gpu.json"
+part bench 170 "${TORCHRUN[@]}" -m measure.gpu_bench ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --json "$OUT/bench_gpu.json"
+part verify 100 "${TORCHRUN[@]}" -m verify --quick --world-sizes 1
+
+if [ $DRY -eq 1 ]; then
+    part hostwork 40 "$PY" -m measure.hostwork --widths 64 128 --layers 2 --stages 0 3 --sites
+else
+    part hostwork 40 "$PY" -m measure.hostwork --device cuda --widths 64 512 --layers 2 --stages 0 3 --sites
+fi
+
+echo
+if [ -f "$OUT/bench_gpu.json" ]; then
+    "$PY" -m measure.gpu_bench --from-json "$OUT/bench_gpu.json" | tee "$OUT/bench_table.md"
+else
+    echo "no bench table: $OUT/bench_gpu.json was not written (see $OUT/bench.log)"
+fi
+echo
+echo "gpu_check$([ $DRY -eq 1 ] && echo ' --dry-run'): $((SECONDS - START_ALL)) s in all; logs under $OUT/"
+{
+    echo "| part | exit code | seconds | log file |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${ROWS[@]}"
+} | tee "$OUT/summary.md"
