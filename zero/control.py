@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import collectives as C
-from . import optim_native
+from . import optim_native, optim_triton
 from .unit import FlatUnit
 
 
@@ -22,11 +22,13 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None = None) -
     """reference.tree.chunk_sumsq in torch: float64 squares, pairwise halving per chunk. In
     place on one float64 copy: the same elementwise additions as the reference, no temporaries.
     keep (bool, x's length): the elements outside it count as +0 (a replicated parameter on a
-    model-parallel rank m > 0, zero/mp/control.py), as the reference's zeros do. On the CPU
-    the compiled loop does the same additions chunk by chunk (zero/optim_native.py)."""
-    fused = optim_native.chunk_sumsq(x, chunk, keep)
-    if fused is not None:
-        return fused
+    model-parallel rank m > 0, zero/mp/control.py), as the reference's zeros do. On CUDA a
+    Triton kernel does them, one program per chunk (zero/optim_triton.py); on the CPU the
+    compiled loop, chunk by chunk (zero/optim_native.py)."""
+    for kernel in (optim_triton.chunk_sumsq, optim_native.chunk_sumsq):
+        fused = kernel(x, chunk, keep)
+        if fused is not None:
+            return fused
     s = x.to(torch.float64, copy=True).view(-1, chunk)
     if keep is not None:
         s.masked_fill_(~keep.to(s.device).view(-1, chunk), 0.0)
@@ -69,8 +71,8 @@ def exchange(
     partials = torch.cat(mine).to(device)  # host partials with offload_optimizer
     if inv <= 1:
         finite = [torch.isfinite(partials).all()]
-        finite += [
-            torch.isfinite(own(u, x)[~k.to(x.device)]).all().to(device)
+        finite += [  # outside the mask (no boolean indexing: its size would need a read)
+            (torch.isfinite(own(u, x)) | k).all().to(device)
             for u, x, k in zip(units, g, keep)
             if k is not None
         ]
@@ -145,7 +147,7 @@ def step_exchange(engine, held, g, inv: np.float32):
     """The engine's step: `exchange` in its DP group, then, with model parallelism, the [Note:
     MP control exchange] (zero/mp/control.py). Returns (overflow, bad, loss, norm, used)."""
     mp, args = engine.mp, (engine.config.chunk, engine.device, engine.group, engine.counter)
-    keep = None if mp is None else mp.keep(engine.units)
+    keep = None if mp is None else mp.keep(engine.units, [x.device for x in g])
     overflow, bad, loss, partials, used = exchange(
         engine.units, engine._losses, held, g, inv, *args, keep=keep
     )

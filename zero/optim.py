@@ -86,13 +86,13 @@ def _sqrt(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
     """reference.optim.step, in place on tensors p (fp32 master), g and state (views allowed):
-    Adam and AdamW in one compiled loop on the CPU where it can run (zero/optim_native.py),
-    in one Triton kernel on CUDA where Triton runs (zero/optim_triton.py), else, and for SGD,
-    in torch ops ([Note: in-place blocks]). Every path gives the reference's bits."""
+    Adam and AdamW in one Triton kernel on CUDA where Triton runs (zero/optim_triton.py), in
+    one compiled loop on the CPU where it can run (zero/optim_native.py), else, and for SGD, in
+    torch ops ([Note: in-place blocks]). Every path gives the reference's bits."""
     if kind != "sgd":
         args = (kind, bool(hp.weight_decay), step_scalars(kind, hp, t), p, g)
         moments = (state["exp_avg"], state["exp_avg_sq"])
-        if optim_native.adam(*args, *moments) or optim_triton.adam(*args, *moments):
+        if optim_triton.adam(*args, *moments) or optim_native.adam(*args, *moments):
             return
     s = _scalars(kind, hp, t)
     block = op_block(p)
@@ -278,8 +278,3 @@ def update_batches(shards: list[Shard]) -> list[list[int]]:
     if shards and all(on_device):
         return [list(range(len(shards)))]
     return [[i] for i in range(len(shards))]
-
-
-def step_runs(kind, groups, runs, master, grad, states, *, deterministic: bool) -> None:
-    """Update one flat master shard in place, one (run, t_p) of live_runs at a time."""
-    step_shards(kind, groups, [Shard(master, grad, states, runs)], deterministic=deterministic)

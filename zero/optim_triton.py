@@ -1,5 +1,6 @@
 """The deterministic Adam/AdamW update on CUDA as one Triton kernel: reference/optim.py's
-operations, in its order, one pass over memory ([Note: a kernel with the reference's roundings]).
+operations, in its order, one pass over memory ([Note: a kernel with the reference's roundings]);
+and the norm's chunk partials (reference.tree.chunk_sumsq) in one pass, one program per chunk.
 
 zero/optim.py's torch ops make fourteen passes (and fourteen launches) per run; this kernel makes
 one. It is used on CUDA where Triton imports; elsewhere, or with ENABLED False, `adam` returns
@@ -91,24 +92,43 @@ def _adam_kernel(
     tl.store(v_ptr + offs, v, mask=mask)
 
 
-_JIT: dict[bool, object] = {}  # interpreted or compiled -> the jitted kernel
+def _sumsq_kernel(
+    x_ptr, keep_ptr, out_ptr, HAS_KEEP: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr
+):
+    # reference.tree.chunk_sumsq for chunk k: float64 squares (exact for float32 values), then
+    # s = s[:h] + s[h:] for h = C/2, ..., 1: row 0 of s viewed as (2, h) is s[:h], row 1 is
+    # s[h:], and a sum over an axis of two is one addition, the reference's
+    k = tl.program_id(0).to(tl.int64)
+    offs = k * C + tl.arange(0, C)
+    s = tl.load(x_ptr + offs).to(tl.float64)
+    if HAS_KEEP:  # outside the mask an element counts as +0
+        s = tl.where(tl.load(keep_ptr + offs) != 0, s, 0.0)
+    s = s * s
+    for b in tl.static_range(LOG_C):  # h = C/2, C/4, ..., 1
+        s = tl.sum(tl.reshape(s, (2, C >> (b + 1))), axis=0)
+    tl.store(out_ptr + k + tl.arange(0, 1), s)
+
+
+_JIT: dict[tuple, object] = {}  # (kernel, interpreted or compiled) -> the jitted kernel
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _kernel():
-    """triton.jit of the kernel, made on first use (TRITON_INTERPRET is read then); Triton is
-    imported only here, so a process that never updates on CUDA never loads it."""
+def _kernel(fn=None):
+    """triton.jit of a kernel (the update's by default), made on first use (TRITON_INTERPRET
+    is read then); Triton is imported only here, so a process that never updates on CUDA never
+    loads it."""
     global tl
     import triton
     import triton.language
 
     tl = triton.language
-    key = _interpreting()
+    fn = _adam_kernel if fn is None else fn
+    key = (fn.__name__, _interpreting())
     if key not in _JIT:
-        _JIT[key] = triton.jit(_adam_kernel)
+        _JIT[key] = triton.jit(fn)
     return _JIT[key]
 
 
@@ -145,3 +165,33 @@ def adam(kind: str, decay_on: bool, s: dict, p, g, m, v) -> bool:
         **options,
     )
     return True
+
+
+MAX_CHUNK = 1 << 14
+"""The largest chunk one program sums (C float64 values held at once); larger chunks, which
+only a config far from the default (4096) has, take the torch ops."""
+
+
+def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch.Tensor | None:
+    """zero/control.py's chunk partials (float64, one per chunk) in one pass, or None where
+    this kernel does not run (then the torch ops run: the same bits)."""
+    if (
+        not available(x.device)
+        or chunk > MAX_CHUNK
+        or x.dtype != torch.float32
+        or not x.is_contiguous()
+        or (keep is not None and (keep.device != x.device or not keep.is_contiguous()))
+    ):
+        return None
+    n = x.numel()
+    if n % chunk or (keep is not None and keep.numel() != n):
+        k = None if keep is None else keep.numel()
+        raise ValueError(
+            f"chunk_sumsq: x has {n} elements, keep {k}; chunk={chunk} must divide both"
+        )
+    out = torch.empty(n // chunk, dtype=torch.float64, device=x.device)
+    if n:
+        mask = x if keep is None else keep.view(torch.uint8)
+        log_c, has_keep = chunk.bit_length() - 1, keep is not None
+        _kernel(_sumsq_kernel)[(n // chunk,)](x, mask, out, HAS_KEEP=has_keep, C=chunk, LOG_C=log_c)
+    return out

@@ -95,10 +95,9 @@ def assert_reference_bits(case: str, n: int, t: int, seed: int, grad_dtype: str)
     want_p, want_state = ref.step(kind, p, g, state, hp, t)
     tp = torch.from_numpy(p.copy())
     tstate = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
-    # through step_runs, as the engine calls it (grad[sl].float() of the reduced gradient)
-    zero_optim.step_runs(
-        kind, (hp,), [(Run(start=0, stop=n, group=0), t)], tp, g_low, tstate, deterministic=True
-    )
+    # through step_shards, as the engine calls it (grad[sl].float() of the reduced gradient)
+    shard = zero_optim.Shard(tp, g_low, tstate, [(Run(start=0, stop=n, group=0), t)])
+    zero_optim.step_shards(kind, (hp,), [shard], deterministic=True)
     assert np.array_equal(bits(tp.numpy()), bits(want_p)), (case, n, t)
     for k in want_state:
         assert np.array_equal(bits(tstate[k].numpy()), bits(want_state[k])), (case, k)
@@ -218,6 +217,22 @@ def test_chunk_partials_give_the_reference_bits(seed, chunk, chunks, masked, spe
     assert np.array_equal(ops.numpy().view(np.uint64), want.view(np.uint64))
 
 
+@settings(deadline=None, max_examples=20)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([128, 4096]), st.integers(1, 3), st.booleans())
+def test_triton_chunk_partials_give_the_reference_bits(seed, chunk, chunks, masked):
+    """zero/optim_triton.py's partials (one program per chunk, its halvings as sums over an
+    axis of two) = reference/tree.py's chunk_sumsq bit for bit, under Triton's interpreter."""
+    rng = np.random.default_rng(seed)
+    n = chunk * chunks
+    x = special_values(rng, n)
+    keep = torch.from_numpy(rng.random(n) < 0.7) if masked else None
+    want = ref_sumsq(np.where(keep.numpy(), x, np.float32(0)) if masked else x, chunk)
+    with kernel("triton"):
+        got = optim_triton.chunk_sumsq(torch.from_numpy(x), chunk, keep)
+    assert got is not None
+    assert np.array_equal(got.numpy().view(np.uint64), want.view(np.uint64))
+
+
 def test_chunk_partials_in_another_order_are_caught():
     """The check can fail: the same squares summed left to right (one accumulator per chunk,
     the obvious loop) give other bits than pairwise halving on some chunk."""
@@ -304,9 +319,8 @@ def test_fast_mode_batched_over_units_gives_the_bits_of_one_call_per_run(kind):
     assert calls == [6, 3]  # group 0: runs 0 and 2 of three shards; group 1: run 1 of each
     for sh in single:
         for run in sh.runs:
-            zero_optim.step_runs(
-                kind, groups, [run], sh.master, sh.grad, sh.states, deterministic=False
-            )
+            one = zero_optim.Shard(sh.master, sh.grad, sh.states, [run])
+            zero_optim.step_shards(kind, groups, [one], deterministic=False)
     for a, b in zip(batched, single):
         assert torch.equal(a.master.view(torch.int32), b.master.view(torch.int32))
         for k in a.states:
@@ -362,30 +376,49 @@ def test_torch_ops_off_the_cpu_are_one_pass_per_operation(kind):
     assert zero_optim.op_block(torch.empty(10**8)) == zero_optim.BLOCK
 
 
-def test_a_contracted_multiply_add_in_the_triton_kernel_is_caught(tmp_path):
-    """The check can fail for the Triton kernel: v·b2 + tmp computed with one rounding (what
-    an FMA would do, here through float64 in the interpreter) gives other bits somewhere. The
-    planted kernel is a module file of its own: Triton reads a kernel's source from its file."""
+@contextlib.contextmanager
+def planted_triton(tmp_path, old: str, new: str, kernel_name: str):
+    """zero/optim_triton.py with `old` replaced by `new` in place of the real kernel, under
+    the interpreter. The planted kernel is a module file of its own: Triton reads a kernel's
+    source from its file."""
     source = Path(optim_triton.__file__).read_text()
-    planted = source.replace(
-        "    v = v * b2\n    v = v + tmp\n",
-        "    v = (v.to(tl.float64) * b2 + tmp.to(tl.float64)).to(tl.float32)\n",
-    )
-    assert planted != source
-    path = tmp_path / "planted_adam_kernel.py"
+    planted = source.replace(old, new)
+    assert planted != source, "the plant did not change the kernel"
+    path = tmp_path / "planted_triton_kernels.py"
     path.write_text(planted)
-    spec = importlib.util.spec_from_file_location("planted_adam_kernel", path)
+    spec = importlib.util.spec_from_file_location("planted_triton_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with kernel("triton"):
         module.tl = importlib.import_module("triton.language")  # the body's `tl`
-        saved = optim_triton._adam_kernel, dict(optim_triton._JIT)
+        saved = getattr(optim_triton, kernel_name), dict(optim_triton._JIT)
         optim_triton._JIT.clear()
-        optim_triton._adam_kernel = module._adam_kernel
+        setattr(optim_triton, kernel_name, getattr(module, kernel_name))
         try:
-            with pytest.raises(AssertionError, match="adamw"):  # the bits, not an error
-                assert_reference_bits("adamw", 3000, 3, 1, "fp32")
+            yield
         finally:
-            optim_triton._adam_kernel = saved[0]
+            setattr(optim_triton, kernel_name, saved[0])
             optim_triton._JIT.clear()
             optim_triton._JIT.update(saved[1])
+
+
+def test_a_contracted_multiply_add_in_the_triton_kernel_is_caught(tmp_path):
+    """The check can fail for the Triton kernel: v·b2 + tmp computed with one rounding (what
+    an FMA would do, here through float64 in the interpreter) gives other bits somewhere."""
+    fma = "    v = (v.to(tl.float64) * b2 + tmp.to(tl.float64)).to(tl.float32)\n"
+    with planted_triton(tmp_path, "    v = v * b2\n    v = v + tmp\n", fma, "_adam_kernel"):
+        with pytest.raises(AssertionError, match="adamw"):  # the bits, not an error
+            assert_reference_bits("adamw", 3000, 3, 1, "fp32")
+
+
+def test_triton_chunk_partials_in_another_tree_are_caught(tmp_path):
+    """The check can fail for the Triton partials: neighbours paired (x_0 + x_1, ...), a
+    balanced tree too but not the reference's halving, give other bits on some chunk."""
+    halving = "s = tl.sum(tl.reshape(s, (2, C >> (b + 1))), axis=0)"
+    neighbours = "s = tl.sum(tl.reshape(s, (C >> (b + 1), 2)), axis=1)"
+    x = np.random.default_rng(3).standard_normal(4096 * 4).astype(np.float32)
+    with planted_triton(tmp_path, halving, neighbours, "_sumsq_kernel"):
+        got = optim_triton.chunk_sumsq(torch.from_numpy(x), 4096, None)
+    want = ref_sumsq(x, 4096)
+    assert got is not None and got.shape == want.shape
+    assert not np.array_equal(got.numpy().view(np.uint64), want.view(np.uint64))

@@ -54,17 +54,23 @@ class MPStep:
                 f"mp: {type(module).__name__} has no counts_in_norm(name) method saying which "
                 "parameters this MP rank counts in the global norm (zero.mp.TPGPT has one)"
             )
-        self.ctx, self.rule, self._keep = mp, rule, None
+        self.ctx, self.rule, self._keep, self._placed = mp, rule, None, {}
 
     @property
     def counter(self):
         return self.ctx.counter
 
-    def keep(self, units) -> list[torch.Tensor | None] | None:
-        """Per unit, the mask of this rank's extent that enters the norm (None: all of it)."""
+    def keep(self, units, devices) -> list[torch.Tensor | None] | None:
+        """Per unit, the mask of this rank's extent that enters the norm (None: all of it), on
+        the device of that unit's gradient; moved there once, not in every step (on CUDA a
+        copy from the host waits for the device)."""
         if self._keep is None:
             self._keep = [self._unit_keep(u) for u in units]
-        return self._keep
+        key = tuple(devices)
+        if key not in self._placed:
+            placed = [None if k is None else k.to(d) for k, d in zip(self._keep, key, strict=True)]
+            self._placed[key] = placed
+        return self._placed[key]
 
     def _unit_keep(self, u) -> torch.Tensor | None:
         dropped = [s for s in u.part.layout.slots if not self.rule(s.name)]
