@@ -105,13 +105,20 @@ def fragmentation(cfg: FragmentationConfig | None = None, **fields) -> dict:
             "is False on this machine, so there is nothing to measure"
         )
     config = asdict(cfg)
-    dev = torch.device(config.pop("device"))
+    dev = indexed(config.pop("device"), torch.cuda.current_device)
     torch.cuda.set_device(dev)
     _single_rank_group()
     off = _measure(False, dev, **config)
     on = _measure(True, dev, **config)
     ratio = {k: (on[k] / off[k] if off[k] else float("nan")) for k in off}
     return {"off": off, "on": on, "ratio": ratio, "config": config, "device": _name(dev)}
+
+
+def indexed(name: str, current) -> torch.device:
+    """The CUDA device `name` with its index: 'cuda' alone means the current device, current()
+    (torch.cuda.set_device and the allocator's statistics need an index)."""
+    dev = torch.device(name)
+    return dev if dev.index is not None else torch.device(dev.type, current())
 
 
 def _single_rank_group() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe_gpt_engine
 
-from measure.fragmentation import fragmentation, main
+from measure.fragmentation import fragmentation, indexed, main
 from reference.layout import unit_layout
 from reference.precision import DTYPES
 from zero.config import ZeroConfig
@@ -440,3 +440,10 @@ def test_fragmentation_refuses_without_cuda(capsys):
     assert main(["--steps", "1"]) == 2
     err = capsys.readouterr()
     assert "nothing to measure" in err.err and err.out == ""
+
+
+def test_fragmentation_gives_a_bare_cuda_device_its_index():
+    """'cuda' alone is the current device with its index (torch.cuda.set_device refused the bare
+    name on the H200: "Expected a torch.device with a specified index"); an index is kept."""
+    assert indexed("cuda", lambda: 3) == torch.device("cuda", 3)
+    assert indexed("cuda:1", lambda: 3) == torch.device("cuda", 1)

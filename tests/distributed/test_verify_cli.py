@@ -252,3 +252,21 @@ def test_cells_is_the_product_of_its_axes():
         world_size=2, stage=(1, 2), precision=matrix.PRECISIONS, optimizer=matrix.OPTIMIZERS,
         mode=("deterministic", "fast"), model="gpt",
     )  # fmt: skip
+
+
+@pytest.mark.dist
+def test_the_quick_preset_under_torchrun_of_one_rank_exits_zero(tmp_path):
+    """The README's GPU command on a CPU: `torchrun --nproc-per-node 1 -m verify --quick`.
+    Every section runs what the launched world of 1 can run and skips the rest with one line;
+    the watchdog section, which breaks its worlds on purpose, is skipped whole (it crashed the
+    run before: a 2-rank pool started inside a torchrun world of 1)."""
+    out = tmp_path / "q.json"
+    done = torchrun("verify", ["--quick", "--json", str(out)], nproc=1, timeout=400)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "watchdog skipped under torchrun" in done.stdout
+    assert "world size 2 skipped" in done.stdout
+    report = json.loads(out.read_text())
+    cells = report["cells"] + report["injected"]
+    assert cells and {c["world_size"] for c in cells} == {1}
+    assert all(c["passed"] for c in cells)
+    assert report["watchdog"] == []
