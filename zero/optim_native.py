@@ -93,6 +93,19 @@ _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-s
 
 ENABLED = True
 """Set False to run zero/optim.py's torch ops instead (measure/optim_speed.py compares them)."""
+ADAM_SCALARS = (
+    "decay",
+    "wd",
+    "b1",
+    "one_minus_b1",
+    "b2",
+    "one_minus_b2",
+    "inv_sqrt_bc2",
+    "eps",
+    "step_size",
+)
+"""reference.optim.step_scalars' names in the order the Adam kernels take them (this loop's and
+zero/optim_triton.py's)."""
 
 
 def _cache_dir() -> Path:
@@ -166,20 +179,7 @@ def adam(kind: str, decay_on: bool, s: dict, p, g, m, v) -> bool:
         n,
         int(kind == "adamw"),
         int(decay_on),
-        *(
-            float(s.get(k, 0.0))  # float32 -> double -> float: exact
-            for k in (
-                "decay",
-                "wd",
-                "b1",
-                "one_minus_b1",
-                "b2",
-                "one_minus_b2",
-                "inv_sqrt_bc2",
-                "eps",
-                "step_size",
-            )
-        ),
+        *(float(s.get(k, 0.0)) for k in ADAM_SCALARS),  # float32 -> double -> float: exact
     )
     return True
 
@@ -196,12 +196,7 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch
         or not available()
     ):
         return None
-    n = x.numel()
-    if n % chunk or (keep is not None and keep.numel() != n):
-        k = None if keep is None else keep.numel()
-        raise ValueError(
-            f"chunk_sumsq: x has {n} elements, keep {k}; chunk={chunk} must divide both"
-        )
+    n = chunked_numel(x, chunk, keep)
     out = torch.empty(n // chunk, dtype=torch.float64)
     buf = torch.empty(chunk, dtype=torch.float64)
     _LIB[0].chunk_sumsq(
@@ -213,3 +208,15 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch
         out.data_ptr(),
     )
     return out
+
+
+def chunked_numel(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> int:
+    """x's length, which chunk must divide, and keep's (if any) must equal: the partial-sum
+    kernels' shared check (this loop's and zero/optim_triton.py's)."""
+    n = x.numel()
+    if n % chunk or (keep is not None and keep.numel() != n):
+        k = None if keep is None else keep.numel()
+        raise ValueError(
+            f"chunk_sumsq: x has {n} elements, keep {k}; chunk={chunk} must divide both"
+        )
+    return n

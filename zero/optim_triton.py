@@ -23,22 +23,13 @@ import os
 
 import torch
 
+from .optim_native import ADAM_SCALARS, chunked_numel
+
 tl = None  # triton.language, imported with the kernel (_kernel): the body's `tl`
 ENABLED = True
 """Set False to run zero/optim.py's torch ops on CUDA instead (tests compare them)."""
 BLOCK = 1024
 """Elements per Triton program; the update is elementwise, so no bit depends on it."""
-SCALARS = (
-    "decay",
-    "wd",
-    "b1",
-    "one_minus_b1",
-    "b2",
-    "one_minus_b2",
-    "inv_sqrt_bc2",
-    "eps",
-    "step_size",
-)
 
 
 def _adam_kernel(
@@ -158,7 +149,7 @@ def adam(kind: str, decay_on: bool, s: dict, p, g, m, v) -> bool:
     _kernel()[(-(-n // BLOCK),)](
         *tensors,
         n,
-        *(float(s.get(k, 0.0)) for k in SCALARS),  # float32 values: exact as float32 arguments
+        *(float(s.get(k, 0.0)) for k in ADAM_SCALARS),  # float32 values: exact as float32 arguments
         ADAMW=kind == "adamw",
         DECAY_ON=bool(decay_on),
         BLOCK=BLOCK,
@@ -183,12 +174,7 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch
         or (keep is not None and (keep.device != x.device or not keep.is_contiguous()))
     ):
         return None
-    n = x.numel()
-    if n % chunk or (keep is not None and keep.numel() != n):
-        k = None if keep is None else keep.numel()
-        raise ValueError(
-            f"chunk_sumsq: x has {n} elements, keep {k}; chunk={chunk} must divide both"
-        )
+    n = chunked_numel(x, chunk, keep)
     out = torch.empty(n // chunk, dtype=torch.float64, device=x.device)
     if n:
         mask = x if keep is None else keep.view(torch.uint8)
