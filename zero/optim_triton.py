@@ -87,8 +87,8 @@ def _sumsq_kernel(
     x_ptr, keep_ptr, out_ptr, HAS_KEEP: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr
 ):
     # reference.tree.chunk_sumsq for chunk k: float64 squares (exact for float32 values), then
-    # s = s[:h] + s[h:] for h = C/2, ..., 1: row 0 of s viewed as (2, h) is s[:h], row 1 is
-    # s[h:], and a sum over an axis of two is one addition, the reference's
+    # s = s[:h] + s[h:] for h = C/2, ..., 1. Viewed as (2, h), row 0 of s is s[:h] and row 1
+    # is s[h:]; transposed to (h, 2) and split, they are the two operands of one addition each
     k = tl.program_id(0).to(tl.int64)
     offs = k * C + tl.arange(0, C)
     s = tl.load(x_ptr + offs).to(tl.float64)
@@ -96,7 +96,8 @@ def _sumsq_kernel(
         s = tl.where(tl.load(keep_ptr + offs) != 0, s, 0.0)
     s = s * s
     for b in tl.static_range(LOG_C):  # h = C/2, C/4, ..., 1
-        s = tl.sum(tl.reshape(s, (2, C >> (b + 1))), axis=0)
+        low, high = tl.split(tl.permute(tl.reshape(s, (2, C >> (b + 1))), (1, 0)))
+        s = low + high
     tl.store(out_ptr + k + tl.arange(0, 1), s)
 
 

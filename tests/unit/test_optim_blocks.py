@@ -415,8 +415,8 @@ def test_a_contracted_multiply_add_in_the_triton_kernel_is_caught(tmp_path):
 def test_triton_chunk_partials_in_another_tree_are_caught(tmp_path):
     """The check can fail for the Triton partials: neighbours paired (x_0 + x_1, ...), a
     balanced tree too but not the reference's halving, give other bits on some chunk."""
-    halving = "s = tl.sum(tl.reshape(s, (2, C >> (b + 1))), axis=0)"
-    neighbours = "s = tl.sum(tl.reshape(s, (C >> (b + 1), 2)), axis=1)"
+    halving = "tl.split(tl.permute(tl.reshape(s, (2, C >> (b + 1))), (1, 0)))"
+    neighbours = "tl.split(tl.reshape(s, (C >> (b + 1), 2)))"
     x = np.random.default_rng(3).standard_normal(4096 * 4).astype(np.float32)
     with planted_triton(tmp_path, halving, neighbours, "_sumsq_kernel"):
         got = optim_triton.chunk_sumsq(torch.from_numpy(x), 4096, None)
