@@ -124,6 +124,13 @@ def _kernel(fn=None):
     return _JIT[key]
 
 
+def _options() -> dict:
+    """The compiler's options for every kernel here ([Note: a kernel with the reference's
+    roundings]): no FMA contraction, and no flush of subnormals in libdevice (the precise sqrt
+    and division are PTX's IEEE instructions either way); none under the interpreter."""
+    return {} if _interpreting() else {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
 def available(device) -> bool:
     """Whether the kernel runs on tensors of `device`: CUDA with Triton, or any CPU tensor
     under Triton's interpreter."""
@@ -146,7 +153,6 @@ def adam(kind: str, decay_on: bool, s: dict, p, g, m, v) -> bool:
         raise ValueError(f"adam: tensors of {[t.numel() for t in tensors]} elements, not equal")
     if n == 0:
         return True
-    options = {} if _interpreting() else {"enable_fp_fusion": False}
     _kernel()[(-(-n // BLOCK),)](
         *tensors,
         n,
@@ -154,7 +160,7 @@ def adam(kind: str, decay_on: bool, s: dict, p, g, m, v) -> bool:
         ADAMW=kind == "adamw",
         DECAY_ON=bool(decay_on),
         BLOCK=BLOCK,
-        **options,
+        **_options(),
     )
     return True
 
@@ -180,5 +186,7 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch
     if n:
         mask = x if keep is None else keep.view(torch.uint8)
         log_c, has_keep = chunk.bit_length() - 1, keep is not None
-        _kernel(_sumsq_kernel)[(n // chunk,)](x, mask, out, HAS_KEEP=has_keep, C=chunk, LOG_C=log_c)
+        grid = (n // chunk,)
+        options = {"HAS_KEEP": has_keep, "C": chunk, "LOG_C": log_c, **_options()}
+        _kernel(_sumsq_kernel)[grid](x, mask, out, **options)
     return out
