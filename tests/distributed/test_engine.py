@@ -120,8 +120,10 @@ def commdebug_counts(rank, n, stage, gloo_all_gather):
         sends.append(1)
         return isend(*args, **kwargs)
 
-    saved = collectives.GLOO_ALL_GATHER
-    collectives.GLOO_ALL_GATHER = gloo_all_gather  # pool workers live on: restored below
+    saved, on_host = collectives.GLOO_ALL_GATHER, collectives.on_host
+    collectives.GLOO_ALL_GATHER = gloo_all_gather.removesuffix("-cuda")  # restored below
+    if gloo_all_gather.endswith("-cuda"):  # the shards stand in for CUDA tensors
+        collectives.on_host = lambda t: False
     torch.distributed.isend = counted_isend
     try:
         model, eng = mlp_engine(stage, n, 2, deterministic=True, overlap=False)
@@ -134,7 +136,7 @@ def commdebug_counts(rank, n, stage, gloo_all_gather):
                 eng.backward(loss)
             eng.step()
     finally:
-        collectives.GLOO_ALL_GATHER = saved
+        collectives.GLOO_ALL_GATHER, collectives.on_host = saved, on_host
         torch.distributed.isend = isend
     theirs = {str(op).split(".")[-1]: c for op, c in mode.get_comm_counts().items()}
     step = eng.counter.step - 1
@@ -143,14 +145,16 @@ def commdebug_counts(rank, n, stage, gloo_all_gather):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("gloo_all_gather", ["backend", "p2p"])
+@pytest.mark.parametrize("gloo_all_gather", ["backend", "p2p", "p2p-cuda"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_counter_agrees_with_commdebugmode(stage, gloo_all_gather):
     """torch's own c10d counter sees the same number of calls as ours: our reduce-scatters are
     all-to-alls (deterministic), our all-gathers gloo's all_gather_into_tensor, control and the
     watchdog's boundary checks included (zero/watchdog.py's Watch.boundary). With the model's
     all-gathers as point-to-point sends ([Note: all-gather on gloo], the default on gloo), the
-    mode does not see them: each is N - 1 sends per rank instead, counted at dist.isend."""
+    mode does not see them: each is N - 1 sends per rank instead, counted at dist.isend. On
+    CUDA tensors ("p2p-cuda": the shards stand in for them) gloo takes its collective again,
+    whose point-to-point path fails there: no send."""
     n = 2
     theirs, sends, model, control, watchdog = get_pool(n).run(
         commdebug_counts, stage, gloo_all_gather
