@@ -332,6 +332,16 @@ def _exchange_shards(out: torch.Tensor, shard: torch.Tensor, group, unit) -> _Wo
     return _Works(works)
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting: on CUDA a copy from pinned memory
+    that the stream orders (a copy from pageable memory blocks the host until it is done).
+    The control exchange's values and the optimizer kernels' tables go up this way."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def gather_control(
     values: torch.Tensor, *, group, counter: CommCounter, phase: str, unit=None
 ) -> torch.Tensor:

@@ -83,7 +83,7 @@ def exchange(
     for x in losses:  # sum(losses) in run order, as Python's sum of floats would
         loss_sum = loss_sum + x.to(device, torch.float64)
     flags = [float(x) for u in units for x in u.used]
-    host = to_device(torch.tensor([len(losses), *flags], dtype=torch.float64), device)
+    host = C.to_device(torch.tensor([len(losses), *flags], dtype=torch.float64), device)
     head = torch.cat([loss_sum.view(1), host[:1], bad.to(torch.float64).view(1), host[1:]])
     every = C.gather_control(
         torch.cat([head, partials]), group=group, counter=counter, phase="step"
@@ -106,15 +106,6 @@ def exchange(
         per_unit.append(rows[:, at : at + x.numel()].reshape(-1)[: u.part.layout.num_chunks])
         at += x.numel()
     return overflow, bool(own_head[2] > 0), loss, per_unit, used
-
-
-def to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting: on CUDA a copy from pinned memory
-    that the stream orders (a copy from pageable memory blocks the host until it is done)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def tree_total(x: np.ndarray) -> np.float64:

@@ -90,9 +90,11 @@ def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Ten
     one compiled loop on the CPU where it can run (zero/optim_native.py), else, and for SGD, in
     torch ops ([Note: in-place blocks]). Every path gives the reference's bits."""
     if kind != "sgd":
-        args = (kind, bool(hp.weight_decay), step_scalars(kind, hp, t), p, g)
+        on, s = bool(hp.weight_decay), step_scalars(kind, hp, t)
         moments = (state["exp_avg"], state["exp_avg_sq"])
-        if optim_triton.adam(*args, *moments) or optim_native.adam(*args, *moments):
+        if optim_triton.adam_runs(kind, [(0, p.numel(), s, on)], p, g, *moments):
+            return
+        if optim_native.adam(kind, on, s, p, g, *moments):
             return
     s = _scalars(kind, hp, t)
     block = op_block(p)
@@ -246,14 +248,17 @@ def step_shards(
 ) -> None:
     """Update flat master shards in place.
 
-    [Note: one update launch] Deterministic mode runs one kernel per run (the compiled loop,
-    the Triton kernel or the torch ops). Fast mode gathers the runs of every shard given by
+    [Note: one update launch] Deterministic mode runs one Triton kernel per unit shard on
+    CUDA, each run with its own scalars, and elsewhere one kernel per run (the compiled loop or
+    the torch ops). Fast mode gathers the runs of every shard given by
     (group, t_p, device) and hands each set to one multi-tensor fused call: on CUDA one launch
     for all units where the hyper-parameters agree, instead of one per unit and run. Every
     optimizer is elementwise, so how runs are batched changes no bit (tests/unit/
     test_optim_blocks.py compares batched with one call per run)."""
     batches: dict[tuple, list] = {}
     for sh in shards:
+        if deterministic and _whole_shard(kind, groups, sh):
+            continue
         for run, t in sh.runs:
             hp = groups[run.group]
             sl = slice(run.start, run.stop)
@@ -266,6 +271,24 @@ def step_shards(
     for (group, t, _), items in batches.items():
         ps, gs, sts = zip(*items)
         fast_step(kind, groups[group], t, ps, gs, list(sts))
+
+
+def _whole_shard(kind: str, groups: tuple[Hyper, ...], sh: Shard) -> bool:
+    """Deterministic Adam/AdamW over every run of one unit shard in one Triton launch, where
+    it runs (CUDA); False, touching nothing, elsewhere."""
+    if kind == "sgd" or not optim_triton.available(sh.master.device):
+        return False
+    runs = [
+        (
+            run.start,
+            run.stop,
+            step_scalars(kind, groups[run.group], t),
+            bool(groups[run.group].weight_decay),
+        )
+        for run, t in sh.runs
+    ]
+    moments = (sh.states["exp_avg"], sh.states["exp_avg_sq"])
+    return optim_triton.adam_runs(kind, runs, sh.master, sh.grad.float(), *moments)
 
 
 def update_batches(shards: list[Shard]) -> list[list[int]]:

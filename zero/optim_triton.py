@@ -1,5 +1,15 @@
-"""The deterministic Adam/AdamW update on CUDA as one Triton kernel: reference/optim.py's
-operations, in its order, one pass over memory ([Note: a kernel with the reference's roundings]);
+"""The deterministic Adam/AdamW update on CUDA as one Triton kernel per unit shard:
+reference/optim.py's operations, in its order, one pass over memory ([Note: a kernel with the
+reference's roundings]); and the norm's chunk partials (reference.tree.chunk_sumsq) in one pass.
+
+zero/optim.py's torch ops make fourteen passes (and launches) per run, a unit of a GPT block
+has about nine runs (its groups alternate), and this kernel makes one pass for all of them. It is
+used on CUDA where Triton imports; elsewhere, or with ENABLED False, `adam_runs` returns False and
+zero/optim.py falls back to its torch ops (the same bits); on a CPU the compiled loop
+(zero/optim_native.py) does the job. With TRITON_INTERPRET=1 Triton runs the kernels in NumPy on
+CPU tensors: tests/unit/test_optim_blocks.py checks their operations that way, tests/gpu compiled.
+
+[Note: a kernel with the reference's roundings]);
 and the norm's chunk partials (reference.tree.chunk_sumsq) in one pass, one program per chunk.
 
 zero/optim.py's torch ops make fourteen passes (and fourteen launches) per run; this kernel makes
@@ -13,7 +23,7 @@ without a GPU; tests/gpu checks the compiled kernel's bits.
 operations, rounded once: enable_fp_fusion=False forbids contracting a·b + c into an FMA (Triton
 contracts by default); tl.div_rn and tl.sqrt_rn are the correctly rounded division and square
 root (Triton's `/` and tl.sqrt are approximate on NVIDIA GPUs); the scalars are float32 values
-passed as float32 arguments. Legend as reference/optim.py.
+held in a float32 table, one row per run. Legend as reference/optim.py.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import os
 
 import torch
 
+from .collectives import to_device
 from .optim_native import ADAM_SCALARS, chunked_numel
 
 tl = None  # triton.language, imported with the kernel (_kernel): the body's `tl`
@@ -37,46 +48,48 @@ def _adam_kernel(
     g_ptr,
     m_ptr,
     v_ptr,
-    n,
-    decay,
-    wd,
-    b1,
-    one_minus_b1,
-    b2,
-    one_minus_b2,
-    inv_sqrt_bc2,
-    eps,
-    step_size,
+    bounds_ptr,
+    table_ptr,
+    lo,
+    hi,
     ADAMW: tl.constexpr,
-    DECAY_ON: tl.constexpr,
     BLOCK: tl.constexpr,
+    RUNS: tl.constexpr,
 ):
-    start = tl.program_id(0).to(tl.int64) * BLOCK  # int64: shards of 2^31 elements and more
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
+    # reference/optim.py's Adam/AdamW over a whole unit shard in one launch: element i takes
+    # the scalars of the run that holds it (table row: SCALAR_COLUMNS), and an element in no run
+    # (a parameter without a gradient this step) is neither read nor written
+    offs = lo + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.full([BLOCK], 0, tl.int32)  # (tl.zeros is a jit function; tl.full a builtin)
+    inside = offs < 0
+    for r in tl.static_range(RUNS):  # RUNS: a power of two; the rows past the runs are empty
+        hit = (offs >= tl.load(bounds_ptr + 2 * r)) & (offs < tl.load(bounds_ptr + 2 * r + 1))
+        row = tl.where(hit, r, row)
+        inside = inside | hit
+    mask = inside & (offs < hi)
+    sc = table_ptr + row * 10  # row 0 outside every run: its loads stay in the table
     p = tl.load(p_ptr + offs, mask=mask)
     g = tl.load(g_ptr + offs, mask=mask)
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
+    decay_on = tl.load(sc + 9) != 0
     if ADAMW:
-        if DECAY_ON:
-            p = p * decay
+        p = tl.where(decay_on, p * tl.load(sc + 0), p)
     else:
-        if DECAY_ON:
-            tmp = p * wd
-            g = tmp + g
-    tmp = g * one_minus_b1
-    m = m * b1
+        tmp = p * tl.load(sc + 1)
+        g = tl.where(decay_on, tmp + g, g)
+    tmp = g * tl.load(sc + 3)
+    m = m * tl.load(sc + 2)
     m = m + tmp
     tmp = g * g
-    tmp = tmp * one_minus_b2
-    v = v * b2
+    tmp = tmp * tl.load(sc + 5)
+    v = v * tl.load(sc + 4)
     v = v + tmp
     d = tl.sqrt_rn(v)
-    d = d * inv_sqrt_bc2
-    d = d + eps
+    d = d * tl.load(sc + 6)
+    d = d + tl.load(sc + 7)
     d = tl.div_rn(m, d)
-    d = d * step_size
+    d = d * tl.load(sc + 8)
     p = p - d
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
@@ -140,31 +153,6 @@ def available(device) -> bool:
     return importlib.util.find_spec("triton") is not None  # the CPU wheel has no Triton
 
 
-def adam(kind: str, decay_on: bool, s: dict, p, g, m, v) -> bool:
-    """One deterministic Adam/AdamW step on p, m, v in place, from g; `s` the step's float32
-    scalars (reference.optim.step_scalars). False, touching nothing, where it cannot run."""
-    tensors = (p, g, m, v)
-    if not available(p.device) or not all(
-        t.device == p.device and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
-    ):
-        return False
-    n = p.numel()
-    if any(t.numel() != n for t in tensors):
-        raise ValueError(f"adam: tensors of {[t.numel() for t in tensors]} elements, not equal")
-    if n == 0:
-        return True
-    _kernel()[(-(-n // BLOCK),)](
-        *tensors,
-        n,
-        *(float(s.get(k, 0.0)) for k in ADAM_SCALARS),  # float32 values: exact as float32 arguments
-        ADAMW=kind == "adamw",
-        DECAY_ON=bool(decay_on),
-        BLOCK=BLOCK,
-        **_options(),
-    )
-    return True
-
-
 MAX_CHUNK = 1 << 14
 """The largest chunk one program sums (C float64 values held at once); larger chunks, which
 only a config far from the default (4096) has, take the torch ops."""
@@ -190,3 +178,40 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch
         options = {"HAS_KEEP": has_keep, "C": chunk, "LOG_C": log_c, **_options()}
         _kernel(_sumsq_kernel)[grid](x, mask, out, **options)
     return out
+
+
+SCALAR_COLUMNS = (*ADAM_SCALARS, "decay_on")
+"""A run's row in _adam_runs_kernel's table: the step's float32 scalars, then 1.0 where the
+group decays (0.0: the decay line is skipped, as reference/optim.py skips it)."""
+
+
+def adam_runs(kind: str, runs: list, p, g, m, v) -> bool:
+    """One deterministic Adam/AdamW step over one unit shard in one launch: `runs` are
+    (start, stop, scalars, decay_on) in order, not overlapping, each run's scalars its group's
+    and t_p's (reference.optim.step_scalars); elements in no run are left as they are. False,
+    touching nothing, where the kernel cannot run. The tables (16 bytes and 40 bytes a run)
+    travel to the device without waiting (zero/collectives.py's to_device)."""
+    tensors = (p, g, m, v)
+    if (
+        not runs
+        or not available(p.device)
+        or not all(
+            t.device == p.device and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
+        )
+    ):
+        return False
+    if any(t.numel() != p.numel() for t in tensors):
+        raise ValueError(f"adam_runs: tensors of {[t.numel() for t in tensors]} elements")
+    rows = 1 << (len(runs) - 1).bit_length()  # a power of two: few compiled variants
+    edges = [x for a, b, _, _ in runs for x in (a, b)] + [0, 0] * (rows - len(runs))
+    bounds = torch.tensor(edges, dtype=torch.int64)  # an empty run [0, 0) holds no element
+    table = torch.tensor(
+        [[float(s.get(k, 0.0)) for k in ADAM_SCALARS] + [float(on)] for _, _, s, on in runs],
+        dtype=torch.float32,
+    )
+    lo, hi = runs[0][0], runs[-1][1]
+    grid = (-(-(hi - lo) // BLOCK),)
+    options = {"ADAMW": kind == "adamw", "BLOCK": BLOCK, "RUNS": rows, **_options()}
+    bounds, table = to_device(bounds, p.device), to_device(table, p.device)
+    _kernel()[grid](*tensors, bounds, table, lo, hi, **options)
+    return True

@@ -127,9 +127,9 @@ def test_deterministic_optimizer_on_cuda_gives_the_reference_bits(path):
             tg = torch.from_numpy(g).cuda()
             ts = {k: torch.from_numpy(v).cuda() for k, v in st.items()}
             if path == "triton":  # the kernel really ran (not the fallback)
-                scalars = ref.step_scalars(kind, hp, 3)
+                run = (0, n, ref.step_scalars(kind, hp, 3), bool(hp.weight_decay))
                 moments = (ts["exp_avg"], ts["exp_avg_sq"])
-                assert optim_triton.adam(kind, bool(hp.weight_decay), scalars, tp, tg, *moments)
+                assert optim_triton.adam_runs(kind, [run], tp, tg, *moments)
             else:
                 optim.deterministic_step(kind, hp, 3, tp, tg, ts)
             assert np.array_equal(tp.cpu().numpy().view(np.uint32), want_p.view(np.uint32)), kind

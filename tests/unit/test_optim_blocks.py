@@ -384,7 +384,7 @@ def planted_triton(tmp_path, old: str, new: str, kernel_name: str):
     source = Path(optim_triton.__file__).read_text()
     planted = source.replace(old, new)
     assert planted != source, "the plant did not change the kernel"
-    planted = planted.replace("from .optim_native import", "from zero.optim_native import")
+    planted = planted.replace("from .", "from zero.")  # a module file of its own
     path = tmp_path / "planted_triton_kernels.py"
     path.write_text(planted)
     spec = importlib.util.spec_from_file_location("planted_triton_kernels", path)
@@ -406,8 +406,9 @@ def planted_triton(tmp_path, old: str, new: str, kernel_name: str):
 def test_a_contracted_multiply_add_in_the_triton_kernel_is_caught(tmp_path):
     """The check can fail for the Triton kernel: v·b2 + tmp computed with one rounding (what
     an FMA would do, here through float64 in the interpreter) gives other bits somewhere."""
-    fma = "    v = (v.to(tl.float64) * b2 + tmp.to(tl.float64)).to(tl.float32)\n"
-    with planted_triton(tmp_path, "    v = v * b2\n    v = v + tmp\n", fma, "_adam_kernel"):
+    b2 = "tl.load(sc + 4)"
+    fma = f"    v = (v.to(tl.float64) * {b2} + tmp.to(tl.float64)).to(tl.float32)\n"
+    with planted_triton(tmp_path, f"    v = v * {b2}\n    v = v + tmp\n", fma, "_adam_kernel"):
         with pytest.raises(AssertionError, match="adamw"):  # the bits, not an error
             assert_reference_bits("adamw", 3000, 3, 1, "fp32")
 
@@ -423,3 +424,46 @@ def test_triton_chunk_partials_in_another_tree_are_caught(tmp_path):
     want = ref_sumsq(x, 4096)
     assert got is not None and got.shape == want.shape
     assert not np.array_equal(got.numpy().view(np.uint64), want.view(np.uint64))
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_one_triton_launch_per_unit_gives_each_run_its_own_step(kind):
+    """The unit-shard kernel: runs of two groups (one without weight decay) at two step counts,
+    with a gap (a parameter without a gradient) between them, in one launch: each run = the
+    reference's step with its own hyper-parameters and t_p, the gap's bits untouched."""
+    rng = np.random.default_rng(11)
+    n = 5000
+    groups = (Hyper(lr=1e-2, weight_decay=0.1), Hyper(lr=3e-3, betas=(0.8, 0.99)))
+    cuts = [(0, 1300, 0, 3), (1300, 2100, 1, 3), (2600, 4000, 0, 1), (4000, n, 1, 5)]
+    p = rng.standard_normal(n).astype(np.float32)
+    g = (rng.standard_normal(n) * 2.0 ** rng.integers(-30, 10, n)).astype(np.float32)
+    st = {k: np.abs(rng.standard_normal(n)).astype(np.float32) for k in ("exp_avg", "exp_avg_sq")}
+    want_p, want = p.copy(), {k: v.copy() for k, v in st.items()}
+    for a, b, group, t in cuts:
+        sl = slice(a, b)
+        want_p[sl], new = ref.step(
+            kind, p[sl], g[sl], {k: v[sl] for k, v in st.items()}, groups[group], t
+        )
+        for k in new:
+            want[k][sl] = new[k]
+    tp = torch.from_numpy(p.copy())
+    ts = {k: torch.from_numpy(v.copy()) for k, v in st.items()}
+    runs = [(Run(start=a, stop=b, group=group), t) for a, b, group, t in cuts]
+    with kernel("triton"):
+        launched = []
+        original = optim_triton.adam_runs
+        optim_triton.adam_runs = lambda *a: launched.append(len(a[1])) or original(*a)
+        try:
+            zero_optim.step_shards(
+                kind,
+                groups,
+                [zero_optim.Shard(tp, torch.from_numpy(g), ts, runs)],
+                deterministic=True,
+            )
+        finally:
+            optim_triton.adam_runs = original
+    assert launched == [4]  # one launch, four runs
+    assert np.array_equal(bits(tp.numpy()), bits(want_p))
+    assert np.array_equal(bits(tp.numpy()[2100:2600]), bits(p[2100:2600]))  # the gap
+    for k in want:
+        assert np.array_equal(bits(ts[k].numpy()), bits(want[k])), k
