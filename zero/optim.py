@@ -92,9 +92,10 @@ def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Ten
     if kind != "sgd":
         on, s = bool(hp.weight_decay), step_scalars(kind, hp, t)
         moments = (state["exp_avg"], state["exp_avg_sq"])
-        if optim_triton.adam_runs(kind, [(0, p.numel(), s, on)], p, g, *moments):
-            return
-        if optim_native.adam(kind, on, s, p, g, *moments):
+        whole = [(0, p.numel(), s, on)]
+        if optim_triton.adam_runs(kind, whole, p, g, *moments) or optim_native.adam(
+            kind, on, s, p, g, *moments
+        ):
             return
     s = _scalars(kind, hp, t)
     block = op_block(p)
@@ -256,9 +257,9 @@ def step_shards(
     optimizer is elementwise, so how runs are batched changes no bit (tests/unit/
     test_optim_blocks.py compares batched with one call per run)."""
     batches: dict[tuple, list] = {}
-    for sh in shards:
-        if deterministic and _whole_shard(kind, groups, sh):
-            continue
+    # shards the Triton kernel updated whole (deterministic, CUDA) are done; the rest go by run
+    rest = [sh for sh in shards if not (deterministic and _whole_shard(kind, groups, sh))]
+    for sh in rest:
         for run, t in sh.runs:
             hp = groups[run.group]
             sl = slice(run.start, run.stop)

@@ -173,10 +173,9 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch
     out = torch.empty(n // chunk, dtype=torch.float64, device=x.device)
     if n:
         mask = x if keep is None else keep.view(torch.uint8)
-        log_c, has_keep = chunk.bit_length() - 1, keep is not None
-        grid = (n // chunk,)
-        options = {"HAS_KEEP": has_keep, "C": chunk, "LOG_C": log_c, **_options()}
-        _kernel(_sumsq_kernel)[grid](x, mask, out, **options)
+        log_c = chunk.bit_length() - 1
+        options = {"HAS_KEEP": keep is not None, "C": chunk, "LOG_C": log_c, **_options()}
+        _kernel(_sumsq_kernel)[(n // chunk,)](x, mask, out, **options)
     return out
 
 
@@ -204,14 +203,14 @@ def adam_runs(kind: str, runs: list, p, g, m, v) -> bool:
         raise ValueError(f"adam_runs: tensors of {[t.numel() for t in tensors]} elements")
     rows = 1 << (len(runs) - 1).bit_length()  # a power of two: few compiled variants
     edges = [x for a, b, _, _ in runs for x in (a, b)] + [0, 0] * (rows - len(runs))
-    bounds = torch.tensor(edges, dtype=torch.int64)  # an empty run [0, 0) holds no element
-    table = torch.tensor(
-        [[float(s.get(k, 0.0)) for k in ADAM_SCALARS] + [float(on)] for _, _, s, on in runs],
-        dtype=torch.float32,
-    )
+    # an empty run [0, 0) holds no element
+    bounds = to_device(torch.tensor(edges, dtype=torch.int64), p.device)
+    table_rows = [
+        [float(s.get(k, 0.0)) for k in ADAM_SCALARS] + [float(on)] for _, _, s, on in runs
+    ]
+    table = to_device(torch.tensor(table_rows, dtype=torch.float32), p.device)
     lo, hi = runs[0][0], runs[-1][1]
     grid = (-(-(hi - lo) // BLOCK),)
     options = {"ADAMW": kind == "adamw", "BLOCK": BLOCK, "RUNS": rows, **_options()}
-    bounds, table = to_device(bounds, p.device), to_device(table, p.device)
     _kernel()[grid](*tensors, bounds, table, lo, hi, **options)
     return True
