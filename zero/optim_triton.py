@@ -180,7 +180,7 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch
 
 
 SCALAR_COLUMNS = (*ADAM_SCALARS, "decay_on")
-"""A run's row in _adam_runs_kernel's table: the step's float32 scalars, then 1.0 where the
+"""A run's row in _adam_kernel's table: the step's float32 scalars, then 1.0 where the
 group decays (0.0: the decay line is skipped, as reference/optim.py skips it)."""
 
 
