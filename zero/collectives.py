@@ -332,6 +332,14 @@ def _exchange_shards(out: torch.Tensor, shard: torch.Tensor, group, unit) -> _Wo
     return _Works(works)
 
 
+# [Note: host scalars] A 0-dim float32 tensor on the host multiplies (or is added to) a tensor
+# on any device as a kernel argument, in float32 as it is: nothing is copied to the device and
+# the host does not wait. A scalar made with torch.tensor(x, device=cuda) is a copy from
+# pageable memory, which blocks the host until the device has caught up (measure/hostwork.py
+# counts such tensors as "makes"). The engine's 1/(S·M) and clipping coefficient and the
+# deterministic torch ops' step scalars are host scalars; small vectors go up by to_device.
+
+
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
     """A small host tensor on `device` without waiting: on CUDA a copy from pinned memory
     that the stream orders (a copy from pageable memory blocks the host until it is done).

@@ -297,9 +297,7 @@ class ZeroEngine(nn.Module):
         held = self.placement.to_optimizer(self.units, held)  # R's extent where the update runs
         scale = 1.0 if self.scaler is None else self.scaler.scale
         inv = f32(1.0 / (scale * self.config.micro_batches))
-        # [Note: host scalars] a 0-dim float32 tensor on the host multiplies a device tensor
-        # as a kernel argument, in float32 as it is: no copy to the device, no wait
-        c = torch.tensor(inv)
+        c = torch.tensor(inv)  # [Note: host scalars] (zero/collectives.py)
         g = [h.float() * c for h in held]
         overflow, bad, loss, norm, used = self._exchange(held, g, inv)
         if overflow:

@@ -62,7 +62,7 @@ def step_scalars(kind: str, hp: Hyper, t: int) -> dict[str, np.float32]:
 def _scalars(kind: str, hp: Hyper, t: int) -> dict[str, torch.Tensor]:
     # 0-dim float32 tensors on the host: a Python float would be rounded by the kernel's own
     # rules; a 0-dim tensor of the same dtype is multiplied as it is, on any device, as a
-    # kernel argument ([Note: host scalars] in zero/engine.py: no copy to the device)
+    # kernel argument ([Note: host scalars] in zero/collectives.py)
     return {
         k: torch.tensor(float(v), dtype=torch.float32) for k, v in step_scalars(kind, hp, t).items()
     }
