@@ -19,7 +19,9 @@ and of fp32; γ_k = k·u/(1-k·u); verify/bounds.py):
      g = g0·coef:                    e_g = coef·e_g0 + |g0|·Δcoef + 2u·|g| + 2η
    then verify/bounds.optimizer_step_error propagates e_g through the optimizer's lines, charging
    each line the roundings of two implementations (torch's functional kernels vs the reference's
-   op order), at each parameter's own step count. A parameter that no micro-batch has a
+   op order), at each parameter's own step count, and on CUDA the fused kernel's float32
+   scalars too ([Note: kernel scalars]: each unit is charged the kernel of the device its
+   master lives on, so an offloaded unit gets the host's). A parameter that no micro-batch has a
    gradient for is skipped by both ([Note: unused parameters]): its bound is 0, bits. The new
    master and every optimizer state must lie within the resulting bounds.
    The working copy rounds both masters to the compute dtype: |fl(a) - fl(b)| <= (1+u_c)·|a-b|
@@ -39,7 +41,7 @@ import numpy as np
 from reference.precision import UNIT_ROUNDOFF, cast, f32
 from reference.step import CLIP_EPS, used_names
 
-from .bounds import ETA, gamma, optimizer_step_error
+from .bounds import ETA, gamma, kernel_for, optimizer_step_error
 from .compare import to_numpy
 from .expect import expected_extents
 
@@ -117,29 +119,38 @@ def check_fast_step(
         coef = min(1.0, rcfg.clip_norm / (norm + CLIP_EPS))
         low = max(norm - d_norm, 0.0) + CLIP_EPS
         d_coef = rcfg.clip_norm * d_norm / (low * (norm + CLIP_EPS)) + 2 * U32
-    err_p, err_state = {}, {}
     used = used_names(grads, spec)
-    for name in spec.names:
-        if name not in used:  # skipped by both: the engine must leave it exactly as it was
-            err_p[name] = np.zeros(spec.shapes[name])
-            err_state[name] = {k: err_p[name] for k in before.opt[name]}
-            continue
-        e_g = coef * e_g0[name] + g0[name] * d_coef + 2 * U32 * g0[name] * coef + 2 * ETA32
-        hp = rcfg.groups[spec.group_of[name]]
-        g_ref = (np.asarray(info.reduced[name], np.float32) * np.float32(c)).astype(np.float32)
-        if info.clip_coef is not None:
-            g_ref = g_ref * info.clip_coef
-        err, _, _ = optimizer_step_error(
-            rcfg.optimizer,
-            hp,
-            before.step_of(name) + 1,
-            before.master[name],
-            g_ref,
-            before.opt[name],
-            {"g": e_g},
-        )
-        err_p[name] = err["p"]
-        err_state[name] = {k: v for k, v in err.items() if k not in ("p", "g")}
+
+    def optimizer_errors(kernel: str) -> tuple[dict, dict]:
+        """Bounds on master and states, per parameter, against the fused kernel `kernel`."""
+        err_p, err_state = {}, {}
+        for name in spec.names:
+            if name not in used:  # skipped by both: the engine must leave it exactly as it was
+                err_p[name] = np.zeros(spec.shapes[name])
+                err_state[name] = {k: err_p[name] for k in before.opt[name]}
+                continue
+            e_g = coef * e_g0[name] + g0[name] * d_coef + 2 * U32 * g0[name] * coef + 2 * ETA32
+            hp = rcfg.groups[spec.group_of[name]]
+            g_ref = (np.asarray(info.reduced[name], np.float32) * np.float32(c)).astype(np.float32)
+            if info.clip_coef is not None:
+                g_ref = g_ref * info.clip_coef
+            err, _, _ = optimizer_step_error(
+                rcfg.optimizer,
+                hp,
+                before.step_of(name) + 1,
+                before.master[name],
+                g_ref,
+                before.opt[name],
+                {"g": e_g},
+                kernel=kernel,
+            )
+            err_p[name] = err["p"]
+            err_state[name] = {k: v for k, v in err.items() if k not in ("p", "g")}
+        return err_p, err_state
+
+    # each unit's update ran where its master lives (offloaded: the host's kernel)
+    kernels = {id(u): kernel_for(u.master.device) for u in eng.units}
+    errors = {k: optimizer_errors(k) for k in sorted(set(kernels.values()))}
 
     worst = {k: (0.0, 0.0, 0.0) for k in ("reduced", "master", "optimizer", "working")}
 
@@ -152,6 +163,7 @@ def check_fast_step(
     work_ref = {k: cast(v, rcfg.precision) for k, v in after.master.items()}
     stage, persist = eng.config.stage, eng.config.persist_below
     for u, held, lay in zip(eng.units, eng.last_reduced, spec.layouts, strict=True):
+        err_p, err_state = errors[kernels[id(u)]]
         # the reference's layout and the stage's extents, not the engine's (verify/expect.py)
         ext, held_ext = expected_extents(stage, persist, lay, eng.rank, n)
         theirs = _flat(lay, info.reduced, n)[ext]
