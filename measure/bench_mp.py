@@ -32,34 +32,12 @@ import torch
 from zero.collectives import CommCounter
 from zero.models import gpt_microbatches
 from zero.mp import TPGPT, Mesh, MPContext, tp_num_params
-from zero.mp.gpt import check_split
 
-from .bench import _Ours, _Trainer, zero_config
-from .bench_table import MP_SYSTEMS, mp_layout
+from .trainers import Ours, Trainer, layout, zero_config
 
 _GROUPS: dict = {}
 """Per worker process: this rank's MeshGroups by (N_d, N_m), created once (new_group is
 collective and every rank must call it in the same order: every rank builds the same system)."""
-
-
-def layout(name: str, n: int) -> tuple[int, int, int, bool]:
-    """(stage, N_d, N_m, deterministic) of MP system `name` in a world of n ranks."""
-    stage, mp, det = mp_layout(name)
-    mp = n if mp is None else mp
-    if n % mp:
-        raise ValueError(f"world_sizes: N={n} for {name}: allowed are multiples of N_m={mp}")
-    return stage, n // mp, mp, det
-
-
-def check_config(cfg) -> None:
-    """Refuse a BenchConfig whose MP systems cannot run: N not a multiple of N_m (naming
-    world_sizes), or a GPT that N_m cannot split (naming n_head or vocab_size)."""
-    for name in cfg.systems:
-        if name not in MP_SYSTEMS:
-            continue
-        for n in cfg.world_sizes:
-            _, _, mp, _ = layout(name, n)
-            check_split(cfg.workload.gpt, mp)
 
 
 def mesh_groups(dp: int, mp: int):
@@ -68,12 +46,12 @@ def mesh_groups(dp: int, mp: int):
     return _GROUPS[(dp, mp)]
 
 
-class MPProbe(_Trainer):
+class MPProbe(Trainer):
     """An MP system's model and data on one rank, without an engine (the memory pass's probe of
     saved activations)."""
 
     def __init__(self, name, rank, n, cfg):
-        _Trainer.__init__(self, name, rank, n, cfg)  # not _Ours' (MPTrainer's next in line)
+        Trainer.__init__(self, name, rank, n, cfg)  # not Ours' (MPTrainer's next in line)
         self.stage, self.dp, self.mp, self.deterministic = layout(name, n)
         self.groups = mesh_groups(self.dp, self.mp)
         self.ctx = MPContext.of(
@@ -94,9 +72,9 @@ class MPProbe(_Trainer):
         return x.to(self.device), y.to(self.device)
 
 
-class MPTrainer(MPProbe, _Ours):
+class MPTrainer(MPProbe, Ours):
     """MP system `name` on one rank: the engine on this rank's TPGPT slice, in its DP group.
-    step() and the profile's phases are _Ours' (zero.train, one micro-step)."""
+    step() and the profile's phases are Ours' (zero.train, one micro-step)."""
 
     def __init__(self, name, rank, n, cfg):
         MPProbe.__init__(self, name, rank, n, cfg)

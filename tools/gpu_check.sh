@@ -14,6 +14,15 @@
 #   verify   torchrun --standalone --nproc-per-node 1 -m verify --quick --world-sizes 1
 #   hostwork python3 -m measure.hostwork --device cuda: one step's host work at two widths
 #            (--dry-run: on the CPU)
+#   fast     torchrun ... -m verify --world-sizes 1 --precisions fp32 bf16 fp16
+#            --optimizers adam adamw --mode fast --steps 3: lock-step cells on NCCL
+#            (--dry-run: the MLP alone, stages 0 and 3, on the CPU)
+#   gloo2x   python3 -m verify --quick --device cuda --backend gloo --world-sizes 1 2 4: the
+#            cells and world-size invariance at N = 1, 2, 4 on one GPU, gloo ranks sharing it
+#            (--dry-run: --device cpu, a few cells at N = 1 and 2 and their invariance)
+#   figures  python3 -m paper_figures --profile smoke --only simulated_ranks --out $OUT/figures:
+#            a simulated rank and its control measured with the CUDA allocator (--dry-run: on
+#            the CPU)
 # Then the bench's table (from its JSON) and, last, a summary: part | exit code | seconds | log.
 # torchrun is run as `$PYTHON -m torch.distributed.run`, so that it uses the same interpreter.
 set -u
@@ -22,7 +31,7 @@ DRY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "tools/gpu_check.sh: unknown argument: $arg (allowed: --dry-run)" >&2; exit 2 ;;
     esac
 done
@@ -37,7 +46,8 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1)
 
-# seconds per part: 20 + 150 + 170 + 100 + 40 = 480 at most, and most finish well before
+# seconds per part: 10 + 110 + 120 + 50 + 30 + 45 + 85 + 30 = 480 at most, and most finish well
+# before (the budgets of fast, gloo2x and figures are estimates: no GPU has run them yet)
 declare -a ROWS=()
 START_ALL=$SECONDS
 
@@ -59,25 +69,37 @@ skip() { # skip NAME WHY
     echo "== $1: skipped ($2)"
 }
 
-part env 20 bash -c "$PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available())'; (nvidia-smi || echo 'no nvidia-smi'); nproc; free -g"
+part env 10 bash -c "$PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available())'; (nvidia-smi || echo 'no nvidia-smi'); nproc; free -g"
 
 if [ $DRY -eq 1 ]; then
     skip gpu "--dry-run has no GPU"
     BENCH_ARGS=(--model tiny --device cpu --steps 2 --warmup 1)
 else
-    part gpu 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu
+    part gpu 110 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu
     BENCH_ARGS=()
 fi
 
 rm -f "$OUT/bench_gpu.json"
-part bench 170 "${TORCHRUN[@]}" -m measure.gpu_bench ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --json "$OUT/bench_gpu.json"
-part verify 100 "${TORCHRUN[@]}" -m verify --quick --world-sizes 1
+part bench 120 "${TORCHRUN[@]}" -m measure.gpu_bench ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --json "$OUT/bench_gpu.json"
+part verify 50 "${TORCHRUN[@]}" -m verify --quick --world-sizes 1
 
 if [ $DRY -eq 1 ]; then
-    part hostwork 40 "$PY" -m measure.hostwork --widths 64 128 --layers 2 --stages 0 3 --sites
+    part hostwork 30 "$PY" -m measure.hostwork --widths 64 128 --layers 2 --stages 0 3 --sites
 else
-    part hostwork 40 "$PY" -m measure.hostwork --device cuda --widths 64 512 --layers 2 --stages 0 3 --sites
+    part hostwork 30 "$PY" -m measure.hostwork --device cuda --widths 64 512 --layers 2 --stages 0 3 --sites
 fi
+
+FAST=(--world-sizes 1 --precisions fp32 bf16 fp16 --optimizers adam adamw --mode fast --steps 3)
+if [ $DRY -eq 1 ]; then
+    FAST+=(--models mlp --stages 0 3)
+    GLOO=(--device cpu --backend gloo --world-sizes 1 2 --stages 0 3 --precisions fp32
+          --optimizers adamw --models mlp --steps 2 --invariance)
+else
+    GLOO=(--quick --device cuda --backend gloo --world-sizes 1 2 4)
+fi
+part fast 45 "${TORCHRUN[@]}" -m verify "${FAST[@]}"
+part gloo2x 85 "$PY" -m verify "${GLOO[@]}"
+part figures 30 "$PY" -m paper_figures --profile smoke --only simulated_ranks --out "$OUT/figures"
 
 echo
 if [ -f "$OUT/bench_gpu.json" ]; then

@@ -5,16 +5,19 @@
     python -m verify --quick --resume --coverage              # line coverage of the library
     python -m verify --stages 0 1 2 --world-sizes 1 2 4 --precisions fp32 bf16 fp16 \\
                      --optimizers sgd adam adamw --mode deterministic --steps 3 --json out.json
+    python -m verify --quick --device cuda --world-sizes 1 2 4  # gloo ranks sharing one GPU
 
 Launched plainly, it starts one long-lived pool of local gloo ranks per world size and runs all
-of that world size's cells on it. Under torchrun (`torchrun --nproc-per-node 8 -m verify ...`)
-it uses the world it was given and runs the cells of that world size only (the world-size
-invariance table needs several worlds and is skipped there). One row per cell; the exit status
-is non-zero if any row fails. Deterministic cells must be bitwise equal on every rank. Fast
-cells run in lock-step (verify/lockstep.py): each step starts from the reference's state and
-the reduced gradient, master, optimizer states and working copy must each lie within their
-derived bound; the row prints the worst check's measured error beside its bound (a cell passes
-at ratio <= 1).
+of that world size's cells on it, on the CPU, or with --device cuda on the GPUs (rank r on
+cuda:(r % GPUs), so N = 2 and 4 run on one GPU; --backend nccl needs a GPU per rank). Under
+torchrun (`torchrun --nproc-per-node 8 -m verify ...`) it uses the world it was given, NCCL on
+the GPUs where CUDA is available (else gloo on the CPU; --backend and --device choose), and runs
+the cells of that world size only (the world-size invariance table needs several worlds and is
+skipped there). One row per cell; the exit status is non-zero if any row fails. Deterministic
+cells must be bitwise equal on every rank. Fast cells run in lock-step (verify/lockstep.py): each
+step starts from the reference's state and the reduced gradient, master, optimizer states and
+working copy must each lie within their derived bound; the row prints the worst check's measured
+error beside its bound (a cell passes at ratio <= 1).
 
 Sections of the report (verify/report.py): "cells" (gradients from backward), "injected"
 (gradients fed in by verify/inject.py), "world_size_invariance" (verify/invariance.py) and,
@@ -22,7 +25,10 @@ with --resume, "resume" (checkpoint resume and resharding, from verify/resume.py
 the presets and --parity add "parity" and "parity_invariance" (the engine against plain PyTorch
 on several model families, verify/parity.py); the presets and --mp add "mp" and "mp_invariance"
 (ZeRO inside the DP group of each tensor-parallel slice against reference/mp.py,
-verify/mp_cells.py; --no-mp leaves it out of a preset).
+verify/mp_cells.py; --no-mp leaves it out of a preset). On a GPU (--device cuda) the cells and
+the invariance table run there; the parity, model-parallel, watchdog and resume sections compute
+on the CPU and each says in one line that it is skipped. The report names the backend and the
+device (provenance.backend, provenance.device).
 """
 
 from __future__ import annotations
@@ -37,14 +43,14 @@ import sys
 import time
 from pathlib import Path
 
-from zero import cli
+from zero import cli, launch
 from zero.launch import check_timeout
 from zero.results import ISA_LADDER, cpu_kernels, kernel_caps, provenance, write_atomic, write_json
 
-from . import matrix
+from . import invariance, matrix
 from .harness import Cell
 from .report import SECTIONS, console_row, markdown, sanitize
-from .run import run_matrix
+from .run import Where, run_matrix
 
 MODES = ("deterministic", "fast")
 
@@ -131,6 +137,21 @@ def parse(argv=None) -> argparse.Namespace:
         "verify/uncovered.toml (python -m verify.linecoverage)",
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
+    p.add_argument(
+        "--backend",
+        choices=launch.BACKENDS,
+        default=None,
+        help="the ranks' process group: default gloo, or nccl under torchrun where CUDA is "
+        "available; nccl needs one GPU per rank",
+    )
+    p.add_argument(
+        "--device",
+        choices=launch.DEVICES,
+        default=None,
+        help="where each rank computes: default cpu, or cuda under torchrun where CUDA is "
+        "available; cuda launched plainly runs gloo ranks that share the GPUs, so N > 1 runs "
+        "on one GPU",
+    )
     args = p.parse_args(argv)
     if args.world_sizes is not None and any(n < 1 for n in args.world_sizes):
         p.error(f"--world-sizes {args.world_sizes}: each must be >= 1")
@@ -143,14 +164,88 @@ def parse(argv=None) -> argparse.Namespace:
                 cli.check_writable(name, getattr(args, name), file=True)
     except ValueError as exc:
         p.error(cli.error_line(exc))
+    try:
+        args.backend, args.device = choose_where(args.backend, args.device)
+        if args.device != "cpu" and (args.parity or mp_alone(args)):
+            alone = "--parity" if args.parity else "--mp"
+            raise ValueError(
+                f"{alone} with --device {args.device}: that section computes on the CPU; "
+                "allowed is --device cpu"
+            )
+    except ValueError as exc:
+        p.error(str(exc))
     if args.baseline is not None and not Path(args.baseline).is_file():
         p.error(f"--baseline {args.baseline!r}: no such file; allowed is a JSON report")
     if args.baseline is not None:
         try:
             check_kernels(args.baseline)
+            check_baseline_device(args.baseline, args.device)
         except ValueError as exc:
             p.error(str(exc))
     return args
+
+
+def choose_where(backend: str | None, device: str | None) -> tuple[str, str]:
+    """(backend, device) of --backend and --device with the defaults filled in
+    (zero.launch.choose_where): gloo on the CPU, or under torchrun NCCL on the GPUs where there
+    are some; --device cuda alone means gloo ranks sharing the GPUs when launched plainly.
+    Refused by name: NCCL on the CPU, and cuda where this torch has no CUDA or sees no GPU
+    (counted through NVML: the launcher must not initialise CUDA before it forks ranks,
+    [Note: fork] in zero/launch.py)."""
+    if backend == "nccl" and device == "cpu":
+        raise ValueError(
+            "--backend nccl --device cpu: NCCL carries GPU tensors only; allowed are "
+            "--backend nccl --device cuda, or --backend gloo on either device"
+        )
+    asked = "--device cuda" if device == "cuda" else "--backend nccl (on --device cuda)"
+    backend, device = launch.choose_where(backend, device, torchrun=launch.under_torchrun())
+    if device == "cuda" and launch.visible_gpus() == 0:
+        import torch
+
+        why = (
+            "this torch is built without CUDA (torch.version.cuda is None)"
+            if torch.version.cuda is None
+            else "no CUDA device is visible (torch.cuda.device_count() is 0)"
+        )
+        raise ValueError(f"{asked}: {why}; allowed here is --device cpu")
+    return backend, device
+
+
+def check_local_nccl(backend: str, sizes: list[int]) -> None:
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): launched plainly, every
+    world size of the run must have a GPU per rank. Refused by name before any rank starts."""
+    if backend != "nccl" or launch.under_torchrun() or not sizes:
+        return
+    gpus = launch.visible_gpus()
+    if max(sizes) > gpus:
+        raise ValueError(
+            f"--backend nccl: world size {max(sizes)} needs {max(sizes)} GPUs (NCCL refuses two "
+            f"ranks on one GPU) and {gpus} are visible; allowed are world sizes up to {gpus} "
+            "(--world-sizes), --backend gloo --device cuda (gloo ranks sharing the GPUs), or "
+            "torchrun --nproc-per-node N on a machine with N GPUs"
+        )
+
+
+def check_baseline_device(path: str, device: str) -> None:
+    """Refuse a digest baseline taken on another device: a GPU's kernels give other bits than
+    a CPU's, so every backward cell would differ. A report that records no device (older
+    than --device) is compared as it is."""
+    then = (json.loads(Path(path).read_text()).get("provenance") or {}).get("device")
+    if then is not None and then != device:
+        raise ValueError(
+            f"--baseline {path!r}: provenance.device={then!r} but this run's is {device!r}; "
+            f"digests depend on the device's kernels; allowed is a baseline taken with "
+            f"--device {device}"
+        )
+
+
+def cpu_only(args, name: str, say) -> bool:
+    """Whether a section that computes on the CPU is skipped in this run (on a GPU); if so,
+    says it in one line."""
+    if args.device == "cpu":
+        return False
+    say(f"({name} skipped on device {args.device}: it computes on the CPU; --device cpu runs it)")
+    return True
 
 
 def check_kernels(path: str) -> None:
@@ -226,7 +321,7 @@ def plan(args) -> tuple[list[Cell], list[dict]]:
 def resume_section(args, say) -> list[dict] | None:
     """The optional checkpoint resume/reshard table (verify/resume.py): rows with `passed`,
     or None without --resume. The quick cases, or every case with --complete."""
-    if not args.resume:
+    if not args.resume or cpu_only(args, "resume", say):
         return None
     if importlib.util.find_spec("verify.resume") is None:
         say("--resume: verify/resume.py is not in this checkout; no resume table")
@@ -253,6 +348,8 @@ def parity_section(args, say) -> tuple[list[dict], list[dict]] | None:
     invocation has none. --quick and --parity run the quick cells, --complete every cell."""
     if not (args.parity or args.quick or args.complete) or (mp_alone(args) and not args.parity):
         return None
+    if cpu_only(args, "parity", say):
+        return None
     from . import parity
 
     cells = parity.complete_cells() if args.complete else parity.quick_cells()
@@ -275,7 +372,7 @@ def mp_section(args, say) -> tuple[list[dict], list[dict], list[dict]] | None:
     of verify/mp_lockstep.py (N_m > 1 against N_m = 1), or None when this invocation has none
     (--no-mp, --parity alone, or no preset without --mp)."""
     preset = args.mp is None and (args.quick or args.complete) and not args.parity
-    if not (args.mp is True or preset):
+    if not (args.mp is True or preset) or cpu_only(args, "mp", say):
         return None
     from . import mp_cells, mp_lockstep
 
@@ -295,6 +392,8 @@ def watchdog_section(args, say) -> list[dict] | None:
     """The watchdog section (verify/watchdog_cells.py) with --quick and --complete: a diverging
     rank must be named, the right one, on every rank."""
     if not (args.quick or args.complete) or args.parity or mp_alone(args):
+        return None
+    if cpu_only(args, "watchdog", say):
         return None
     from . import watchdog_cells
 
@@ -343,7 +442,7 @@ def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
 DIGESTS_ABOUT = (
     "End-state digests of python -m verify (one per cell, by full configuration): the baseline "
     "for python -m verify --baseline THIS_FILE after a change that must not move any bit. "
-    "Comparable only under the CPU kernels in provenance.cpu_kernels."
+    "Comparable only under the CPU kernels in provenance.cpu_kernels, on provenance.device."
 )
 
 
@@ -372,6 +471,14 @@ def main(argv=None) -> int:
 
     cells, runs = plan(args)
     sizes = sorted({c.world_size for c in cells})
+    started = set(sizes)  # the worlds this run starts: the cells', the invariance table's
+    if runs:
+        wanted = args.world_sizes
+        started |= {n for n in invariance.world_sizes_for(runs) if not wanted or n in wanted}
+    check_local_nccl(args.backend, sorted(started))
+    torchrun = launch.under_torchrun()
+    where = Where(args.backend, args.device)
+    say(f"ranks: {where.label(torchrun)}")
     if args.list:
         for n in sizes:
             say(f"N={n}: {sum(c.world_size == n for c in cells)} cells")
@@ -381,9 +488,14 @@ def main(argv=None) -> int:
         parity_section(args, say)
         mp_section(args, say)
         return 0
+    if args.device == "cuda":  # deterministic cuBLAS (docs/design.md §2), before any rank starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if torchrun:  # join the launched world as asked; every section then uses it
+        launch.init_from_env(backend=args.backend, device=args.device)
     report = run_matrix(
-        cells, runs, timeout_s=args.timeout, say=say, invariance_sizes=args.world_sizes
-    )
+        cells, runs, timeout_s=args.timeout, say=say, invariance_sizes=args.world_sizes,
+        where=where,
+    )  # fmt: skip
     resume = resume_section(args, say)
     if resume is not None:
         report["resume"] = resume
@@ -408,7 +520,10 @@ def main(argv=None) -> int:
     if watch is not None:  # the watchdog section (verify/watchdog_cells.py)
         report["watchdog"] = watch
         say(f"watchdog: {sum(r['passed'] for r in watch)}/{len(watch)} cells passed")
-    report["provenance"] = provenance()
+    launcher = "torchrun" if torchrun else "local"
+    report["provenance"] = {
+        **provenance(), "backend": args.backend, "device": args.device, "launcher": launcher
+    }  # fmt: skip
     timing = report["timing"]
     every = [r for name in SECTIONS for r in report.get(name) or []]
     every += [

@@ -162,6 +162,8 @@ def cli_rows() -> list[tuple]:
     bad(v, "stages", "--stages", "5", "--list")
     bad(v, "json", "--json", "{file}/v.json", "--list")
     bad(v, "baseline", "--baseline", "{missing}", "--list")
+    bad(v, "backend", "--backend", "nccl", "--device", "cpu", "--list")  # NCCL is GPUs only
+    bad(v, "device", "--device", "tpu", "--list")
     bad("verify.demo", "world_size", "--world-size", "0")
     bad("verify.demo", "steps", "--steps", "0")
     s = "measure.simulate"

@@ -48,7 +48,7 @@ from reference import init_state, train_step, working_copy
 from reference.optim import Hyper
 from reference.precision import DTYPES, ScalerConfig, cast, f32
 from reference.tree import chunk_sumsq, global_norm
-from zero import collectives
+from zero import collectives, launch
 from zero.config import TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
 from zero.forward import forward_rng
@@ -304,14 +304,12 @@ class Cell:
 
 
 def cell_device() -> torch.device:
-    """Where a cell runs: this rank's GPU in an NCCL world (torchrun on GPUs), else the CPU.
-    Backward cells then compute the reference's micro-batch gradients on the same device, with
-    the same kernels as the engine's backward (a CPU matmul gives other bits than a GPU's)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where a cell runs: this rank's device (zero.launch.rank_device): a GPU in a torchrun
+    world on GPUs (NCCL, or gloo with --device cuda) and in a local pool started with
+    device="cuda" (gloo ranks sharing the GPU), else the CPU. Backward cells then compute the
+    reference's micro-batch gradients on the same device, with the same kernels as the
+    engine's backward (a CPU matmul gives other bits than a GPU's)."""
+    return launch.rank_device()
 
 
 def own_init(model, units, seed: int) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import MODELS, Cell, state_digest
+from .harness import MODELS, Cell, cell_device, state_digest
 from .matrix import CLIP_NORM, INVARIANT_WORLD_SIZES
 
 RUN_DEFAULTS = {
@@ -58,22 +58,25 @@ def cell_for(run: dict, n: int) -> Cell:
 
 
 def run_digests(rank: int, world_size: int, runs: list[dict]) -> list[list[str]]:
-    """Per run, the digest after each step, on this rank."""
+    """Per run, the digest after each step, on this rank, computed on the rank's device
+    (verify.harness.cell_device): the bits are compared across N on one kind of device."""
     from zero.engine import ZeroEngine
     from zero.train import train_steps
 
     torch.set_num_threads(1)
+    device = cell_device()
     out = []
     for run in runs:
         cell = cell_for(run, world_size)
         build, data = MODELS[cell.model]
         model = build()
-        eng = ZeroEngine(model, cell.zero_config(model.unit_names()))
+        eng = ZeroEngine(model.to(device), cell.zero_config(model.unit_names()))
 
         def microbatch(step, j, model=model, cell=cell, data=data):
-            return data(
+            batch = data(
                 model.cfg, seed=cell.seed, data_step=step, count=j + 1, batch_size=cell.batch_size
             )[j]
+            return tuple(x.to(device) for x in batch)
 
         digests = []
         for step in range(cell.steps):

@@ -157,28 +157,28 @@ def plant_stale_prefetch(p: Patch) -> None:
 
 
 def plant_overflow_one_rank(p: Patch) -> None:
-    from zero.engine import ZeroEngine
+    from zero import control
 
-    original = ZeroEngine._exchange  # the flag travels in the step's control exchange
+    original = control.step_exchange  # the flag travels in the step's control exchange
 
-    def exchange(self, *a, **kw):
-        overflow, *rest = original(self, *a, **kw)
-        return (overflow if self.rank == 0 else False, *rest)
+    def exchange(engine, *a, **kw):
+        overflow, *rest = original(engine, *a, **kw)
+        return (overflow if engine.rank == 0 else False, *rest)
 
-    p.setattr(ZeroEngine, "_exchange", exchange)
+    p.setattr(control, "step_exchange", exchange)
 
 
 def plant_loss_m_over_n(p: Patch) -> None:
-    from zero.engine import ZeroEngine
+    from zero import control
 
-    original = ZeroEngine._exchange
+    original = control.step_exchange
 
-    def exchange(self, *a, **kw):
-        overflow, bad, loss, *rest = original(self, *a, **kw)
-        k = self.config.micro_batches // self.world_size
+    def exchange(engine, *a, **kw):
+        overflow, bad, loss, *rest = original(engine, *a, **kw)
+        k = engine.config.micro_batches // engine.world_size
         return overflow, bad, loss * k, *rest
 
-    p.setattr(ZeroEngine, "_exchange", exchange)
+    p.setattr(control, "step_exchange", exchange)
 
 
 def plant_extra_all_gather_stage3(p: Patch) -> None:
@@ -219,16 +219,16 @@ def plant_uncapped_clip(p: Patch) -> None:
 
 
 def plant_unchecked_reduced_overflow(p: Patch) -> None:
-    from zero.engine import ZeroEngine
+    from zero import control
 
-    original = ZeroEngine._exchange
+    original = control.step_exchange
 
-    def exchange(self, held, g, inv):
+    def exchange(engine, held, g, inv):
         if inv > 1:  # the check of R itself sees only finite zeros
             held = [torch.zeros_like(h) for h in held]
-        return original(self, held, g, inv)
+        return original(engine, held, g, inv)
 
-    p.setattr(ZeroEngine, "_exchange", exchange)
+    p.setattr(control, "step_exchange", exchange)
 
 
 def plant_extra_partial_sum(p: Patch) -> None:

@@ -3,6 +3,7 @@
 The JSON report (python -m verify --json) is
     {"cells": [row], "injected": [row], "world_size_invariance": [row], "resume": [row]?,
      "timing": {...}, "provenance": {...}}
+(python -m verify adds to the provenance where the ranks ran: "backend", "device", "launcher")
 Every row has `passed`; cell rows (backward gradients in "cells", injected ones in "injected")
 keep the format of the first CLI (stage, world_size, precision, optimizer, mode, steps, bitwise,
 max_abs_diff, max_ulp, tolerance, bound_ratio, passed, first_mismatch, skipped_steps) plus the
@@ -191,6 +192,12 @@ def markdown(report: dict) -> str:
     prov = report.get("provenance", {})
     if prov:
         lines.append(f"- commit {prov.get('git_commit', '?')}, torch {prov.get('torch', '?')}")
+    if prov.get("device"):
+        gpu = f" ({prov['gpu']})" if prov["device"] == "cuda" and prov.get("gpu") else ""
+        lines.append(
+            f"- ranks: backend {prov.get('backend', '?')}, device {prov['device']}{gpu}, "
+            f"{prov.get('launcher', '?')} launch"
+        )
     for name, title in (("cells", "Cells (backward)"), ("injected", "Injected gradients")):
         if report.get(name):
             lines += ["", f"## {title}", ""] + _cell_table(report[name])

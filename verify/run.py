@@ -4,36 +4,59 @@
 Each world size's cells go to one long-lived worker pool in one call (zero.launch.get_pool), so a
 world starts once per run; under torchrun only the launched world's cells run. A world that dies
 (a rank raising outside a cell, or a hang that the pool's timeout ends) fails all its cells
-with the reason, and the run goes on with the next world.
+with the reason, and the run goes on with the next world. `where` (a Where: backend and device)
+says what kind of pool runs them, e.g. gloo ranks sharing one GPU; None: gloo on the CPU, or
+torchrun's default world.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from . import invariance
 from .harness import Cell, run_cells
 from .report import CONSOLE_HEADER, console_row, failed_rows, merge
 
 
-def pool_run(n: int, fn, items, timeout_s: float):
-    """Per-rank results of fn(rank, n, items) on world size n, on local ranks or under
-    torchrun; None when this torchrun world has another size."""
+@dataclass(frozen=True)
+class Where:
+    """Where the ranks of a run compute (python -m verify --backend, --device)."""
+
+    backend: str = "gloo"
+    """The process group's backend: "gloo" or "nccl" (zero.launch.BACKENDS)."""
+    device: str = "cpu"
+    """Each rank's device: "cpu" or "cuda" (zero.launch.rank_device; with gloo, local ranks
+    share the GPUs: rank r on cuda:(r % GPUs))."""
+
+    def label(self, torchrun: bool) -> str:
+        """One line for the report: backend, device and who started the ranks."""
+        how = "a torchrun world" if torchrun else "local worker pools"
+        shared = (self.backend, self.device) == ("gloo", "cuda") and not torchrun
+        share = ", ranks sharing the GPUs" if shared else ""
+        return f"backend {self.backend}, device {self.device} ({how}{share})"
+
+
+def pool_run(n: int, fn, items, timeout_s: float, where: Where | None = None):
+    """Per-rank results of fn(rank, n, items) on world size n, on local ranks of `where`'s
+    kind or under torchrun (joined with `where` if this process has not joined yet); None
+    when this torchrun world has another size."""
     from zero import launch
 
+    kind = {} if where is None else {"backend": where.backend, "device": where.device}
     if launch.under_torchrun():
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            launch.init_from_env()
+            launch.init_from_env(**kind)
         if dist.get_world_size() != n:
             return None
         mine = fn(dist.get_rank(), n, items)
         every: list = [None] * n
         dist.all_gather_object(every, mine)
         return every
-    return launch.get_pool(n).run(fn, items, timeout_s=timeout_s)
+    return launch.get_pool(n, **kind).run(fn, items, timeout_s=timeout_s)
 
 
 def section_rows(cells, run_cells, row, *, name, timeout_s, say, show, skip=(), pool=None):
@@ -61,10 +84,12 @@ def section_rows(cells, run_cells, row, *, name, timeout_s, say, show, skip=(), 
     return rows
 
 
-def run_world(n: int, cells: list[Cell], timeout_s: float) -> list[list[dict]]:
+def run_world(
+    n: int, cells: list[Cell], timeout_s: float, where: Where | None = None
+) -> list[list[dict]]:
     """Per-rank verdicts for every cell of world size n ([] if this torchrun world has
     another size)."""
-    return pool_run(n, run_cells, cells, timeout_s) or []
+    return pool_run(n, run_cells, cells, timeout_s, where) or []
 
 
 def run_matrix(
@@ -74,9 +99,11 @@ def run_matrix(
     timeout_s: float = 900,
     say: Callable[..., None] = print,
     invariance_sizes: list[int] | None = None,
+    where: Where | None = None,
 ) -> dict:
-    """Run cells (batched per world size) and the invariance runs; returns the report dict
-    (verify/report.py) with "cells", "injected", "world_size_invariance" and "timing"."""
+    """Run cells (batched per world size) and the invariance runs on ranks of `where`'s kind;
+    returns the report dict (verify/report.py) with "cells", "injected",
+    "world_size_invariance" and "timing"."""
     report = {"cells": [], "injected": [], "world_size_invariance": []}
     timing, started = {}, time.time()
     if cells:
@@ -85,7 +112,7 @@ def run_matrix(
         mine = [c for c in cells if c.world_size == n]
         t0 = time.time()
         try:
-            per_rank = run_world(n, mine, timeout_s)
+            per_rank = run_world(n, mine, timeout_s, where)
         except Exception as exc:  # a world that died fails all its cells
             rows = failed_rows(mine, f"world N={n} failed: {str(exc).splitlines()[0]}")
         else:
@@ -100,7 +127,7 @@ def run_matrix(
     if runs:
         t0 = time.time()
         report["world_size_invariance"] = invariance_table(
-            list(runs), timeout_s=timeout_s, say=say, sizes=invariance_sizes
+            list(runs), timeout_s=timeout_s, say=say, sizes=invariance_sizes, where=where
         )
         timing["invariance_s"] = round(time.time() - t0, 1)
     timing["total_s"] = round(time.time() - started, 1)
@@ -109,9 +136,15 @@ def run_matrix(
 
 
 def invariance_table(
-    runs: list[dict], *, timeout_s: float, say=print, sizes: list[int] | None = None
+    runs: list[dict],
+    *,
+    timeout_s: float,
+    say=print,
+    sizes: list[int] | None = None,
+    where: Where | None = None,
 ) -> list[dict]:
-    """The world-size-invariance rows: every run at each power-of-two N dividing M."""
+    """The world-size-invariance rows: every run at each power-of-two N dividing M, each N
+    on a pool of `where`'s kind (so the digests compared are all of one device)."""
     from zero import launch
 
     if launch.under_torchrun():
@@ -124,7 +157,7 @@ def invariance_table(
     per_n = {}
     for n in sizes:
         try:
-            per_n[n] = pool_run(n, invariance.run_digests, runs, timeout_s)
+            per_n[n] = pool_run(n, invariance.run_digests, runs, timeout_s, where)
         except Exception as exc:  # reported as failing rows
             say(f"invariance at N={n} failed: {str(exc).splitlines()[0]}")
             per_n[n] = [[["failed"] * invariance.run_config(r)["steps"] for r in runs]]

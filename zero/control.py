@@ -6,6 +6,12 @@ overflow flag, which parameters had a gradient, the norm's chunk partials) trave
 all-gather of float64 values, counted as control traffic ([Note: one control exchange] below).
 The engine (zero/engine.py) calls `exchange` once per step; the arithmetic follows
 reference/tree.py and docs/design.md §2.
+
+[Note: overflow detection] The reference checks every micro-batch gradient and R. Once a
+non-finite value enters an IEEE sum, the sum stays non-finite (inf + x is inf or NaN; NaN
+propagates), and casting to a wider dtype cannot overflow, so "some g_j is non-finite" implies "R
+is non-finite". Each rank checks the part of R it alone accounts for, through its norm partials,
+and the step's one control exchange tells every rank ([Note: one control exchange]).
 """
 
 from __future__ import annotations

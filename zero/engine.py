@@ -9,25 +9,18 @@
 Legend: N ranks in `group`, M micro-batches per step over all ranks, S loss scale, t optimizer
 steps taken, R the reduced gradient. A step is exactly reference/step.py's, computed on shards:
   1. every micro-step, each unit's gradients are reduced as its stage says (zero/stages/);
-  2. overflow: any non-finite in R on any rank ([Note: overflow detection]);
+  2. overflow: any non-finite in R on any rank ([Note: overflow detection], zero/control.py);
   3. g = fp32(R) · s(1/(S·M)); the global norm from chunk partials; clipping;
   4. the optimizer on this rank's extent (zero/optim.py), skipping parameters that no rank had
      a gradient for ([Note: unused parameters], reference/step.py), then the new working copy.
-
-[Note: overflow detection] The reference checks every micro-batch gradient and R. Once a
-non-finite value enters an IEEE sum, the sum stays non-finite (inf + x is inf or NaN; NaN
-propagates), and casting to a wider dtype cannot overflow, so "some g_j is non-finite" implies "R
-is non-finite". Each rank checks the part of R it alone accounts for, through its norm partials,
-and the step's one control exchange tells every rank ([Note: one control exchange]).
 """
 
 from __future__ import annotations
 
-import functools
-import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,11 +28,13 @@ from torch import nn
 from reference.precision import f32, scaler_init, scaler_update
 from reference.step import clip_coefficient
 
-from . import build, control, fullstate, introspect
+from . import build, control, hooks
 from . import collectives as C
 from .config import ZeroConfig
 from .forward import backward_scaled, cast_inputs, forward_rng
 from .frozen import build_frozen_units
+from .hooks import phased
+from .introspect import Introspection
 from .materialize import StartValues
 from .mp.control import MPStep
 from .optim import Shard, live_runs, step_shards, update_batches
@@ -47,11 +42,8 @@ from .stages import STAGE_CLASSES, StageContext, stage_class
 from .stages.base import Clock
 from .stages.stage0 import Stage0
 from .unit import FlatUnit
-from .units import CalledCheck
 from .watchdog import Watch
-from .zero_r.activations import checkpoint_units
 from .zero_r.buckets import bucketing
-from .zero_r.contiguous import CheckpointArena
 from .zero_r.placement import Placement
 
 
@@ -63,7 +55,7 @@ class StepResult:
     scale: float  # the loss scale S this step used
 
 
-class ZeroEngine(nn.Module):
+class ZeroEngine(Introspection, nn.Module):
     def __init__(
         self,
         module,
@@ -79,44 +71,89 @@ class ZeroEngine(nn.Module):
         alone, by the rule `init` names ("auto", "own", "counter" or fn(module): [Note: meta
         start values] in zero/materialize.py) for `init_seed` (None: zeros, for a simulated
         rank whose values do not matter); self.init_report says which rule gave each value.
-        mp: a TP module's MPContext; `group` is then its DP group (zero/mp/control.py)."""
+        mp: a TP module's MPContext; `group` is then its DP group (zero/mp/control.py).
+        Construction is the named steps below, in this order; each rank makes the same
+        collectives in it (the ranks-agree check, the watchdog's)."""
         super().__init__()
+        self._validate(module, config, group, mp)
+        self._join(mp)
+        self._choose_device(device)
+        every, named, frozen, values_of = self._collect_units(init_seed, init)
+        parts, kinds = self._partition(named, every)
+        self._build_stages(parts, kinds)
+        self._allocate(named, parts, kinds, values_of)
+        self.frozen_units = build_frozen_units(self, frozen, values_of, self._assign)
+        self._finish_allocation(values_of)
+        self._start_training_state()
+        self.called, self.activation_arena = hooks.install(self, mp)
+
+    # -- construction, step by step ------------------------------------------------------------
+
+    def _validate(self, module, config: ZeroConfig, group, mp) -> None:
+        """The config spelled out (units="auto" resolved) and checked against this world."""
         if config.partition_activations and mp is None:
             raise ValueError("partition_activations=True: P_a needs model parallelism (mp=)")
-        config = build.resolve_units(module, config)  # units="auto" spelled out
-        self.module, self.config = module, config
+        self.module, self.config = module, build.resolve_units(module, config)
         self.group = group if group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        n = self.world_size
-        build.check_config(config, n)
-        self.mp = None if mp is None else MPStep(module, mp, config)
+        build.check_config(self.config, self.world_size)
+
+    def _join(self, mp) -> None:
+        """The traffic counter (MP's, with model parallelism), and whether peers are real."""
+        self.mp = None if mp is None else MPStep(self.module, mp, self.config)
         self.counter = C.CommCounter() if mp is None else self.mp.counter  # MP's counted here
         self.counter.step = -1  # construction's checks are "step -1"
         self.fake = dist.get_backend(self.group) == "fake"  # a simulated rank: no real peers
-        self.step_config = config.step_config(n)
-        first = next(module.parameters()).device  # control tensors too (NCCL: CUDA only)
-        meta = first.type == "meta"
-        self.device = device = torch.device(device) if device is not None else first
-        if meta and device.type == "meta":
+        self.step_config = self.config.step_config(self.world_size)
+
+    def _choose_device(self, device) -> None:
+        """Where units, control tensors (NCCL: CUDA only) and the watchdog live."""
+        first = next(self.module.parameters()).device
+        self.device = torch.device(device) if device is not None else first
+        if first.type == "meta" and self.device.type == "meta":
             raise ValueError("device='meta': a meta-device model needs a real device to build on")
-        k, mode = config.micro_batches // n, config.watchdog
-        self.watch = Watch(self.group, per_step=k, mode=mode, counter=self.counter, device=device)
-        every = build.collect_units(module, config)
-        named, frozen = build.split_frozen(every)  # frozen: zero/frozen.py
-        # a unit's trainable and frozen halves take their start values from one pass over it
-        values_of = StartValues(module, config.units, seed=init_seed, init=init, device=device)
-        values_of = values_of.per_unit(every)
-        self.group_index = build.group_index(config, named)
+        k = self.config.micro_batches // self.world_size
+        self.watch = Watch(
+            self.group,
+            per_step=k,
+            mode=self.config.watchdog,
+            counter=self.counter,
+            device=self.device,
+        )
+
+    def _collect_units(self, init_seed, init):
+        """(every unit, their trainable halves, their frozen halves, start values per unit): a
+        unit's two halves take their start values from one pass over it (zero/frozen.py)."""
+        every = build.collect_units(self.module, self.config)
+        named, frozen = build.split_frozen(every)
+        values = StartValues(
+            self.module, self.config.units, seed=init_seed, init=init, device=self.device
+        )
+        return every, named, frozen, values.per_unit(every)
+
+    def _partition(self, named, every):
+        """Each unit's layout and shards ([Note: flat units], zero/partition.py), once the ranks
+        agree on model, config and start values; and the stage class each unit runs under."""
+        self.group_index = build.group_index(self.config, named)
         if not self.fake:
-            build.check_ranks_agree(config, every, self.group_index, engine_like=self)
-        parts = build.partitions(config, named, self.group_index, world_size=n, rank=self.rank)
-        # ZeRO-R as policies the stages are given: placement (offload, arenas) and C_B pieces
-        kinds = [stage_class(config.stage, p.layout.numel, config.persist_below) for p in parts]
-        self.placement = Placement.build(config, parts, kinds, device=device, counter=self.counter)
+            build.check_ranks_agree(self.config, every, self.group_index, engine_like=self)
+        parts = build.partitions(
+            self.config, named, self.group_index, world_size=self.world_size, rank=self.rank
+        )
+        cfg = self.config
+        return parts, [stage_class(cfg.stage, p.layout.numel, cfg.persist_below) for p in parts]
+
+    def _build_stages(self, parts, kinds) -> None:
+        """ZeRO-R as policies the stages are given (placement: offload, arenas; C_B pieces),
+        then one stage object per class: at stage 3 a persistent unit is a stage-0 unit."""
+        cfg, n = self.config, self.world_size
+        self.placement = Placement.build(
+            cfg, parts, kinds, device=self.device, counter=self.counter
+        )
         self.grad_arena, self.host_grad_arena = self.placement.arenas()
         self.clock = Clock()
-        self.ctx = ctx = StageContext(
-            config=config,
+        self.ctx = StageContext(
+            config=cfg,
             group=self.group,
             rank=self.rank,
             world_size=n,
@@ -124,70 +161,60 @@ class ZeroEngine(nn.Module):
             clock=self.clock,
             group_index=self.group_index,
             placement=self.placement,
-            buckets=bucketing(config.bucket_elements, n),
+            buckets=bucketing(cfg.bucket_elements, n),
         )
-        self.accounting = ctx.accounting
-        # one stage object per class, each unit given the one its kind names: at stage 3 a
-        # persistent unit is simply a stage-0 unit (zero/stages/stage3.py's Persistent)
-        self.stages: dict[type, Stage0] = {k: k(ctx) for k in dict.fromkeys(kinds)}
-        main = STAGE_CLASSES[config.stage]  # gathered_params' stage (at stage 3, not Persistent)
-        self.impl = self.stages.setdefault(main, main(ctx))
+        self.accounting = self.ctx.accounting
+        self.stages: dict[type, Stage0] = {k: k(self.ctx) for k in dict.fromkeys(kinds)}
+        main = STAGE_CLASSES[cfg.stage]  # gathered_params' stage (at stage 3, not Persistent)
+        self.impl = self.stages.setdefault(main, main(self.ctx))
         self.units: list[FlatUnit] = []
-        self._stage_of: list[Stage0] = []
+        self._stage_of: dict[int, Stage0] = {}  # unit index -> the stage object that runs it
+
+    def _assign(self, u: FlatUnit, kind: type) -> Stage0:
+        """u runs under the engine's stage object of class `kind`."""
+        self._stage_of[u.index] = stage = self.stages.setdefault(kind, kind(self.ctx))
+        return stage
+
+    def _allocate(self, named, parts, kinds, values_of) -> None:
+        """Unit by unit: the flat buffers, allocated and placed by the unit's stage, so that at
+        stage 3 a rank never holds more than one full unit."""
+        cfg = self.config
         for i, ((uname, params), part) in enumerate(zip(named, parts, strict=True)):
-            u = FlatUnit(i, uname, params, part, config.compute_dtype, device, values_of(uname))
+            u = FlatUnit(i, uname, params, part, cfg.compute_dtype, self.device, values_of(uname))
             if u.replaced:
-                build.rebind(module, u.replaced)
-            real = [part.real_elements(r) for r in range(n)]
-            L = part.shard_numel
-            ctx.pad_rs.append(sum(L - real[r] for r in range(n) if r != self.rank))
-            ctx.pad_ag.append((n - 1) * (L - real[self.rank]))
-            ctx.accounting.extra_partials.append(0)
+                build.rebind(self.module, u.replaced)
             self.units.append(u)
-            stage = self.stages[kinds[i]]
-            self._stage_of.append(stage)
-            # allocate now, unit by unit: at stage 3 a rank never holds more than one full unit
+            stage = self._assign(u, kinds[i])
             stage.allocate(u)
             self.placement.place(
                 u, grad_on_host=stage.grad_on_host(part), extent=stage.extent(part)
             )
             u.initial = None  # the fp32 start values are now in the master
-        self.frozen_units = build_frozen_units(self, frozen, values_of)  # after the trainable
-        for arena in (self.grad_arena, self.host_grad_arena):  # each handed out exactly
+
+    def _finish_allocation(self, values_of) -> None:
+        """Every arena handed out exactly; each unit's optimizer runs; the buffers."""
+        for arena in (self.grad_arena, self.host_grad_arena):
             assert arena is None or arena.cursor == arena.nbytes, (arena.cursor, arena.nbytes)
         self.runs = [self.stage_of(u).runs(u) for u in self.units]
         self.init_report = values_of.report  # {unit: {parameter: the rule that gave it}}
         # [Note: buffers] materialised, in the compute dtype, broadcast before each forward
-        self.buffers = build.prepare_buffers(module, device, config.compute_dtype)
+        self.buffers = build.prepare_buffers(self.module, self.device, self.config.compute_dtype)
+        self._forward_talks = any(s.collective_forward for s in self.stages.values())
+
+    def _start_training_state(self) -> None:
+        """Step counts, the loss scaler, and what is read or written between calls."""
         self.counter.step = 0
-        self.scaler = scaler_init(config.scaler) if config.precision == "fp16" else None
+        self.scaler = scaler_init(self.config.scaler) if self.config.precision == "fp16" else None
         self.t, self.data_step, self._losses = 0, 0, []  # _losses: this step's, 0-dim tensors
         self._next = 0  # [Note: one launch order]: units[::-1][_next] is launched next
         # verification reads the step's R after it (last_reduced); holding it keeps the
         # gradient buffers alive between steps ([Note: gradients live within a step])
         self.keep_reduced = False
         self.last_reduced: list[torch.Tensor] | None = None
-        # [Note: gradient hooks hold the engine weakly]
-        hooks = [
-            p.register_post_accumulate_grad_hook(_post_accumulate(weakref.ref(self), u.index, i))
-            for u in self.units
-            for i, (_, p) in enumerate(u.params)
-        ]
-        mods, every_unit = dict(self.module.named_modules()), [*self.units, *self.frozen_units]
-        self.called = CalledCheck(list(dict.fromkeys(u.name for u in every_unit)), mods)
-        undo = [functools.partial(_remove_hooks, hooks), self.called.stop]
-        for stage in self.stages.values():
-            handles = stage.register_hooks(
-                {u.name: mods[u.name] for u in every_unit} | {"": self.module}
-            )
-            undo.append(functools.partial(_remove_hooks, handles))
-        self.activation_arena: CheckpointArena | None = None
-        if config.activation_checkpointing:  # ZeRO-R (zero/zero_r/activations.py)
-            self.activation_arena, unwrap = checkpoint_units(
-                self.units, mods, config=config, counter=self.counter, device=device, mp=mp
-            )
-            undo.append(unwrap)
-        weakref.finalize(self, _run_all, undo)
+        self.checkpoint_run_id: str | None = None  # [Note: run identity] (zero/checkpoint/)
+        # [Note: named phases] what each phase of a step runs under: nothing by default;
+        # measure/bench.py times them by setting its own
+        self.phase: Callable[[str], AbstractContextManager] = hooks.no_phase
 
     @property
     def microstep(self) -> int:
@@ -214,13 +241,15 @@ class ZeroEngine(nn.Module):
             if not everything and u.ready < len(u.params):
                 return
             self._next += 1
-            self.stage_of(u).post_backward(u)
+            with self.phase("backward.hooks"):
+                self.stage_of(u).post_backward(u)
 
+    @phased("forward")
     def forward(self, *args, **kwargs):
         """The wrapped module's forward on micro-batch j = microstep·N + rank (rank in the DP
         group: d, shared by the N_m ranks of an MP group, docs/design.md §6): floating inputs
         cast to the compute dtype, torch's RNG seeded per micro-batch (zero/forward.py)."""
-        if torch.is_grad_enabled() or self.config.stage == 3 or self.buffers:
+        if torch.is_grad_enabled() or self._forward_talks or self.buffers:
             self.at("forward" if torch.is_grad_enabled() else "eval")  # else no collective
         if self.activation_arena is not None and torch.is_grad_enabled():
             self.activation_arena.begin()  # [Note: checkpoint generations]
@@ -231,6 +260,7 @@ class ZeroEngine(nn.Module):
         with forward_rng(self.config.dropout_seed, self.data_step, j, self.device):
             return self.module(*args, **kwargs)
 
+    @phased("backward")
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (mean over its samples), then finalize_backward."""
         self.at("backward")
@@ -267,6 +297,7 @@ class ZeroEngine(nn.Module):
             self._launch_ready()
         self.finalize_backward()
 
+    @phased("backward.finalize")
     def finalize_backward(self) -> None:
         self._launch_ready(everything=True)  # units with parameters that got no gradient
         self._next = 0
@@ -284,6 +315,7 @@ class ZeroEngine(nn.Module):
 
     # -- the step ----------------------------------------------------------------------------
 
+    @phased("update")
     def step(self) -> StepResult:
         self.at("step")
         k = self.config.micro_batches // self.world_size
@@ -293,13 +325,16 @@ class ZeroEngine(nn.Module):
                 f"micro_batches={self.config.micro_batches} at N="
                 f"{self.world_size} needs {k}"
             )
-        held = [self.stage_of(u).finish_reduction(u) for u in self.units]
+        with self.phase("update.reduce"):
+            held = [self.stage_of(u).finish_reduction(u) for u in self.units]
         held = self.placement.to_optimizer(self.units, held)  # R's extent where the update runs
         scale = 1.0 if self.scaler is None else self.scaler.scale
         inv = f32(1.0 / (scale * self.config.micro_batches))
         c = torch.tensor(inv)  # [Note: host scalars] (zero/collectives.py)
         g = [h.float() * c for h in held]
-        overflow, bad, loss, norm, used = self._exchange(held, g, inv)
+        with self.phase("update.control"):  # [Note: one control exchange] (zero/control.py)
+            overflow, bad, loss, norm, used = control.step_exchange(self, held, g, inv)
+        self._losses = []  # consumed by the exchange
         if overflow:
             if self.scaler is None and self.config.nonfinite == "raise":
                 raise FloatingPointError(
@@ -323,16 +358,19 @@ class ZeroEngine(nn.Module):
                 u.steps = [t + x for t, x in zip(u.steps, use, strict=True)]
                 shards.append(Shard(u.master, gu, u.opt, live))
             for batch in update_batches(shards):
-                step_shards(
-                    self.config.optimizer,
-                    self.config.groups,
-                    [shards[i] for i in batch],
-                    deterministic=self.config.deterministic,
-                )
-                for i in batch:  # may launch its all-gather and return
-                    self.stage_of(self.units[i]).refresh_working(self.units[i])
-            for stage in self.stages.values():
-                stage.finish_step()
+                with self.phase("update.optimizer"):
+                    step_shards(
+                        self.config.optimizer,
+                        self.config.groups,
+                        [shards[i] for i in batch],
+                        deterministic=self.config.deterministic,
+                    )
+                with self.phase("update.refresh"):
+                    for i in batch:  # may launch its all-gather and return
+                        self.stage_of(self.units[i]).refresh_working(self.units[i])
+            with self.phase("update.finish"):
+                for stage in self.stages.values():
+                    stage.finish_step()
         for u in self.units:  # [Note: gradients live within a step] (zero/unit.py)
             u.release_grad()
         del held, g
@@ -345,13 +383,7 @@ class ZeroEngine(nn.Module):
             loss=loss, norm=None if norm is None else float(norm), skipped=overflow, scale=scale
         )
 
-    def _exchange(self, held, g, inv: np.float32):
-        """[Note: one control exchange] (zero/control.py; with mp, zero/mp/control.py's too):
-        (overflow, bad, loss, norm, used); this rank's losses are consumed."""
-        out, self._losses = control.step_exchange(self, held, g, inv), []
-        return out
-
-    # -- checkpoints (zero/checkpoint/) --------------------------------------------------------
+    # -- checkpoints (zero/checkpoint/) -----------------------------------------------------
 
     def save(self, directory, **kwargs):
         """A sharded, atomically committed checkpoint of every rank's state (zero/checkpoint/)."""
@@ -364,98 +396,3 @@ class ZeroEngine(nn.Module):
         from . import checkpoint
 
         return checkpoint.load(self, directory, **kwargs)
-
-    # -- introspection: what other code reads (zero/introspect.py's Introspect) ----------------
-
-    def gathered_params(self):
-        """Context manager: the module's full working parameters are readable inside (stage 3
-        all-gathers every unit and frees them on exit; stages 0-2 hold them anyway)."""
-        self.at("gather")
-        return self.impl.gathered()
-
-    def master_extent(self, u: FlatUnit) -> slice:
-        """Which elements of u's padded buffer this rank's master and optimizer states cover."""
-        return self.stage_of(u).master_extent(u)
-
-    def working_extent(self, u: FlatUnit) -> tuple[torch.Tensor, slice]:
-        """u's resident working copy and which elements of the padded buffer it holds."""
-        return self.stage_of(u).working_extent(u)
-
-    def partial_peak(self, u: FlatUnit) -> int:
-        """The most partial sums (shards of L) u's streaming tree has held at once."""
-        return self.accounting.extra_partials[u.index]
-
-    def memory_report(self) -> dict[str, int]:
-        """Resident bytes by category, each storage counted once, wherever they live
-        ([Note: counting storages]; memory_split() tells device from host)."""
-        split = self.memory_split()
-        return {k: split["device"][k] + split["host"][k] for k in split["device"]}
-
-    def memory_split(self) -> dict[str, dict[str, int]]:
-        """memory_report's categories split by placement: {"device": {...}, "host": {...}}."""
-        return introspect.memory_split(self)
-
-    def unit_specs(self) -> list[list[tuple[str, tuple[int, ...]]]]:
-        """The units as the reference describes them: [[(param name, shape)], ...]."""
-        return [[(s.name, s.shape) for s in u.part.layout.slots] for u in self.units]
-
-    def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-        """The full fp32 master and optimizer states by parameter name, on every rank (an
-        all-gather of the shards, counted as control traffic)."""
-        self.at("gather")
-        return fullstate.gather_state(self)
-
-    def param_steps(self) -> dict[str, int]:
-        """t_p: the optimizer steps each parameter has taken ([Note: unused parameters])."""
-        return {n: t for u in self.units for (n, _), t in zip(u.params, u.steps, strict=True)}
-
-    def load_full_state(
-        self, master, opt, *, t: int, data_step: int, scaler=None, steps=None
-    ) -> None:
-        """Set every model state from full fp32 arrays by parameter name, and each
-        parameter's step count from `steps` (None: t). No communication: each rank takes its
-        own extent. Verification runs fast mode in lock-step with it."""
-        fullstate.load_full_state(self, master, opt)
-        self.t, self.data_step, self.scaler = t, data_step, scaler
-        for u in self.units:
-            u.steps = [t if steps is None else int(steps[n]) for n, _ in u.params]
-
-
-# [Note: gradient hooks hold the engine weakly] A hook registered on a parameter lives in the
-# tensor's C++ autograd metadata, which Python's collector does not traverse. A hook closing over
-# the engine made the cycle parameter → hook → engine → module → parameter invisible to it: a
-# dropped engine, with its module, kept every model state alive until the process ended (in one
-# process building systems one after another, as a benchmark or a notebook does, memory grew by
-# a whole engine each time). The hook holds the engine through a weak reference and finds its unit
-# by index. When the engine is collected a finalizer takes back everything it installed on the
-# module: the parameter hooks, the module hooks of CalledCheck and stage 3, the checkpointing
-# wrappers of ZeRO-R. A module that outlives its engine then holds none of the engine's state at
-# stages 0-2. At stage 3 its parameters are the engine's Stage3Parameter views, each naming its
-# unit, so the units stay as long as the module does (gather_state() first to keep the values).
-# tests/distributed/test_engine_lifetime.py checks that a dropped engine frees its tensors.
-
-
-def _post_accumulate(engine_ref: weakref.ref, index: int, i: int):
-    """The post-accumulate-grad hook of parameter i of unit `index`."""
-
-    def post_accumulate(_param) -> None:
-        engine = engine_ref()
-        if engine is None:  # collected; its finalizer is removing this hook
-            return
-        u = engine.units[index]
-        u.used[i] = True  # [Note: unused parameters]: it has a gradient this step
-        u.ready += 1
-        if u.ready == len(u.params):  # overlap only decides whether it runs asynchronously
-            engine._launch_ready()
-
-    return post_accumulate
-
-
-def _remove_hooks(handles) -> None:
-    for h in handles:
-        h.remove()
-
-
-def _run_all(undo) -> None:
-    for fn in undo:
-        fn()

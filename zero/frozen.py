@@ -21,12 +21,13 @@ from .stages import stage_class
 from .unit import FlatUnit
 
 
-def build_frozen_units(engine, named, values_of) -> list[FlatUnit]:
+def build_frozen_units(engine, named, values_of, assign) -> list[FlatUnit]:
     """One FlatUnit (u.frozen = True) per unit that has frozen parameters, indexed after the
     trainable units, allocated by its stage: whole, or this rank's shard at stage 3. `named`
     is build.split_frozen's frozen half; `values_of(unit)` its start values
-    (zero/materialize.py's PerUnit)."""
-    cfg, ctx, n, rank = engine.config, engine.ctx, engine.world_size, engine.rank
+    (zero/materialize.py's PerUnit); `assign(u, kind)` gives u the engine's stage object of
+    that class."""
+    cfg, n, rank = engine.config, engine.world_size, engine.rank
     out = []
     for j, (uname, params) in enumerate(named):
         part = UnitPartition.build(
@@ -43,14 +44,8 @@ def build_frozen_units(engine, named, values_of) -> list[FlatUnit]:
             from .build import rebind
 
             rebind(engine.module, u.replaced)
-        real = [part.real_elements(r) for r in range(n)]
-        ctx.pad_rs.append(0)  # never reduced
-        ctx.pad_ag.append((n - 1) * (part.shard_numel - real[rank]))
-        ctx.accounting.extra_partials.append(0)
         kind = stage_class(cfg.stage, part.layout.numel, cfg.persist_below)
-        stage = engine.stages.setdefault(kind, kind(ctx))
-        engine._stage_of.append(stage)
-        stage.allocate_frozen(u)
+        assign(u, kind).allocate_frozen(u)
         u.initial = None  # the working copy is all there is (in fp32 it is this very tensor)
         out.append(u)
     return out

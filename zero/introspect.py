@@ -20,13 +20,15 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from . import fullstate
 from .collectives import CommCounter
 from .config import ZeroConfig
 from .unit import FlatUnit
 
 
 class Introspect(Protocol):
-    """The read-only surface of a ZeroEngine (plus t, data_step, scaler, which load sets)."""
+    """The surface of a ZeroEngine other code may use: read-only, but for t, data_step and
+    scaler (which load sets) and the few members below marked as set from outside."""
 
     module: nn.Module  # the wrapped model (its parameters are views of the units' buffers)
     config: ZeroConfig
@@ -43,6 +45,12 @@ class Introspect(Protocol):
     t: int  # optimizer steps taken
     data_step: int  # the next data step
     mp: object  # None, or a model-parallel engine's MPStep (zero/mp/control.py; .ctx)
+    checkpoint_run_id: str | None  # the run a save continues ([Note: run identity]); load sets it
+    # what verification sets and reads: keep_reduced = True makes each step leave R, as this
+    # rank holds it, in last_reduced (one tensor per unit) until the next backward
+    keep_reduced: bool
+    last_reduced: list[torch.Tensor] | None
+    phase: object  # [Note: named phases] (zero/hooks.py): measure/bench.py sets a timer here
 
     def param_steps(self) -> dict[str, int]: ...
     def master_extent(self, u: FlatUnit) -> slice: ...
@@ -50,6 +58,67 @@ class Introspect(Protocol):
     def partial_peak(self, u: FlatUnit) -> int: ...
     def unit_specs(self) -> list[list[tuple[str, tuple[int, ...]]]]: ...
     def memory_split(self) -> dict[str, dict[str, int]]: ...
+
+
+class Introspection:
+    """ZeroEngine's side of Introspect: the reads other code goes through.
+    A mixin of ZeroEngine, kept beside the protocol it implements; its methods use the engine's
+    `at`, `impl`, `stage_of` and `accounting`."""
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def gathered_params(self):
+        """Context manager: the module's full working parameters are readable inside (stage 3
+        all-gathers every unit and frees them on exit; stages 0-2 hold them anyway)."""
+        self.at("gather")
+        return self.impl.gathered()
+
+    def master_extent(self, u: FlatUnit) -> slice:
+        """Which elements of u's padded buffer this rank's master and optimizer states cover."""
+        return self.stage_of(u).master_extent(u)
+
+    def working_extent(self, u: FlatUnit) -> tuple[torch.Tensor, slice]:
+        """u's resident working copy and which elements of the padded buffer it holds."""
+        return self.stage_of(u).working_extent(u)
+
+    def partial_peak(self, u: FlatUnit) -> int:
+        """The most partial sums (shards of L) u's streaming tree has held at once."""
+        return self.accounting.extra_partials.get(u.index, 0)
+
+    def memory_report(self) -> dict[str, int]:
+        """Resident bytes by category, each storage counted once, wherever they live
+        ([Note: counting storages]; memory_split() tells device from host)."""
+        split = self.memory_split()
+        return {k: split["device"][k] + split["host"][k] for k in split["device"]}
+
+    def memory_split(self) -> dict[str, dict[str, int]]:
+        """memory_report's categories split by placement: {"device": {...}, "host": {...}}."""
+        return memory_split(self)
+
+    def unit_specs(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """The units as the reference describes them: [[(param name, shape)], ...]."""
+        return [[(s.name, s.shape) for s in u.part.layout.slots] for u in self.units]
+
+    def gather_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """The full fp32 master and optimizer states by parameter name, on every rank (an
+        all-gather of the shards, counted as control traffic)."""
+        self.at("gather")
+        return fullstate.gather_state(self)
+
+    def param_steps(self) -> dict[str, int]:
+        """t_p: the optimizer steps each parameter has taken ([Note: unused parameters])."""
+        return {n: t for u in self.units for (n, _), t in zip(u.params, u.steps, strict=True)}
+
+    def load_full_state(
+        self, master, opt, *, t: int, data_step: int, scaler=None, steps=None
+    ) -> None:
+        """Set every model state from full fp32 arrays by parameter name, and each
+        parameter's step count from `steps` (None: t). No communication: each rank takes its
+        own extent. Verification runs fast mode in lock-step with it."""
+        fullstate.load_full_state(self, master, opt)
+        self.t, self.data_step, self.scaler = t, data_step, scaler
+        for u in self.units:
+            u.steps = [t if steps is None else int(steps[n]) for n, _ in u.params]
 
 
 def resident(engine) -> dict[str, list[torch.Tensor]]:

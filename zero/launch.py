@@ -13,6 +13,10 @@ Three ways in, one per situation (docs/design.md §5):
 - ``WorkerPool(N)`` / ``get_pool(N)``: N long-lived forked workers holding one process group,
   reused by many calls, so that tests do not pay for starting a world each (docs/design.md §4).
 
+Each rank has a device, ``rank_device()``: the CPU by default; with ``device="cuda"`` forked rank
+r computes on cuda:(r % GPUs), so gloo ranks can share one GPU (NCCL refuses two ranks on one
+device); under torchrun, cuda:LOCAL_RANK where the world is on GPUs.
+
 In ``spawn`` and ``WorkerPool`` the function runs as ``fn(rank, world_size, *args)`` in a world
 whose default group is the whole world: pass ``group=None`` (or ``dist.group.WORLD``) to the APIs
 that take the data-parallel group.
@@ -22,8 +26,9 @@ seconds per world (docs/machine_notes.md, starting ranks). Two costs come with i
 - a child of a parent that has run a multithreaded torch op hangs in libgomp as soon as it uses
   more than one thread, so every child calls ``torch.set_num_threads(1)`` before anything else
   (one thread per rank is also what bitwise determinism wants, docs/design.md §2);
-- CUDA cannot be used in a child of a parent that has initialised it, so backend="nccl" is
-  refused once the parent has touched CUDA (use torchrun there).
+- CUDA cannot be used in a child of a parent that has initialised it, so backend="nccl" and
+  device="cuda" are refused once the parent has touched CUDA (use torchrun there); the parent
+  may count GPUs (``visible_gpus``, through NVML) but must not call the CUDA runtime.
 
 Rendezvous goes through a ``FileStore`` in a fresh temporary directory: no port is chosen, so
 none can collide or leak; gloo's own sockets use ephemeral ports and close with the process.
@@ -65,6 +70,7 @@ from .launch_signals import (
 )
 
 BACKENDS = ("gloo", "nccl")
+DEVICES = ("cpu", "cuda")
 
 _STOP = b"stop"
 """Sent to a worker instead of a pickled task: leave the loop (a pickle never equals it)."""
@@ -112,17 +118,75 @@ def check_timeout(timeout_s: object, name: str = "timeout_s") -> None:
         raise _fail(name, timeout_s, f"a finite number of seconds in (0, {MAX_TIMEOUT_S:g}]")
 
 
-def _check(world_size: object, timeout_s: object, backend: object) -> None:
+def resolve_device(backend: object, device: object) -> str:
+    """The device of a world: ``device`` as given, checked; None means "cuda" with NCCL (it
+    carries GPU tensors only) and "cpu" with gloo."""
+    if backend not in BACKENDS:
+        raise _fail("backend", backend, f"one of {BACKENDS}")
+    if device is None:
+        return "cuda" if backend == "nccl" else "cpu"
+    if device not in DEVICES:
+        raise _fail("device", device, f"one of {DEVICES}")
+    if backend == "nccl" and device == "cpu":
+        raise _fail("device", device, "'cuda' with backend='nccl' (it carries GPU tensors only)")
+    return device
+
+
+def choose_where(backend=None, device=None, *, torchrun: bool) -> tuple[str, str]:
+    """(backend, device) with the defaults filled in, checked (resolve_device): a torchrun
+    world runs NCCL on the GPUs where there are some, else gloo on the CPU; local worlds run
+    gloo, on the CPU unless device="cuda" (ranks sharing the GPUs). A backend alone brings its
+    own device (NCCL: cuda; gloo: cpu)."""
+    if backend is None:
+        gpus = device == "cuda" or (device is None and visible_gpus() > 0)
+        backend = "nccl" if torchrun and gpus else "gloo"
+    return backend, resolve_device(backend, device)
+
+
+def _check(world_size: object, timeout_s: object, backend: object, device: object = None) -> str:
+    """Check a local world's arguments; return its device (resolve_device)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise _fail("world_size", world_size, "an integer >= 1")
     check_timeout(timeout_s)
-    if backend not in BACKENDS:
-        raise _fail("backend", backend, f"one of {BACKENDS}")
-    if backend == "nccl" and torch.cuda.is_initialized():
+    device = resolve_device(backend, device)
+    if device == "cuda" and torch.cuda.is_initialized():  # [Note: fork]
         raise RuntimeError(
-            "backend='nccl' with forked ranks needs a parent that has not initialised CUDA; "
-            "launch with torchrun and init_from_env() instead"
+            f"backend={backend!r} on device='cuda' with forked ranks needs a parent that has "
+            "not initialised CUDA; launch with torchrun and init_from_env() instead"
         )
+    return device
+
+
+def visible_gpus() -> int:
+    """How many CUDA devices this process sees, counted without initialising CUDA here (a
+    forked child of a parent that has cannot use CUDA, [Note: fork]): 0 for a torch built
+    without CUDA; else torch's count through NVML, which honours CUDA_VISIBLE_DEVICES."""
+    # torch.cuda.is_available() asks the CUDA runtime unless told to ask NVML; device_count()
+    # asks NVML first either way. Set for the children too, whose checks then agree.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    return torch.cuda.device_count()
+
+
+_RANK_DEVICE: torch.device | None = None
+"""This process's rank device once a forked rank's setup or init_from_env has chosen it."""
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: set in a forked rank (``device=`` of spawn and
+    WorkerPool) and by init_from_env; in an NCCL world started by other code, the current CUDA
+    device; else (nothing set it: the launcher itself, a plain process) the CPU."""
+    if _RANK_DEVICE is None and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if _RANK_DEVICE is None else _RANK_DEVICE
+
+
+def _use_cuda(index: int, who: str) -> torch.device:
+    """cuda:(index % GPUs) made current, or a ValueError naming device='cuda' where this
+    process has no CUDA."""
+    if not torch.cuda.is_available():
+        raise _fail("device", "cuda", f"'cpu' here: {who} has no CUDA device")
+    torch.cuda.set_device(index % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,22 +238,27 @@ def check_launch_env(env) -> None:
         )
 
 
-def init_from_env(*, timeout_s: float = 300) -> tuple[int, int, torch.device]:
+def init_from_env(
+    *, timeout_s: float = 300, backend: str | None = None, device: str | None = None
+) -> tuple[int, int, torch.device]:
     """Join the world torchrun set up; return (rank, world_size, device).
 
-    Backend "nccl" with device cuda:LOCAL_RANK (made current) when CUDA is available, else "gloo"
-    on CPU. Collectives that do not complete within ``timeout_s`` raise instead of hanging. If a
-    default group already exists it is reused.
+    By default backend "nccl" with device cuda:LOCAL_RANK (made current) when CUDA is
+    available, else "gloo" on CPU. ``backend`` and ``device`` override that: "gloo" on "cuda"
+    puts each rank on cuda:(LOCAL_RANK % GPUs), so several ranks may share a GPU; "nccl" on
+    "cpu" is refused. The device is also ``rank_device()`` from then on. Collectives that do
+    not complete within ``timeout_s`` raise instead of hanging. If a default group already
+    exists it is reused.
     """
+    global _RANK_DEVICE
     check_timeout(timeout_s)
+    backend, where = choose_where(backend, device, torchrun=True)
     if not dist.is_initialized():
         check_launch_env(os.environ)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        backend, device = "gloo", torch.device("cpu")
+    # NCCL: one GPU per rank (it refuses two ranks on one GPU); gloo ranks may share one
+    who = f"LOCAL_RANK={local_rank}"
+    _RANK_DEVICE = _use_cuda(local_rank, who) if where == "cuda" else torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(
             backend,
@@ -198,7 +267,7 @@ def init_from_env(*, timeout_s: float = 300) -> tuple[int, int, torch.device]:
             world_size=int(os.environ["WORLD_SIZE"]),
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    return dist.get_rank(), dist.get_world_size(), device
+    return dist.get_rank(), dist.get_world_size(), _RANK_DEVICE
 
 
 LEAVE_TIMEOUT_S = 60.0
@@ -233,14 +302,14 @@ def leave_world(*, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
 # Forked children
 
 
-def _child_setup(rank: int, world_size: int, store_dir: str, backend: str, timeout_s: float):
+def _child_setup(rank, world_size: int, store_dir: str, backend: str, device: str, timeout_s):
+    global _RANK_DEVICE
     torch.set_num_threads(1)  # first: see [Note: fork]
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass  # refused once inter-op work has started (possibly in the parent); harmless
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    _RANK_DEVICE = _use_cuda(rank, f"rank {rank}") if device == "cuda" else torch.device("cpu")
     os.environ[beacon.DIR_VAR] = store_dir  # heartbeats (zero/beacon.py) go beside the store
     store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
     dist.init_process_group(
@@ -297,11 +366,11 @@ def _close_inherited(keep: Connection, conns: list[Connection]) -> None:
     close_fds()  # other worlds' janitors' pipes, likewise
 
 
-def _spawn_child(fn, rank, world_size, args, store_dir, backend, timeout_s, conn, all_conns):
+def _spawn_child(fn, rank, world_size, args, store_dir, where, timeout_s, conn, all_conns):
     guard_child()
     _close_inherited(conn, all_conns)
     try:
-        _child_setup(rank, world_size, store_dir, backend, timeout_s)
+        _child_setup(rank, world_size, store_dir, *where, timeout_s)
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
         return
@@ -318,11 +387,11 @@ def _spawn_child(fn, rank, world_size, args, store_dir, backend, timeout_s, conn
     _leave()
 
 
-def _worker_loop(rank, world_size, store_dir, backend, timeout_s, conn, all_conns):
+def _worker_loop(rank, world_size, store_dir, where, timeout_s, conn, all_conns):
     guard_child()
     _close_inherited(conn, all_conns)
     try:
-        _child_setup(rank, world_size, store_dir, backend, timeout_s)
+        _child_setup(rank, world_size, store_dir, *where, timeout_s)
         _send(conn, ("ok", None))
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
@@ -437,12 +506,15 @@ def spawn(
     *args,
     timeout_s: float = 120,
     backend: str = "gloo",
+    device: str | None = None,
     deadline_s: float | str | None = "timeout_s",
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; return the results.
 
     Each rank joins one process group (gloo by default; each collective times out after
-    ``timeout_s``, and the watchdog then names the rank to blame: zero/watchdog.py), runs ``fn``
+    ``timeout_s``, and the watchdog then names the rank to blame: zero/watchdog.py) on its
+    device (``device``: "cpu", or "cuda" for cuda:(rank % GPUs); None: "cuda" with NCCL, else
+    "cpu"; ``rank_device()`` in ``fn``; a rank without CUDA raises RankError), runs ``fn``
     once, sends its return value (which must pickle) to the parent, and leaves. ``fn`` itself
     is not pickled: a lambda or closure is fine. Results come back in rank order. Raises
     RankError if a rank raises, TimeoutError if some rank has not finished within
@@ -452,7 +524,7 @@ def spawn(
     SIGINT or SIGTERM (main thread) raises Interrupted once every rank is ended and the
     directory removed.
     """
-    _check(world_size, timeout_s, backend)
+    where = (backend, _check(world_size, timeout_s, backend, device))
     if deadline_s == "timeout_s":
         deadline_s = timeout_s
     elif deadline_s is not None:
@@ -465,7 +537,7 @@ def spawn(
             ctx,
             _spawn_child,
             world_size,
-            lambda r, c, cs: (fn, r, world_size, args, store_dir, backend, timeout_s, c, cs),
+            lambda r, c, cs: (fn, r, world_size, args, store_dir, where, timeout_s, c, cs),
         )
         janitor = Janitor(store_dir, [p.pid for p in procs])
         ok = False
@@ -498,13 +570,24 @@ class WorkerPool:
     After a RankError or TimeoutError the group may be stuck mid-collective, so the pool kills its
     workers and is *broken*: later runs raise PoolBrokenError. ``close()`` (or leaving a ``with``
     block) always cleans up, and may be called any number of times.
+
+    ``backend`` and ``device`` as for ``spawn``: with device="cuda" the workers share the GPUs
+    (cuda:(rank % GPUs)); a worker without CUDA fails the start with RankError.
     """
 
-    def __init__(self, world_size: int, *, timeout_s: float = 120, backend: str = "gloo"):
-        _check(world_size, timeout_s, backend)
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout_s: float = 120,
+        backend: str = "gloo",
+        device: str | None = None,
+    ):
+        device = _check(world_size, timeout_s, backend, device)
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.backend = backend
+        self.device = device
         self._owner = os.getpid()
         self._broken: str | None = None
         # mkdtemp, not TemporaryDirectory: the latter's finalizer may run at exit before
@@ -515,7 +598,7 @@ class WorkerPool:
             ctx,
             _worker_loop,
             world_size,
-            lambda r, c, cs: (r, world_size, store, backend, timeout_s, c, cs),
+            lambda r, c, cs: (r, world_size, store, (backend, device), timeout_s, c, cs),
         )
         self._janitor = Janitor(store, [p.pid for p in self._procs])
         _LIVE_POOLS.add(self)
@@ -526,7 +609,10 @@ class WorkerPool:
             raise
 
     def __repr__(self) -> str:
-        return f"WorkerPool(world_size={self.world_size}, backend={self.backend!r})"
+        return (
+            f"WorkerPool(world_size={self.world_size}, backend={self.backend!r}, "
+            f"device={self.device!r})"
+        )
 
     @property
     def broken(self) -> bool:
@@ -542,7 +628,7 @@ class WorkerPool:
         if self._broken is not None:
             raise PoolBrokenError(f"{self!r} is broken ({self._broken}); make a new pool")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        _check(self.world_size, timeout_s, self.backend)
+        check_timeout(timeout_s)  # the rest was checked when the workers were forked
         # Pickled once, here: an unpicklable fn (a lambda, a closure) fails in the caller and
         # leaves the pool intact.
         task = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -601,19 +687,22 @@ class WorkerPool:
 
 
 _LIVE_POOLS: set[WorkerPool] = set()
-_POOLS: dict[tuple[int, str], WorkerPool] = {}
+_POOLS: dict[tuple[int, str, str], WorkerPool] = {}
 
 
-def get_pool(world_size: int, *, backend: str = "gloo", timeout_s: float = 120) -> WorkerPool:
-    """A cached pool per (world_size, backend), for tests; closed at exit.
+def get_pool(
+    world_size: int, *, backend: str = "gloo", device: str | None = None, timeout_s: float = 120
+) -> WorkerPool:
+    """A cached pool per (world_size, backend, device), for tests and verify; closed at exit.
 
     A broken or closed pool is replaced by a fresh one, so one failed test does not fail the
     next. ``timeout_s`` applies when a pool is created; ``run`` takes its own.
     """
-    pool = _POOLS.get((world_size, backend))
+    key = (world_size, backend, resolve_device(backend, device))
+    pool = _POOLS.get(key)
     if pool is None or pool.broken:
-        pool = _POOLS[(world_size, backend)] = WorkerPool(
-            world_size, timeout_s=timeout_s, backend=backend
+        pool = _POOLS[key] = WorkerPool(
+            world_size, timeout_s=timeout_s, backend=backend, device=key[2]
         )
     return pool
 

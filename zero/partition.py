@@ -12,6 +12,7 @@ engine and the reference cut the global norm's chunks from the same layout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,6 +93,18 @@ class UnitPartition:
         return {
             s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots
         }
+
+    @functools.cached_property
+    def padding_scattered(self) -> int:
+        """Padding elements a reduce-scatter sends from this rank: the padding of every other
+        rank's shard (counted as traffic with the rest, zero/collectives.py)."""
+        L = self.shard_numel
+        return sum(L - self.real_elements(r) for r in range(self.world_size) if r != self.rank)
+
+    @functools.cached_property
+    def padding_gathered(self) -> int:
+        """Padding elements an all-gather sends from this rank: its shard's, to N - 1 ranks."""
+        return (self.world_size - 1) * (self.shard_numel - self.real_elements(self.rank))
 
     def real_elements(self, rank: int) -> int:
         """Non-padding elements in rank's shard."""

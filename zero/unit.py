@@ -76,6 +76,13 @@ class FlatUnit:
         self.stream = StreamingTree()  # deterministic mode: B_k partial sums of this step
         self.pending = None  # fast mode: the reduction launched after the last micro-batch
         self.ready = 0  # parameters whose gradient arrived in the current backward
+        # stage 3 only (zero/stages/stage3.py), None otherwise: the PartitionState
+        # (zero/stages/sharded.py), the resident shard of the working copy (compute dtype, L),
+        # and the autograd version counter a prefetch keeps ([Note: re-gathering under saved
+        # views])
+        self.state = None
+        self.shard: torch.Tensor | None = None
+        self.keep_version = None
         # [Note: unused parameters] (reference/step.py), per parameter in slot order: whether
         # it had a gradient in some micro-batch of this step on this rank, and t_p, the
         # optimizer steps it has taken (the same on every rank)

@@ -1,5 +1,5 @@
 """A dropped engine frees what it holds ([Note: gradient hooks hold the engine weakly] in
-zero/engine.py).
+zero/hooks.py).
 
 An engine and its module, dropped after training, must leave no tensor of theirs alive: in one
 process that builds engine after engine (a benchmark, a notebook, a sweep) every leaked engine
@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 from engine_tools import mlp_engine, one_step, patched
 
-import zero.engine
+import zero.hooks
 from zero import collectives
 from zero.launch import get_pool
 from zero.models import mlp_microbatches
@@ -48,7 +48,7 @@ def _train_and_drop(rank, n, stage, deterministic, options, keep_module, planted
     engine, its first unit's master and working buffer, and the module are still alive after a
     full collection, and how many post-accumulate-grad hooks the module's parameters carry."""
     k = 2
-    with patched(zero.engine, **({"_post_accumulate": _strong_hook} if planted else {})):
+    with patched(zero.hooks, **({"_post_accumulate": _strong_hook} if planted else {})):
         model, eng = mlp_engine(stage, n, k, deterministic, "bf16", optimizer="adamw", **options)
     for step in range(2):
         one_step(eng, model, rank, n, k, step)

@@ -1,7 +1,7 @@
 """python -m measure.gpu_bench's CPU dry run (the tiny GPT, gloo, N = 1), checked from its records:
 every system ran, the losses agree, the roofline and MFU follow from their inputs, the table can
 be printed again, a failing system is recorded and the others still run, and
-tools/gpu_check.sh --dry-run runs its parts (about 30 s on 2 cores).
+tools/gpu_check.sh --dry-run runs its parts (about 60 s on 2 cores).
 
 Speed is never asserted (a CPU step time says nothing about correctness); everything here is
 computed again from the model's shape or the records' own fields.
@@ -169,11 +169,20 @@ def test_the_gpu_check_dry_run_runs_every_part(tmp_path):
     lines = done.stdout.rstrip().splitlines()
     head = lines.index("| part | exit code | seconds | log file |")
     summary = lines[head:]  # the summary table is printed last
-    assert len(summary) == 2 + 5
+    assert len(summary) == 2 + 8
     rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in summary[2:]}
-    assert list(rows) == ["env", "gpu", "bench", "verify", "hostwork"]
+    parts = ["env", "gpu", "bench", "verify", "hostwork", "fast", "gloo2x", "figures"]
+    assert list(rows) == parts
     assert rows["env"] == "0" and rows["bench"] == "0" and rows["gpu"].startswith("skipped")
     assert rows["verify"] not in ("124", "137")  # finished within its time (its result: verify's)
+    # the new parts' CPU stand-ins: lock-step cells under torchrun, local gloo pools at N = 1, 2
+    # with their invariance, and a simulated rank measured
+    assert rows["fast"] == rows["gloo2x"] == rows["figures"] == "0", done.stdout[-3000:]
+    assert "12/12 cells passed" in (out / "fast.log").read_text()
+    gloo = (out / "gloo2x.log").read_text()
+    assert "ranks: backend gloo, device cpu (local worker pools)" in gloo
+    assert "4/4 cells passed" in gloo and "world_size_invariance: 12/12 passed" in gloo
+    assert (out / "figures" / "results" / "simulated_ranks.json").is_file()
     records = json.loads((out / "bench_gpu.json").read_text())["records"]
     assert [r["config"]["system"] for r in records] == SYSTEMS
     assert all(r["config"]["device"] == "cpu" for r in records)

@@ -20,6 +20,7 @@ from zero.launch import (
     WorkerPool,
     get_pool,
     init_from_env,
+    rank_device,
     spawn,
     under_torchrun,
 )
@@ -54,6 +55,10 @@ def exit_on(rank, world_size, bad_rank):
 
 def unpicklable_result(rank, world_size):
     return lambda: rank
+
+
+def device_of(rank, world_size):
+    return str(rank_device())
 
 
 _COUNTER = 0  # lives on in each pool worker between runs
@@ -151,6 +156,10 @@ def test_spawn_validates_arguments():
         spawn(sum_of_ranks, 1, timeout_s=0)
     with pytest.raises(ValueError, match="backend='mpi'"):
         spawn(sum_of_ranks, 1, backend="mpi")
+    with pytest.raises(ValueError, match=r"^device='tpu' is not allowed: expected one of"):
+        spawn(sum_of_ranks, 1, device="tpu")
+    with pytest.raises(ValueError, match=r"^device='cpu' is not allowed: expected 'cuda' with"):
+        WorkerPool(1, backend="nccl", device="cpu")
 
 
 # --- WorkerPool -------------------------------------------------------------------------------
@@ -219,6 +228,40 @@ def test_get_pool_caches_per_world_size_and_replaces_broken_pools():
     assert [r[2] for r in fresh.run(sum_of_ranks)] == [1.0, 1.0]
 
 
+# --- the rank's device -------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_rank_device_is_the_cpu_on_every_rank_of_a_cpu_world():
+    assert get_pool(2, device="cpu") is get_pool(2)  # one cache entry: (2, "gloo", "cpu")
+    assert get_pool(2).run(device_of) == ["cpu", "cpu"]
+    assert spawn(device_of, 3, device="cpu", timeout_s=30) == ["cpu"] * 3
+    assert str(rank_device()) == "cpu"  # the launcher itself: nothing set it
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_a_cuda_world_without_cuda_fails_its_start_naming_the_device(monkeypatch):
+    """device="cuda" where a rank sees no GPU: every rank refuses in its setup, before joining
+    the group, and the parent raises RankError with that line at once (no hang, no child
+    left); the pool is broken, and get_pool keys on the device, so gloo on the CPU is intact."""
+    if torch.cuda.is_initialized():
+        pytest.skip("this process has initialised CUDA: forked CUDA ranks are refused first")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU for the ranks, on any machine
+    before, started = children(), time.monotonic()
+    line = r"device='cuda' is not allowed: expected 'cpu' here: rank \d has no CUDA device"
+    with pytest.raises(RankError, match=line):
+        WorkerPool(2, device="cuda", timeout_s=30)
+    with pytest.raises(RankError, match=line):
+        get_pool(2, device="cuda")
+    with pytest.raises(RankError, match=line):
+        spawn(device_of, 2, device="cuda", timeout_s=30)
+    assert time.monotonic() - started < 10
+    assert children() == before
+    assert get_pool(2).run(device_of) == ["cpu", "cpu"]
+
+
 # --- torchrun ---------------------------------------------------------------------------------
 
 
@@ -251,6 +294,7 @@ def _as_torchrun_rank(conn, port):
     torch.set_num_threads(1)
     try:
         rank, world_size, device = init_from_env(timeout_s=30)
+        assert rank_device() == device
         t = torch.ones(3)
         dist.all_reduce(t)
         conn.send((rank, world_size, str(device), dist.get_backend(), t.tolist()))

@@ -318,7 +318,7 @@ def _prune(root: Path, current: str, keep_last: int | None, run_id: str) -> list
 
 def _run_id(engine) -> str:
     """This engine's run ([Note: run identity]): rank 0's fresh id at the first save."""
-    run_id = getattr(engine, "checkpoint_run_id", None)
+    run_id = engine.checkpoint_run_id
     if run_id is None:
         run_id = _broadcast(engine, uuid.uuid4().hex if scope(engine)[2] == 0 else None)
         engine.checkpoint_run_id = run_id

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import zero.mp.collectives as _mpc  # module access: tests plant errors in its functions
-
+from . import collectives as _mpc  # module access: tests plant errors in its functions
 from .collectives import MPContext
 
 

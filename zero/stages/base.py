@@ -34,11 +34,11 @@ class Accounting:
     sums (per unit, in shards) and the reduction buffers in flight (bytes, the peak)."""
 
     def __init__(self) -> None:
-        self.extra_partials: list[int] = []  # per unit: peak partial sums held, in shards of L
+        self.extra_partials: dict[int, int] = {}  # unit index: peak partial sums, in shards of L
         self.transient_peak = 0  # bytes: the largest set of reduction buffers alive at once
 
     def partials(self, u: FlatUnit, peak: int) -> None:
-        self.extra_partials[u.index] = max(self.extra_partials[u.index], peak)
+        self.extra_partials[u.index] = max(self.extra_partials.get(u.index, 0), peak)
 
     def transient(self, nbytes: int, in_flight: int, bound: int) -> None:
         """Reductions in flight each hold an arrival and a receive buffer of nbytes."""
@@ -95,7 +95,7 @@ class Clock:
 
 @dataclass(kw_only=True)
 class StageContext:
-    """Everything a stage reads. The engine fills the per-unit lists as it builds units."""
+    """Everything a stage reads; per-unit facts live on the unit and its partition."""
 
     config: ZeroConfig
     group: object  # the data-parallel process group
@@ -108,8 +108,6 @@ class StageContext:
     buckets: Bucketing  # whole-buffer reductions, or constant-size C_B pieces
     accounting: Accounting = field(default_factory=Accounting)
     reductions: Reductions = field(default_factory=Reductions)
-    pad_rs: list[int] = field(default_factory=list)  # per unit: padding a reduce-scatter sends
-    pad_ag: list[int] = field(default_factory=list)  # per unit: padding an all-gather sends
 
     def note_transient(self, nbytes: int) -> None:
         """Account nbytes of reduction buffer for each reduction in flight (at least one)."""

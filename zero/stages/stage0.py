@@ -39,6 +39,7 @@ from .base import StageContext
 
 class Stage0:
     stage = 0
+    collective_forward = False  # whether forward makes collectives (stage 3 gathers there)
 
     def __init__(self, ctx: StageContext):
         self.ctx = ctx
@@ -158,7 +159,7 @@ class Stage0:
             u.grad,
             group=self.group,
             counter=self.counter,
-            padding=self.ctx.pad_rs[u.index] + self.ctx.pad_ag[u.index],
+            padding=u.part.padding_scattered + u.part.padding_gathered,
             tag=self.tag(u, "grad"),
             async_op=self.cfg.overlap,
         )
@@ -180,7 +181,7 @@ class Stage0:
             shard,
             group=self.group,
             counter=self.counter,
-            padding=self.ctx.pad_ag[u.index],
+            padding=u.part.padding_gathered,
             tag=self.tag(u, phase),
             async_op=async_op,
         )

@@ -35,7 +35,7 @@ class WholeBuffers:
             flat,
             group=ctx.group,
             counter=ctx.counter,
-            padding=ctx.pad_rs[u.index],
+            padding=u.part.padding_scattered,
             tag=tag,
             async_op=ctx.config.overlap,
         )
