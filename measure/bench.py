@@ -14,7 +14,7 @@ zero-redundancy, fsdp2, fsdp2-reshard, deepspeed-s{1,2,3}; fp32 AdamW, M = N. Mo
 (named only, never by default): megatron-lm, zero-s{0..3}-mp{1,2,4}[-det] (measure/bench_mp.py).
 Memory (--memory, on by default; [Note: the memory pass]): peak MiB per rank, measured by
 measure/tensor_memory.py, beside the analytic model states of the system's sharding level
-(zero/memory.py) and the activations autograd saves; ×DDP and ×best peer at the same level;
+(zero/common/memory.py) and the activations autograd saves; ×DDP and ×best peer at the same level;
 for ours, the bound derived from the model's shape ([Note: the memory bound] in
 measure/bench_table.py) and the peak over it.
 Legend: N ranks; ms/step the slowest rank's step, median over repeats × steps (IQR its spread);
@@ -49,9 +49,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zero import cli
-from zero.models import GPT
-from zero.results import make_record, provenance, read_json, write_json
+from zero.common import cli
+from zero.common.results import make_record, provenance, read_json, write_json
+from zero.workloads.models import GPT
 
 from . import mfu, tensor_memory
 from .bench_table import (
@@ -77,7 +77,7 @@ from .trainers import (
 )
 
 KIND = "bench.step_time"
-"""The results-record kind (zero.results) of one (system, N) measurement."""
+"""The results-record kind (zero.common.results) of one (system, N) measurement."""
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_WARMUP = 2
 """Untimed steps right after building a system (data steps 0 and 1)."""
@@ -348,8 +348,8 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 def bench_world(n: int, cfg: BenchConfig, *, pool=None, say=print) -> list[dict]:
     """Build every system of cfg in one world of n ranks, time them round-robin, and return
-    one zero.results record per system (status "ok", "not installed", "unavailable: ...", or
-    "failed"). `pool`: a zero.launch WorkerPool of n ranks, or None under torchrun."""
+    one zero.common.results record per system (status "ok", "not installed", "unavailable: ...", or
+    "failed"). `pool`: a zero.ranks.launch WorkerPool of n ranks, or None under torchrun."""
     world = _World(n, pool, cfg.timeout_s)
     if cfg.malloc == "keep":  # before any system allocates: every one runs under it
         world.run(_keep_freed_blocks)
@@ -612,12 +612,12 @@ def _profile_summary(per_rank: list[list[dict[str, float]]]) -> tuple[dict, dict
 def run_bench(cfg: BenchConfig, *, pools=None, say=print, done=None) -> list[dict]:
     """Every world size of cfg; returns the records with ratios filled in.
 
-    pools: a function N -> WorkerPool to run in (e.g. zero.launch.get_pool); None starts a fresh
-    pool per N and closes it afterwards. Under torchrun, only the launched world size runs.
+    pools: a function N -> WorkerPool to run in (e.g. zero.ranks.local.get_pool); None starts a
+    fresh pool per N and closes it afterwards. Under torchrun, only the launched world size runs.
     done: called with the records so far after each world size (main writes them, so that a
     failure at one N keeps the measurements of the others).
     """
-    from zero import launch
+    from zero.ranks import launch, local
 
     records = []
     if launch.under_torchrun():
@@ -632,7 +632,7 @@ def run_bench(cfg: BenchConfig, *, pools=None, say=print, done=None) -> list[dic
             if pools is not None:
                 records += bench_world(n, cfg, pool=pools(n), say=say)
             else:
-                with launch.WorkerPool(n, timeout_s=cfg.timeout_s) as pool:
+                with local.WorkerPool(n, timeout_s=cfg.timeout_s) as pool:
                     records += bench_world(n, cfg, pool=pool, say=say)
             if done is not None and n != cfg.world_sizes[-1]:
                 add_ratios(records)

@@ -30,8 +30,8 @@ import dataclasses
 import torch
 
 from zero.collectives import CommCounter
-from zero.models import gpt_microbatches
 from zero.mp import TPGPT, Mesh, MPContext, tp_num_params
+from zero.workloads.models import gpt_microbatches
 
 from .trainers import Ours, Trainer, layout, zero_config
 
@@ -74,7 +74,7 @@ class MPProbe(Trainer):
 
 class MPTrainer(MPProbe, Ours):
     """MP system `name` on one rank: the engine on this rank's TPGPT slice, in its DP group.
-    step() and the profile's phases are Ours' (zero.train, one micro-step)."""
+    step() and the profile's phases are Ours' (zero.workloads.train, one micro-step)."""
 
     def __init__(self, name, rank, n, cfg):
         MPProbe.__init__(self, name, rank, n, cfg)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zero.memory import model_state_breakdown
+from zero.common.memory import model_state_breakdown
 
 OURS = (
     "zero-s0",
@@ -83,7 +83,7 @@ to the end of backward, which its measured peak shows."""
 
 
 def analytic_states_bytes(name: str, n: int, num_params: int, mp: int = 1) -> float:
-    """zero/memory.py's model states per rank of `name`'s sharding level at N = n, in the
+    """zero/common/memory.py's model states per rank of `name`'s sharding level at N = n, in the
     benchmark's configuration: fp32 working parameters and gradients, no separate master (the
     working copy is it), AdamW's two fp32 states, M = N (no partial sums), no padding. With
     model parallelism num_params is the rank's slice (zero.mp.tp_num_params) and the states
@@ -101,16 +101,15 @@ def analytic_states_bytes(name: str, n: int, num_params: int, mp: int = 1) -> fl
     ).total
 
 
-# [Note: the memory bound] What our engine may hold at once beyond the analytic model states S,
-# for the benchmark's configuration (fp32 throughout, M = N: one micro-step, no clipping), from
-# the model's shape and the config alone, never from the engine. X = B·T·V·4 bytes (the logits);
-# G_b, G_r the padded bytes of the largest block unit and of the root unit (reference/layout.py's
-# layout of their parameters at this N), E the bytes of the optimizer's extent (Ψ·4, or Ψ·4/N
-# from stage 1 on, padded), A the activations autograd saves (measured on the plain model).
-#   peak <= S + max(A + 3X + T_bwd, T_step)
-# - 3X, the loss: the logits the caller keeps until its backward is done, and inside the
-#   cross-entropy's backward the gradients of the log-softmax output and of the logits (the
-#   log-softmax output itself is saved, in A). DDP's measured excess is exactly this.
+# [Note: the memory bound] What our engine may hold at once beyond the analytic model states S, for
+# the benchmark's configuration (fp32 throughout, M = N: one micro-step, no clipping), from the
+# model's shape and the config alone, never from the engine. X = B·T·V·4 bytes (the logits); G_b,
+# G_r the padded bytes of the largest block unit and of the root unit (reference/layout.py's layout
+# of their parameters at this N), E the bytes of the optimizer's extent (Ψ·4, or Ψ·4/N from stage 1
+# on, padded), A the activations autograd saves (measured on the plain model).   peak <= S + max(A +
+# 3X + T_bwd, T_step) - 3X, the loss: the logits the caller keeps until its backward is done, and
+# inside the   cross-entropy's backward the gradients of the log-softmax output and of the logits
+# (the   log-softmax output itself is saved, in A). DDP's measured excess is exactly this.
 # - T_bwd, the engine in forward and backward:
 #   G_r + G_b  gradients waiting in .grad for their unit's last one: the running block's, and
 #              the root's, whose tied head weight gets its gradient first and whose embedding
@@ -123,11 +122,11 @@ def analytic_states_bytes(name: str, n: int, num_params: int, mp: int = 1) -> fl
 #              until step(): E/N;
 #   gathered   stage 3: the root's full working buffer and max_live = 2 blocks' (W = G here).
 # - T_step, the update, when the activations are gone: the scaled gradient (E), at most one
-#   whole-extent temporary of the optimizer (E; the deterministic blocks take 3 MiB, torch's
-#   fused kernel works in place), and stages 1-2 the send buffers of the parameter all-gather,
-#   one shard per unit, kept until the step ends (E).
-# Each term is the most it can be, and they are added as if at one moment, so this bounds the
-# peak from above; how close it is, the memory table shows (÷bound).
+#   whole-extent temporary of the optimizer (E; the deterministic blocks take 3 MiB, torch's   fused
+# kernel works in place), and stages 1-2 the send buffers of the parameter all-gather,   one shard
+# per unit, kept until the step ends (E). Each term is the most it can be, and they are added as if
+# at one moment, so this bounds the peak from above; how close it is, the memory table shows
+# (÷bound).
 _GATHER_DEPTH = 2  # zero/stages/stage3.py: max_live
 _REDUCTIONS = 2  # zero/stages/base.py: Reductions.max_inflight
 
@@ -138,7 +137,7 @@ def memory_bound(config: dict) -> dict[str, float] | None:
     if config["system"] not in OURS:
         return None
     from reference.layout import unit_layout
-    from zero.models import GPT, GPTConfig
+    from zero.workloads.models import GPT, GPTConfig
 
     n, stage = config["world_size"], config["stage"]
     det = config["options"]["deterministic"]

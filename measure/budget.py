@@ -1,6 +1,6 @@
 """What fits a per-rank memory budget: the paper's configurations C1-C5 (Table 3) at our scale.
 
-Runs each configuration on one simulated rank (measure.simulate, measured by measure.resident):
+Runs each configuration on one simulated rank (measure.fake_rank, measured by measure.resident):
 the largest model within the budget (Figure 6), the peak of two fixed models (Figure 7), and the
 largest batch and its step time (Figure 8). Used by paper_figures/zero_r_configs.py
 (`python -m paper_figures --only zero_r_configs`). Without model parallelism C2 = C1, C4 = C3
@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
-from .simulate import measure_rank
+from .fake_rank import measure_rank
 
 __all__ = [
     "CONFIGURATIONS",
@@ -137,7 +137,7 @@ class Setup:
     device: str = "cpu"
     mp: int = 1
     """N_m: the probed rank is rank 0 = (0, 0) of an N_d × N_m mesh ([Note: simulated MP rank]
-    in measure/simulate.py). heads and vocab_size must be multiples of it."""
+    in measure/fake_rank.py). heads and vocab_size must be multiples of it."""
     deterministic: bool = True
     """False: the fast mode (the MP sums by the backend's all-reduce, as Megatron's), whose
     transients are the paper's; True keeps the deterministic gather-based sums."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zero import collectives as C
-from zero.launch import spawn
+from zero.ranks.local import spawn
 
 WAYS = ("backend", "p2p")
 TAG = dict(phase="bench", kind="model", unit=0)

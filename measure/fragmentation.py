@@ -12,11 +12,10 @@ retries, then the ratio on/off. Why M_D should lower it: [Note: contiguous memor
 zero/zero_r/contiguous.py. `--vary-seq` gives every micro-batch another sequence length (as variable
 length batches do), the case where activations of changing sizes fragment the free memory most.
 
-The two runs share the process: between them every engine tensor is released and the
-allocator's cache emptied (`torch.cuda.empty_cache()`), and each run's numbers are taken against
-its own baseline, so the second run starts from an empty cache. Numbers come from the allocator
-only; on a machine without CUDA there is nothing to measure and the command says so and exits
-with status 2.
+The two runs share the process: between them every engine tensor is released and the allocator's
+cache emptied (`torch.cuda.empty_cache()`), and each run's numbers are taken against its own
+baseline, so the second run starts from an empty cache. Numbers come from the allocator only; on a
+machine without CUDA there is nothing to measure and the command says so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from zero import cli
+from zero.common import cli
 from zero.config import STAGES
 
 STATS = (
@@ -155,7 +154,7 @@ def _train(
     """Build the engine, train `steps` steps, and return it (its model states still resident)."""
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import GPT, GPTConfig, gpt_microbatches
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     cfg = GPTConfig(vocab_size=256, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     model = GPT(cfg, device="meta")

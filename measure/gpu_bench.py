@@ -5,15 +5,13 @@ a plain PyTorch loop (bf16 working copy, fp32 master), DDP, FSDP2 and our stages
     python -m measure.gpu_bench --model tiny --device cpu --steps 2 --warmup 1   # CPU dry run
     python -m measure.gpu_bench --from-json bench_gpu.json                       # the table again
 
-Workload: zero.models.GPT (default L 24, d 1024, 16 heads, V 50304, T 1024: Ψ = 354.9M), B
-sequences per step, the same batches for every system (gpt_microbatches), AdamW lr 3e-4 with
-weight decay 0.1 on matrices. Legend: ms/step the whole step (forward, backward, update; CUDA
-events, perf_counter on a CPU), median [min-max] over the timed steps; update ms the update
-alone; MFU model FLOPs (measure/mfu.py) ÷ step time ÷ measured peak; ×roofline the update over
-[Note: the update's roofline]; peak GiB torch.cuda.max_memory_allocated over the timed steps
-(none on a CPU). Records: kind KIND; systems in measure/gpu_systems.py, tables in
-measure/gpu_bench_table.py.
-"""
+Workload: zero.workloads.models.GPT (default L 24, d 1024, 16 heads, V 50304, T 1024: Ψ = 354.9M), B
+sequences per step, the same batches for every system (gpt_microbatches), AdamW lr 3e-4 with weight
+decay 0.1 on matrices. Legend: ms/step the whole step (forward, backward, update; CUDA events,
+perf_counter on a CPU), median [min-max] over the timed steps; update ms the update alone; MFU model
+FLOPs (measure/mfu.py) ÷ step time ÷ measured peak; ×roofline the update over [Note: the update's
+roofline]; peak GiB torch.cuda.max_memory_allocated over the timed steps (none on a CPU). Records:
+kind KIND; systems in measure/gpu_systems.py, tables in measure/gpu_bench_table.py."""
 
 # [Note: the update's roofline] AdamW's update is memory-bound. Per parameter it reads the fp32
 # master p, the gradient g (counted as fp32, 4 B, whatever dtype it arrives in), m and v: 16 B;
@@ -37,9 +35,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zero import cli, launch
-from zero.models import GPT, GPTConfig, gpt_microbatches
-from zero.results import make_record, provenance, read_json, write_json
+from zero.common import cli
+from zero.common.results import make_record, provenance, read_json, write_json
+from zero.ranks import launch
+from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
 from . import mfu
 from .gpu_bench_table import format_all

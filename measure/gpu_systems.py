@@ -3,12 +3,11 @@ a step's forward and backward and returns the loss, update() the rest of the ste
 
     system = build("zero-s3", GPTConfig(...), torch.device("cuda"), meshes={})
 
-Plain: a bf16 working copy, an fp32 master, torch's AdamW (fused on CUDA) on the master. DDP:
-the fp32 model under bf16 autocast. FSDP2: fully_shard per block, then the root, bf16 parameters,
-fp32 reduction, with or without resharding after forward. Ours: ZeroEngine, bf16, a unit per
-block. Every system: AdamW lr LR, weight decay WEIGHT_DECAY on matrices (decay_matrices_only),
-the model built by zero.models.GPT with seed SEED. Legend: M micro-batches per step (1 here).
-"""
+Plain: a bf16 working copy, an fp32 master, torch's AdamW (fused on CUDA) on the master. DDP: the
+fp32 model under bf16 autocast. FSDP2: fully_shard per block, then the root, bf16 parameters, fp32
+reduction, with or without resharding after forward. Ours: ZeroEngine, bf16, a unit per block. Every
+system: AdamW lr LR, weight decay WEIGHT_DECAY on matrices (decay_matrices_only), the model built by
+zero.workloads.models.GPT with seed SEED. Legend: M micro-batches per step (1 here)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import torch
 
 from reference.optim import Hyper
 from zero.config import ZeroConfig, decay_matrices_only
-from zero.models import GPT, GPTConfig
+from zero.workloads.models import GPT, GPTConfig
 
 OURS = ("zero-s0", "zero-s1", "zero-s2", "zero-s3", "zero-s0-det", "zero-s3-det")
 SYSTEMS = ("plain", "ddp", "fsdp2", "fsdp2-reshard", *OURS)

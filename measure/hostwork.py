@@ -141,7 +141,7 @@ def gpt_engine(
     from reference.optim import Hyper
     from zero.config import ZeroConfig, decay_matrices_only
     from zero.engine import ZeroEngine
-    from zero.models import GPT, GPTConfig, gpt_microbatches
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     heads = max(1, width // 64)
     gpt = GPTConfig(vocab_size=50304, block_size=8, n_layer=layers, n_head=heads, n_embd=width)

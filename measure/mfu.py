@@ -6,7 +6,7 @@ rank's device is measured to reach.
                device, in PEAK_DTYPE of that device
     MFU      = achieved ÷ peak
 
-Model FLOPs are the formula's (zero.models.gpt_flops, which tests prove equal to torch's
+Model FLOPs are the formula's (zero.workloads.models.gpt_flops, which tests prove equal to torch's
 FlopCounterMode over our GPT's forward and backward): the FLOPs the model needs, not what the
 kernels happen to run, so a system that recomputes activations does not raise its MFU by doing it.
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from zero.models import GPTConfig, gpt_flops
+from zero.workloads.models import GPTConfig, gpt_flops
 
 PEAK_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 """The dtype whose peak MFU divides by, per device type ([Note: the peak a rank can reach])."""

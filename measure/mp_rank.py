@@ -2,8 +2,8 @@
 
 ``estimate(setup, name, L)`` gives rank (0, 0)'s bytes by category for configuration `name`
 (measure.budget's C1-C5) on a GPT of L blocks: the model states of its TPGPT slice at
-N = N_d (zero.memory.model_state_breakdown at the padded count of reference/layout.py, as the
-engine lays units out) and its activation checkpoints (zero.memory.checkpoint_bytes), on the
+N = N_d (zero.common.memory.model_state_breakdown at the padded count of reference/layout.py, as the
+engine lays units out) and its activation checkpoints (zero.common.memory.checkpoint_bytes), on the
 device or, with offload (C5's P_a+cpu), in host memory. Nothing is built: the slice's shapes
 come from a meta TPGPT. The measured side is measure.budget.probe (tests/distributed/
 test_zero_r_mp.py checks the two agree category by category).
@@ -13,7 +13,7 @@ Legend: N_d, N_m the DP and MP degrees, L blocks, X = b·s·h one block's checkp
 
 from __future__ import annotations
 
-from zero.memory import checkpoint_bytes, model_state_breakdown
+from zero.common.memory import checkpoint_bytes, model_state_breakdown
 
 from .budget import Setup, configurations
 
@@ -22,8 +22,8 @@ def slice_units(setup: Setup, layers: int) -> list[list[tuple[str, tuple[int, ..
     """The (name, shape) lists of rank m = 0's TPGPT slice, root first, as the engine's units
     (zero/build.py: the tied head in the root, once)."""
     from zero.collectives import CommCounter
-    from zero.models import GPTConfig
     from zero.mp import TPGPT, MPContext
+    from zero.workloads.models import GPTConfig
 
     cfg = GPTConfig(
         vocab_size=setup.vocab_size,
@@ -43,8 +43,8 @@ def slice_units(setup: Setup, layers: int) -> list[list[tuple[str, tuple[int, ..
 
 def estimate(setup: Setup, name: str, layers: int) -> dict[str, float]:
     """Rank (0, 0)'s bytes by category, from the model alone: the slice's model states at
-    N = N_d (zero.memory, padded as reference/layout.py lays units out) and its checkpoints
-    (zero.memory.checkpoint_bytes), on the device or, for C5, in host memory."""
+    N = N_d (zero.common.memory, padded as reference/layout.py lays units out) and its checkpoints
+    (zero.common.memory.checkpoint_bytes), on the device or, for C5, in host memory."""
     from reference.layout import unit_layout
 
     conf = next(c for c in configurations(setup.mp) if c.name == name)
@@ -95,7 +95,7 @@ def _main(argv: list[str]) -> None:
     """python -m measure.mp_rank SETUP_JSON LAYERS NAME...: measure_together's child."""
     import json
 
-    from .simulate import simulate_rank
+    from .fake_rank import simulate_rank
 
     setup, layers = Setup(**json.loads(argv[0])), int(argv[1])
     confs = {c.name: c for c in configurations(setup.mp)}

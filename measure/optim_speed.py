@@ -1,17 +1,15 @@
 """python -m measure.optim_speed: time one deterministic AdamW step on one fp32 shard, the kernel
-before [Note: in-place blocks] (zero/optim.py) beside the torch ops in blocks, the compiled loop
-(zero/optim_native.py, used where it builds), and fast mode.
+before [Note: in-place blocks] (zero/optim/update.py) beside the torch ops in blocks, the compiled
+loop (zero/optim/native.py, used where it builds), and fast mode.
 
     python -m measure.optim_speed --numel 3716608 --repeats 20 --threads 1
 
-A micro-benchmark, not a test: it prints milliseconds per step (the median over repeats, and
-the spread) and checks that every deterministic variant leaves the same bits. "previous" is the
-kernel as it was before: blocks of 64K elements whose temporaries are allocated per block and
-whose sqrt allocates two more. "blocks 2^k" is the torch-op kernel with BLOCK = 2^k (the one
-used without a C compiler is marked); "compiled loop" the one-pass loop. "fused" is fast mode
-(torch's fused AdamW, not bitwise) for scale. Timings on a shared machine are noisy: run it on
-a quiet one.
-"""
+A micro-benchmark, not a test: it prints milliseconds per step (the median over repeats, and the
+spread) and checks that every deterministic variant leaves the same bits. "previous" is the kernel
+as it was before: blocks of 64K elements whose temporaries are allocated per block and whose sqrt
+allocates two more. "blocks 2^k" is the torch-op kernel with BLOCK = 2^k (the one used without a C
+compiler is marked); "compiled loop" the one-pass loop. "fused" is fast mode (torch's fused AdamW,
+not bitwise) for scale. Timings on a shared machine are noisy: run it on a quiet one."""
 
 from __future__ import annotations
 
@@ -22,7 +20,8 @@ import numpy as np
 import torch
 
 from reference.optim import Hyper
-from zero import optim, optim_native
+from zero.optim import native as optim_native
+from zero.optim import update as optim
 
 
 def _previous(hp: Hyper, t: int, p, g, m, v) -> None:

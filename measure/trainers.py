@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from reference.optim import Hyper
-from zero import cli
+from zero.common import cli
 from zero.config import WATCHDOG_MODES, ZeroConfig, decay_matrices_only
-from zero.launch import MAX_TIMEOUT_S, check_timeout
-from zero.models import GPT, GPTConfig, gpt_microbatches
+from zero.loop import train_steps
 from zero.mp.gpt import check_split
-from zero.train import train_steps
+from zero.ranks.launch import MAX_TIMEOUT_S, check_timeout
+from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
 from .bench_table import DEFAULT_SYSTEMS, MP_SYSTEMS, SYSTEMS, mp_layout
 
@@ -33,7 +33,7 @@ class BenchModel:
     """A workload: the GPT, its micro-batch size, and how long a run of it is by default."""
 
     gpt: GPTConfig
-    """The model (zero.models.GPT); sequences are gpt.block_size tokens long."""
+    """The model (zero.workloads.models.GPT); sequences are gpt.block_size tokens long."""
     batch_size: int
     """B: sequences per micro-batch; each rank runs one micro-batch per step (M = N)."""
     repeats: int = 5
@@ -42,12 +42,11 @@ class BenchModel:
     """BenchConfig.steps when the command leaves it out."""
 
 
-# [Note: bench model sizes] Our GPT ties the output layer to the token embedding, so
-#   Ψ = V·d + T·d + L·(12d² + 13d) + 2d
-# (per block: qkv 3d² + 3d, attention projection d² + d, MLP 8d² + 5d, two LayerNorms 4d; then
-# the final LayerNorm). Vocabulary 2048 and sequence 128 at every size but the test's: the sizes
-# differ in depth and width only, so a larger one weighs communication and the optimizer (Ψ)
-# more against the activations (B·T·d·L).
+# [Note: bench model sizes] Our GPT ties the output layer to the token embedding, so   Ψ = V·d + T·d
+# + L·(12d² + 13d) + 2d (per block: qkv 3d² + 3d, attention projection d² + d, MLP 8d² + 5d, two
+# LayerNorms 4d; then the final LayerNorm). Vocabulary 2048 and sequence 128 at every size but the
+# test's: the sizes differ in depth and width only, so a larger one weighs communication and the
+# optimizer (Ψ) more against the activations (B·T·d·L).
 MODELS = {
     # The default GPTConfig, Ψ = 120,576: a step takes milliseconds, for tests.
     "small": BenchModel(gpt=GPTConfig(), batch_size=4),
@@ -108,7 +107,7 @@ class BenchConfig:
     weight_decay: float = 0.1
     """AdamW decoupled weight decay on matrices (ndim >= 2); biases and norms get none."""
     seed: int = 0
-    """Seed of the parameters (zero.models init) and of the data (gpt_microbatches)."""
+    """Seed of the parameters (zero.workloads.models init) and of the data (gpt_microbatches)."""
     quiet_cores: float = 0.3
     """Cores that other processes may use during a repeat before it counts as disturbed and is
     timed again ([Note: disturbed repeats]); before each repeat the driver also waits until
@@ -217,7 +216,7 @@ def check_config(cfg) -> None:
 
 def rank_device() -> torch.device:
     # Forked local ranks are gloo on CPU; under torchrun with CUDA the group is NCCL and
-    # zero.launch.init_from_env has made this rank's GPU current.
+    # zero.ranks.launch.init_from_env has made this rank's GPU current.
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -360,7 +359,8 @@ class Ours(Trainer):
         self.engine = ZeroEngine(self.model(), self.config)
 
     def step(self, batch) -> float:
-        # The one training loop (zero.train), one step; M = N makes micro-batch j = rank ours.
+        # The one training loop (zero.workloads.train), one step; M = N makes micro-batch j = rank
+        # ours.
         (result,) = train_steps(self.engine, lambda step, j: batch, 1, start_step=self.data_step)
         self.data_step += 1
         return result.loss  # already the global mean; averaging over ranks keeps it

@@ -60,7 +60,7 @@ def outputs(root: Path | None) -> Outputs:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.out is not None:
-        from zero import cli
+        from zero.common import cli
 
         cli.check_writable("out", args.out)  # before any section runs
     out = outputs(args.out)
@@ -76,6 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from zero import cli
+    from zero.common import cli
 
     cli.run(main, "python -m paper_figures")

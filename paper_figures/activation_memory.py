@@ -2,8 +2,7 @@
 measured on small GPTs with and without activation checkpointing.
 
 The paper (§3.2, docs/paper.md §1.5): a 1.5B GPT-2 at sequence 1K and batch 32 needs "about 60 GB"
-of
-activations, from the footnote ≈ 12 · hidden · batch · seq · layers elements; with activation
+of activations, from the footnote ≈ 12 · hidden · batch · seq · layers elements; with activation
 checkpointing "about 8 GB". One checkpoint per layer is batch · seq · hidden · layers elements,
 5.0 GB in fp16. The difference to 8 GB is not stated in the paper; what a backward with
 checkpoints also holds is the layer being recomputed: its own activations are live again while
@@ -33,7 +32,7 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero.results import make_record, provenance, write_atomic
+from zero.common.results import make_record, provenance, write_atomic
 
 NAME = "activation_memory"
 GPT2_1_5B = {"hidden": 1600, "layers": 48, "heads": 16, "seq": 1024, "batch": 32}
@@ -85,7 +84,7 @@ def saved_bytes(*, batch: int, seq: int, hidden: int, layers: int, checkpointing
     from torch.utils.checkpoint import checkpoint
 
     from measure.resident import saved_activations
-    from zero.models import GPT, GPTConfig
+    from zero.workloads.models import GPT, GPTConfig
 
     cfg = GPTConfig(
         vocab_size=64, block_size=seq, n_layer=layers, n_head=max(1, hidden // 32), n_embd=hidden

@@ -1,8 +1,8 @@
 """Communication volume per rank per step, counted on real gloo ranks: 2Ψ / 2Ψ / 2Ψ / 3Ψ.
 
-Each cell trains one step of a small GPT on N forked gloo ranks (zero.launch pools) in the paper's
-configuration (bf16 working copy, gradients reduced in bf16, Adam) and reads the engine's counter
-(``engine.counter``, zero/collectives.py): elements and bytes each rank sent, per collective
+Each cell trains one step of a small GPT on N forked gloo ranks (zero.ranks.launch pools) in the
+paper's configuration (bf16 working copy, gradients reduced in bf16, Adam) and reads the engine's
+counter (``engine.counter``, zero/collectives.py): elements and bytes each rank sent, per collective
 (op and phase), model-state traffic apart from control traffic. Expected, per docs/design.md §2, in
 units of Ψ·(N-1)/N with k = M/N:
 
@@ -22,8 +22,7 @@ ZeRO does not reduce communication. P_os and P_os+g move what plain data paralle
 price of never holding the whole model. Memory is what shrinks.
 
 Legend: Ψ = parameters (elements), N = ranks, M = micro-batches per step, k = M/N, L = a unit's
-shard length.
-"""
+shard length."""
 
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero.memory import STAGE_LABELS
-from zero.results import make_record, provenance, write_atomic
+from zero.common.memory import STAGE_LABELS
+from zero.common.results import make_record, provenance, write_atomic
 
 NAME = "comm_volume"
 MODEL = {"vocab_size": 64, "block_size": 32, "n_layer": 4, "n_head": 2, "n_embd": 64}
@@ -68,7 +67,7 @@ def traffic_of(rank: int, n: int, stage: int, deterministic: bool, k: int) -> di
     """One step on this rank; its counted traffic per collective. Runs in a pool worker."""
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import GPT, GPTConfig, gpt_microbatches
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     cfg = GPTConfig(**MODEL)
     model = GPT(cfg, seed=0)
@@ -133,7 +132,7 @@ def cells(profile: str) -> list[tuple[int, int, bool, int]]:
 
 
 def compute(profile: str) -> dict:
-    from zero.launch import get_pool
+    from zero.ranks.local import get_pool
 
     prov = provenance()
     records = []

@@ -1,13 +1,12 @@
 """What every paper_figures section shares: output locations, summary rows, the section record.
 
 A *section* is one function, ``run(*, profile, out) -> list[SummaryRow]``. It first computes or
-measures and writes its records (``zero.results``) to ``out.result(name)``, then renders its
+measures and writes its records (``zero.common.results``) to ``out.result(name)``, then renders its
 figures and tables by reading that JSON back, never from numbers held in code. The paper's own
 numbers come from :mod:`paper_figures.paper`.
 
-Legend: Ψ = num_params, N_d = world_size, K = the optimizer-state multiplier (12 for
-mixed-precision Adam).
-"""
+Legend: Ψ = num_params, N_d = world_size, K = the optimizer-state multiplier (12 for mixed-precision
+Adam)."""
 
 from __future__ import annotations
 
@@ -85,7 +84,7 @@ def compute_then_render(name: str, compute, render, *, profile: str, out: Output
 
     compute(profile) -> payload; render(payload, out) -> (path written, match summary).
     """
-    from zero.results import read_json, write_json
+    from zero.common.results import read_json, write_json
 
     result_path = write_json(out.result(name), compute(profile))
     path, matches = render(read_json(result_path), out)
@@ -122,7 +121,7 @@ def save_figure(fig, path: Path) -> Path:
     """Lay ``fig`` out tightly and write it as a PNG at ``path``, atomically; returns the path."""
     import io
 
-    from zero.results import write_atomic
+    from zero.common.results import write_atomic
 
     fig.tight_layout()
     png = io.BytesIO()

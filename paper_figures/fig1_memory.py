@@ -1,6 +1,6 @@
 """Figure 1: per-device model-state memory of a 7.5B model at N_d = 64, by ZeRO stage.
 
-Ours are stacked by category from :func:`zero.memory.model_state_breakdown` in the paper's
+Ours are stacked by category from :func:`zero.common.memory.model_state_breakdown` in the paper's
 configuration (fp16 params and grads, fp32 master, Adam; docs/paper.md §1.1); the paper's printed
 totals stand beside them. Measured bars (records of kind ``memory.measured``) come from
 ``results/simulated_ranks.json`` (paper_figures/simulated_ranks.py): one simulated rank of the
@@ -8,9 +8,8 @@ totals stand beside them. Measured bars (records of kind ``memory.measured``) co
 engine after construction. A stage whose rank did not fit the machine has no measured bar; the
 title says which bars were measured and on what.
 
-Legend: Ψ = num_params = 7.5e9, N_d = world_size = 64, K = 12 (mixed-precision Adam),
-GB = 1e9 bytes.
-"""
+Legend: Ψ = num_params = 7.5e9, N_d = world_size = 64, K = 12 (mixed-precision Adam), GB = 1e9
+bytes."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero.memory import GB, model_state_breakdown
-from zero.results import make_record, provenance, read_json
+from zero.common.memory import GB, model_state_breakdown
+from zero.common.results import make_record, provenance, read_json
 
 NAME = "fig1_memory"
 SERIES = (("memory.analytic", "ours, analytic"), ("memory.measured", "ours, measured"))

@@ -20,7 +20,7 @@ from pathlib import Path
 from measure.gpu_bench import KIND, OURS
 from measure.gpu_bench_table import format_all
 from paper_figures.common import Outputs, SummaryRow, compute_then_render, new_figure, save_figure
-from zero.results import read_json, write_atomic
+from zero.common.results import read_json, write_atomic
 
 NAME = "gpu_throughput"
 MEASURED = Path(__file__).resolve().parent / "measured"

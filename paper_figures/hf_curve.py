@@ -4,12 +4,12 @@ PyTorch, loss against step, on the project's corpus (docs/models.md, "Parity ove
 The model: a small ``GPT2LMHeadModel`` from a ``GPT2Config`` with random weights (no download;
 byte vocabulary, dropout off, eager attention, lm_head tied to wte). Both sides start from the
 same bits and see the same data (micro-batch j of step s is ``Corpus.batch(split="train", seed,
-index=(s, j))``, zero/data.py): the engine at stage 3 on N = 2 local ranks (deterministic mode,
-micro-batch j on rank j mod N), and one process running (loss_j / M).backward() for every j,
+index=(s, j))``, zero/workloads/data.py): the engine at stage 3 on N = 2 local ranks (deterministic
+mode, micro-batch j on rank j mod N), and one process running (loss_j / M).backward() for every j,
 clip_grad_norm_ and torch.optim.AdamW(foreach=False) with the same two groups. Unlike the
 lock-step cells of `python -m verify --parity`, nothing is resynchronised: rounding differences
-compound over the steps, and the curve shows how far. Writes a zero.results record (``--json``)
-and the figure (``--figure``); prints the max |Δloss| and the final losses.
+compound over the steps, and the curve shows how far. Writes a zero.common.results record
+(``--json``) and the figure (``--figure``); prints the max |Δloss| and the final losses.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 from reference import Hyper
-from zero import optim as zero_optim
+from zero.common.results import make_record, write_atomic, write_json
 from zero.config import ZeroConfig, decay_matrices_only
-from zero.data import VOCAB_SIZE, load_corpus
 from zero.engine import ZeroEngine
-from zero.launch import spawn
-from zero.results import make_record, write_atomic, write_json
-from zero.train import train_steps
+from zero.loop import train_steps
+from zero.optim import update as zero_optim
+from zero.ranks.local import spawn
+from zero.workloads.data import VOCAB_SIZE, load_corpus
 
 KIND = "hf_curve.run"
 DEFAULT_OUT = Path("runs/hf_curve")

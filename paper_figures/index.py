@@ -27,8 +27,8 @@ from paper_figures import (
     zero_r_mp,
 )
 from paper_figures.common import Outputs, SummaryRow, markdown_table
-from zero.memory import GB, STAGE_LABELS, model_state_bytes
-from zero.results import read_json, write_atomic
+from zero.common.memory import GB, STAGE_LABELS, model_state_bytes
+from zero.common.results import read_json, write_atomic
 
 NAME = "index"
 
@@ -60,7 +60,7 @@ def fig1_rows(payload: dict) -> list[list[str]]:
                 f"{theirs:g}",
                 f"{ours:.4g}",
                 f"{ours / theirs:.3f}",
-                "analytic (zero.memory)",
+                "analytic (zero.common.memory)",
                 "–",
             ]
         )
@@ -106,7 +106,7 @@ def table1_rows(payload: dict) -> list[list[str]]:
             "as printed",
             f"{matched}/{len(cells)} equal under the paper's rounding",
             "1 (exact)" if matched == len(cells) == 54 else "–",
-            "analytic (zero.memory)",
+            "analytic (zero.common.memory)",
             "–",
         ]
     ]

@@ -3,9 +3,9 @@
 For each stage and N, one simulated step in the paper's configuration (bf16 working copy,
 gradients reduced in bf16, Adam so K = 12, M = N): the bytes each simulated rank actually holds
 are counted from its buffers (reference/simulate.py), and its traffic from its collectives. They
-are set beside Figure 1's formula (zero.memory.model_state_bytes) and the paper's 2Ψ / 2Ψ / 2Ψ /
-3Ψ times (N-1)/N. The simulation pads every unit so that it splits into N chunk-aligned shards, so
-the formula is evaluated at the padded Ψ for the exact comparison, and at the real Ψ beside it.
+are set beside Figure 1's formula (zero.common.memory.model_state_bytes) and the paper's 2Ψ / 2Ψ /
+2Ψ / 3Ψ times (N-1)/N. The simulation pads every unit so that it splits into N chunk-aligned shards,
+so the formula is evaluated at the padded Ψ for the exact comparison, and at the real Ψ beside it.
 
 Legend: Ψ = real parameter count, Ψ_pad = padded count at N, N = N_d = world_size.
 """
@@ -17,8 +17,8 @@ import numpy as np
 from paper_figures.common import Outputs, SummaryRow, compute_then_render, count_line
 from reference import Hyper, ModelSpec, StepConfig, cast
 from reference.simulate import World
-from zero.memory import STAGE_LABELS, model_state_bytes
-from zero.results import make_record, provenance, write_atomic
+from zero.common.memory import STAGE_LABELS, model_state_bytes
+from zero.common.results import make_record, provenance, write_atomic
 
 NAME = "sim_check"
 PAPER_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}  # ×Ψ·(N-1)/N, the paper's §7 (docs/paper.md §1.4)

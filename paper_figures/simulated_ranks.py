@@ -1,11 +1,11 @@
 """Measured memory of one simulated rank: Figure 1's bars and Table 1's cells, where a rank fits.
 
 Each measurement is one fresh process acting as rank 0 of an N-rank job on a fake process group
-(``measure.simulate.measure_rank``): it builds only its shards of the GPT of
-``zero.models.gpt_config_for(Ψ)``, runs one real step, and is measured from outside the engine
-(``measure.resident.MemoryProbe``: RSS after gc + malloc_trim on CPU, allocator bytes on CUDA), the
-baseline taken before the model is built. The paper's configuration: bf16 working copy and
-gradients reduced in bf16, Adam (K = 12), M = N.
+(``measure.fake_rank.measure_rank``): it builds only its shards of the GPT of
+``zero.workloads.models.gpt_config_for(Ψ)``, runs one real step, and is measured from outside the
+engine (``measure.resident.MemoryProbe``: RSS after gc + malloc_trim on CPU, allocator bytes on
+CUDA), the baseline taken before the model is built. The paper's configuration: bf16 working copy
+and gradients reduced in bf16, Adam (K = 12), M = N.
 
 - The *quiescent* value after construction holds nothing but model states, so it is what is set
   beside the analytic model and the paper.
@@ -13,7 +13,7 @@ gradients reduced in bf16, Adam (K = 12), M = N.
   (kernel workspaces, autograd's thread): the *runtime baseline*. It is measured on a control
   rank (a 30M-parameter model, same N) and subtracted; both numbers are in the records.
 - Peaks (construction, step) are reported apart; they are bounded by
-  ``measure.simulate.estimate_peak_bytes``, which also decides whether a rank fits the machine now.
+  ``measure.fake_rank.estimate_peak_bytes``, which also decides whether a rank fits the machine now.
 
 Profiles: ``smoke`` (tests) measures the control and one small rank; ``quick`` measures small
 ranks (a 30M-parameter GPT at N ∈ {2, 64, 1024}) and carries
@@ -41,8 +41,8 @@ from paper_figures.common import (
     count_line,
     markdown_table,
 )
-from zero.memory import GB, STAGE_LABELS
-from zero.results import make_record, provenance, read_json, write_atomic, write_json
+from zero.common.memory import GB, STAGE_LABELS
+from zero.common.results import make_record, provenance, read_json, write_atomic, write_json
 
 NAME = "simulated_ranks"
 SMALL_PARAMS = 3e7
@@ -108,7 +108,7 @@ def _rank_timeout_s() -> float:
 
 def measure_cell(psi: float, n: int, stage: int, *, device: str, vocab: int, prov) -> dict:
     """One record: measured (kind memory.measured) or skipped (kind memory.skipped)."""
-    from measure.simulate import estimate_peak_bytes, fits_here, measure_rank
+    from measure.fake_rank import estimate_peak_bytes, fits_here, measure_rank
 
     config = {
         "num_params": psi,
@@ -289,7 +289,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "",
         "Rank 0 of an N-rank fake world builds only its shards and runs one step (paper",
         "configuration: bf16, gradients reduced in bf16, Adam, M = N). *analytic*:",
-        "`zero.memory.model_state_breakdown` at the padded Ψ; *engine*: `memory_report()`;",
+        "`zero.common.memory.model_state_breakdown` at the padded Ψ; *engine*: `memory_report()`;",
         "*measured*: the quiescent resident set after construction minus the baseline taken",
         "before the model was built (RSS after gc + malloc_trim on CPU; allocator bytes on",
         "CUDA). *after a step*: the same after one step, minus the runtime baseline that a",

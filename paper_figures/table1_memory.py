@@ -1,12 +1,12 @@
 """Table 1: per-device model-state memory (GB) for 7.5B, 128B and 1T models vs the DP degree.
 
 Each of the 54 cells is ours under the paper's rounding rule beside the paper's printed value
-(docs/paper.md §1.2). Ours come from :func:`zero.memory.model_state_bytes`. Where one simulated rank
-of that cell fitted the machine (``results/simulated_ranks.json``, paper_figures/simulated_ranks.py)
-the cell shows the measured value instead, marked †; a measured rank is the GPT of
-``gpt_config_for(Ψ)``, whose exact Ψ differs from the paper's round one by up to 0.3%, so a
-measured cell is compared with the analytic value at its own Ψ, and the match count is over the
-analytic values.
+(docs/paper.md §1.2). Ours come from :func:`zero.common.memory.model_state_bytes`. Where one
+simulated rank of that cell fitted the machine (``results/simulated_ranks.json``,
+paper_figures/simulated_ranks.py) the cell shows the measured value instead, marked †; a
+measured rank is the GPT of ``gpt_config_for(Ψ)``, whose exact Ψ differs from the paper's round
+one by up to 0.3%, so a measured cell is compared with the analytic value at its own Ψ, and the
+match count is over the analytic values.
 
 Legend: Ψ = num_params (7.5e9, 128e9, 1e12), N_d = world_size (the DP column), K = 12
 (mixed-precision Adam), GB = 1e9 bytes.
@@ -24,8 +24,8 @@ from paper_figures.common import (
     count_line,
     markdown_table,
 )
-from zero.memory import GB, STAGE_LABELS, model_state_bytes
-from zero.results import make_record, provenance, read_json, write_atomic
+from zero.common.memory import GB, STAGE_LABELS, model_state_bytes
+from zero.common.results import make_record, provenance, read_json, write_atomic
 
 NAME = "table1_memory"
 
@@ -167,7 +167,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     lines = [
         "# Table 1: per-device model-state memory (GB) vs DP degree",
         "",
-        "Each cell is *ours (paper)*. Ours: `zero.memory.model_state_bytes` with K = 12 and",
+        "Each cell is *ours (paper)*. Ours: `zero.common.memory.model_state_bytes` with K = 12 and",
         "GB = 1e9 bytes, under the paper's rounding rule (values under 100 rounded half up to 1",
         "decimal, 2 under 2; values of 100 or more truncated). Paper: Table 1 as printed.",
         "Bold, as in the paper, marks the smallest DP degree at which a column fits in a 32 GB",

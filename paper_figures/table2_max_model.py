@@ -1,13 +1,13 @@
 """Table 2: the largest model whose model states fit in 32 GB, by stage and model-parallel degree.
 
-Ours is :func:`zero.memory.max_model_params` with 32 GB per device, N_d = 64 and MP ∈ {1, 2, 4,
-8, 16}, printed under the paper's rule (the MP = 1 value rounded to 0.1B, times MP; T-valued
-cells as ours/1000 to the paper's decimals; docs/paper.md §1.3). The paper's measured columns are
-shown beside ours for reference; we have nothing of our own to put there yet.
+Ours is :func:`zero.common.memory.max_model_params` with 32 GB per device, N_d = 64 and
+MP ∈ {1, 2, 4, 8, 16}, printed under the paper's rule (the MP = 1 value rounded to 0.1B, times
+MP; T-valued cells as ours/1000 to the paper's decimals; docs/paper.md §1.3). The paper's
+measured columns are shown beside ours for reference; we have nothing of our own to put there
+yet.
 
 Legend: Ψ = num_params (the table's entries), N_d = world_size = 64, MP = N_m = mp, K = 12
-(mixed-precision Adam), GPUs = N_d · MP.
-"""
+(mixed-precision Adam), GPUs = N_d · MP."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from paper_figures.common import (
     count_line,
     markdown_table,
 )
-from zero.memory import STAGE_LABELS, max_model_params
-from zero.results import make_record, provenance, write_atomic
+from zero.common.memory import STAGE_LABELS, max_model_params
+from zero.common.results import make_record, provenance, write_atomic
 
 NAME = "table2_max_model"
 
@@ -30,8 +30,8 @@ NAME = "table2_max_model"
 def rank_fits_here() -> tuple[bool, str]:
     """Whether one Table 2 rank could be measured here: each cell's rank holds 32 GB of model
     states at the cell's Ψ (and more at its peak), so it fits only a machine (CPU memory, or a
-    GPU) with that much free (measure.simulate.fits_here on the model states alone)."""
-    from measure.simulate import fits_here
+    GPU) with that much free (measure.fake_rank.fits_here on the model states alone)."""
+    from measure.fake_rank import fits_here
     from paper_figures.simulated_ranks import _device
 
     return fits_here({"peak": paper.TABLE2_DEVICE_BYTES}, device=_device())
@@ -41,7 +41,7 @@ def compute(profile: str) -> dict:
     """The analytic records: one per (MP, stage). The profile does not matter to arithmetic.
     Each says whether its rank could be measured here (`measured_here`, the reason either
     way); none is measured: on a machine where one fits, measuring it is left to do (a rank of
-    MP column m is `python -m measure.simulate --mp m --world-size 64` at the cell's Ψ)."""
+    MP column m is `python -m measure.fake_rank --mp m --world-size 64` at the cell's Ψ)."""
     del profile
     prov = provenance()
     _, reason = rank_fits_here()
@@ -109,11 +109,11 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     lines = [
         "# Table 2: max model size, theoretical vs measured",
         "",
-        "Theoretical cells are *ours (paper)*: `zero.memory.max_model_params` with 32 GB per",
-        "device, N_d = 64 and K = 12, under the paper's rule (the MP = 1 value rounded half up to",
-        "0.1B, then times MP; T-valued cells are ours/1000 to the paper's decimals). The paper's",
-        "measured columns are its own (we have no measurement to set beside them yet). Bold and",
-        "italics are the paper's. ≠ marks a cell that differs.",
+        "Theoretical cells are *ours (paper)*: `zero.common.memory.max_model_params` with 32 GB",
+        "per device, N_d = 64 and K = 12, under the paper's rule (the MP = 1 value rounded half",
+        "up to 0.1B, then times MP; T-valued cells are ours/1000 to the paper's decimals). The",
+        "paper's measured columns are its own (we have no measurement to set beside them yet).",
+        "Bold and italics are the paper's. ≠ marks a cell that differs.",
         "",
         *markdown_table(header, rows),
         "",

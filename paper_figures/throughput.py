@@ -3,11 +3,10 @@
 
 The quick profile renders the committed measurements, one file per model size in MEASURED
 (paper_figures/measured/bench_step_time*.json; a bench run takes from half an hour at the anchor
-size to hours at the large one, and wants a quiet machine); --profile full measures the anchor
-size again (N = 2 and 4, with --profile) and renders that. Writes results/throughput.json,
+size to hours at the large one, and wants a quiet machine); --profile full measures the anchor size
+again (N = 2 and 4, with --profile) and renders that. Writes results/throughput.json,
 figures/throughput_cpu.png (a row of panels per model size, a panel per N), tables/throughput.md
-and, from records with a profile, the per-phase figure figures/throughput_phases.png
-(phase_figure).
+and, from records with a profile, the per-phase figure figures/throughput_phases.png (phase_figure).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero.results import read_json, write_atomic
+from zero.common.results import read_json, write_atomic
 
 NAME = "throughput"
 _DIR = Path(__file__).resolve().parent / "measured"

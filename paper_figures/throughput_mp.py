@@ -22,7 +22,7 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero.results import read_json, write_atomic
+from zero.common.results import read_json, write_atomic
 
 NAME = "throughput_mp"
 MEASURED = Path(__file__).resolve().parent / "measured"

@@ -17,11 +17,9 @@ The probes run with glibc's mmap threshold fixed, so that the RSS peak measures 
 configuration needs rather than the heap's fragmentation; the table also gives C3's peak with
 and without M_D under the default allocator ([Note: the CPU allocator] in measure/budget.py).
 
-The quick and smoke profiles render the committed measurement
-(``measured/zero_r_configs.json``, tens of minutes on 2 cores); ``--profile full`` measures
-again and rewrites it. Writes results/zero_r_configs.json, figures/zero_r_configs.png and
-tables/zero_r_configs.md.
-"""
+The quick and smoke profiles render the committed measurement (``measured/zero_r_configs.json``,
+tens of minutes on 2 cores); ``--profile full`` measures again and rewrites it. Writes
+results/zero_r_configs.json, figures/zero_r_configs.png and tables/zero_r_configs.md."""
 
 from __future__ import annotations
 
@@ -38,7 +36,7 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero.results import provenance, read_json, write_atomic, write_json
+from zero.common.results import provenance, read_json, write_atomic, write_json
 
 NAME = "zero_r_configs"
 MEASURED = Path(__file__).resolve().parent / "measured" / f"{NAME}.json"

@@ -1,14 +1,14 @@
 """C1-C5 with model parallelism (the paper's Figures 6 and 7 at MP = 16), on simulated ranks.
 
 One process plays rank (0, 0) of an N_d × N_m mesh on the fake process group ([Note: simulated
-MP rank] in measure/simulate.py): it builds its TPGPT slice, runs ZeRO in its DP group and two
+MP rank] in measure/fake_rank.py): it builds its TPGPT slice, runs ZeRO in its DP group and two
 real steps, and is measured from outside (RSS). measure.budget.compare finds each
 configuration's largest GPT within a per-rank budget (Figure 6) and the peaks of two fixed
 models (Figure 7: A = C1's largest; B = half-way between C3's and C4's largest, like the paper's
 100B, which had no C1-C3 bars). With N_m > 1 all five configurations differ: P_a keeps 1/N_m of
 each checkpoint (C2, C4), P_a+cpu keeps that part in host memory (C5).
 
-Beside the measurement, ``estimate`` gives the same rank by category from zero.memory (model
+Beside the measurement, ``estimate`` gives the same rank by category from zero.common.memory (model
 states of the slice at N = N_d; checkpoints by ``checkpoint_bytes``), and the counted MP traffic
 gives P_a's share of it (the paper's "< 10%", §7). Profiles: ``full`` measures (FULL, below)
 and rewrites ``measured/zero_r_mp.json``; ``quick`` and ``smoke`` render that record.
@@ -32,7 +32,7 @@ from paper_figures.common import (
     new_figure,
     save_figure,
 )
-from zero.results import provenance, read_json, write_atomic, write_json
+from zero.common.results import provenance, read_json, write_atomic, write_json
 
 NAME = "zero_r_mp"
 MEASURED = Path(__file__).resolve().parent / "measured" / f"{NAME}.json"

@@ -1,6 +1,6 @@
 """The measurements behind the claims of notebook 04 (each claim about ZeRO tested against a
 measurement): model-state volume per stage on gloo ranks, the memory reduction on simulated
-ranks against zero.memory's formula, and bitwise invariance of a run under the world size.
+ranks against zero.common.memory's formula, and bitwise invariance of a run under the world size.
 
 Legend: see the package docstring; a volume factor is elements sent per rank over
 (N-1)/N·Ψ_pad, so 2 for baseline DP at M = N and 3 for stage 3.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zero.memory import asymptotic_reduction, reduction_factor
+from zero.common.memory import asymptotic_reduction, reduction_factor
 
 from .common import (
     STAGE_NAMES,
@@ -64,8 +64,8 @@ def simulated_reduction(world_sizes: Sequence[int], stage: int) -> list[float]:
 
 
 def reduction_table(world_sizes: Sequence[int], measured: dict[int, Sequence[float]]) -> str:
-    """Markdown: per stage, the simulated reduction at each N beside zero.memory's formula, and
-    the formula and the paper's asymptote at N_d = 1024."""
+    """Markdown: per stage, the simulated reduction at each N beside zero.common.memory's formula,
+    and the formula and the paper's asymptote at N_d = 1024."""
     header = ["stage", "", *(f"N = {n}" for n in world_sizes), "N_d = 1024", "asymptote"]
     rows = []
     for stage, values in measured.items():

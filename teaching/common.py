@@ -1,8 +1,7 @@
 """What every part of teaching shares: the category and stage names, bitwise
 comparison of parameter dicts, Markdown tables, new axes, and saving a figure atomically.
 
-Legend: see the package docstring (teaching/__init__.py).
-"""
+Legend: see the package docstring (teaching/__init__.py)."""
 
 from __future__ import annotations
 
@@ -78,9 +77,9 @@ def axes_or_new(ax, figsize: tuple[float, float]):
 
 
 def save_figure(fig, name: str, directory: str | Path = "figures") -> Path:
-    """Save `fig` as directory/name.png atomically (zero.results.write_atomic): a reader never
-    sees half a PNG."""
-    from zero.results import write_atomic
+    """Save `fig` as directory/name.png atomically (zero.common.results.write_atomic): a reader
+    never sees half a PNG."""
+    from zero.common.results import write_atomic
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")

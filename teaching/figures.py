@@ -3,8 +3,7 @@ per rank, the memory reduction against N_d, and bitwise invariance against N. Ea
 axes; the notebooks save them with save_figure.
 
 Legend: see the package docstring; K is the optimizer-state multiplier (12 for mixed-precision
-Adam), N_d the data-parallel degree.
-"""
+Adam), N_d the data-parallel degree."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zero.memory import asymptotic_reduction, reduction_factor
+from zero.common.memory import asymptotic_reduction, reduction_factor
 
 from .common import CATEGORIES, STAGE_NAMES, axes_or_new, stage_label
 
@@ -36,7 +35,7 @@ def draw_stage_memory(
     expected: dict[int, int] | None = None,
 ):
     """Stacked bars of one rank's bytes by category, one bar per stage; diamonds mark an
-    expected total (e.g. zero.memory's analytic model) where given."""
+    expected total (e.g. zero.common.memory's analytic model) where given."""
     ax = axes_or_new(ax, (7, 4))
     stages = sorted(per_stage)
     x = np.arange(len(stages))
@@ -142,7 +141,7 @@ def draw_reduction(
     ax=None,
     k: float = 12,
 ):
-    """The memory reduction over baseline DP against N_d: zero.memory.reduction_factor as
+    """The memory reduction over baseline DP against N_d: zero.common.memory.reduction_factor as
     lines, the paper's asymptotes (4×, 8×, N_d×) dashed, and measured points."""
     ax = axes_or_new(ax, (7, 4.5))
     top = max(max_world_size, *world_sizes)

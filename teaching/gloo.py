@@ -1,13 +1,13 @@
 """Real ranks: zero/ on local gloo ranks, one forked world per call, for notebooks 02 and 04.
 
-A Job says what to train (a small GPT, zero.models) and what to record; run_on_gloo runs a list
-of them on N ranks and returns, per job and rank, a RankRun: plain data (traffic per step, the
+A Job says what to train (a small GPT, zero.workloads.models) and what to record; run_on_gloo runs a
+list of them on N ranks and returns, per job and rank, a RankRun: plain data (traffic per step, the
 memory report, the blocks of the rank's buffers, the final master, and optionally a trace of
 compute intervals and collectives, FLOP counts, and the single-process gradients that the
 simulation needs to replay the same steps).
 
 _run_jobs is what the forked ranks run; it stays module-level so that it can also be passed by
-reference (zero.launch.WorkerPool pickles the function it runs).
+reference (zero.ranks.local.WorkerPool pickles the function it runs).
 
 Legend: see the package docstring; L is a unit's shard length, Ψ_pad = N·ΣL.
 """
@@ -92,7 +92,7 @@ class RankRun:
 
 
 def _gpt_config(job: Job):
-    from zero.models import GPTConfig
+    from zero.workloads.models import GPTConfig
 
     return GPTConfig(
         vocab_size=64, block_size=job.block_size, n_layer=job.n_layer, n_head=2, n_embd=job.n_embd
@@ -153,7 +153,7 @@ def _run_job(rank: int, world_size: int, job: Job) -> RankRun:
     from verify.compare import to_numpy
     from verify.harness import microbatch_grads
     from zero.engine import ZeroEngine
-    from zero.models import GPT, gpt_microbatches
+    from zero.workloads.models import GPT, gpt_microbatches
 
     torch.set_num_threads(1)
     gcfg = _gpt_config(job)
@@ -266,15 +266,15 @@ def _warm_up(job: Job) -> None:
     import torch.utils.flop_counter  # noqa: F401
 
     import verify.harness  # noqa: F401
-    from zero.models import GPT
+    from zero.workloads.models import GPT
 
     GPT(_gpt_config(job), seed=0)
 
 
 def run_on_gloo(jobs: Sequence[Job], world_size: int, *, timeout_s: float = 300):
     """Run every job, in order, on `world_size` local gloo ranks (one forked world for all
-    of them, zero.launch.spawn). Returns runs[job][rank] of RankRun."""
-    from zero.launch import spawn
+    of them, zero.ranks.local.spawn). Returns runs[job][rank] of RankRun."""
+    from zero.ranks.local import spawn
 
     jobs = list(jobs)
     for j in jobs:

@@ -1,6 +1,6 @@
 """ZeRO step by step on simulated ranks (reference/simulate.py): the toy problem of notebook 02,
 a run of N simulated ranks beside the single-process reference, and what each stage's step
-holds and sends against the analytic model (zero.memory).
+holds and sends against the analytic model (zero.common.memory).
 
 Legend: see the package docstring; Ψ_pad = N·ΣL is the padded parameter count.
 """
@@ -16,7 +16,7 @@ from reference import Hyper, ModelSpec, StepConfig, cast, init_state, train_step
 from reference.optim import state_names
 from reference.precision import DTYPES
 from reference.simulate import World
-from zero.memory import model_state_breakdown
+from zero.common.memory import model_state_breakdown
 
 from .common import CATEGORIES, markdown_table, same_bits, stage_label, volume_in_psi
 from .pictures import format_memory, format_messages, message_table
@@ -146,7 +146,7 @@ def padded_numel(world: World) -> int:
 
 
 def analytic_bytes(world: World) -> dict[str, int]:
-    """zero.memory.model_state_breakdown for this World's configuration at Ψ_pad: what each
+    """zero.common.memory.model_state_breakdown for this World's configuration at Ψ_pad: what each
     rank should hold, by category (exact for the simulation, tests/unit/test_simulate.py)."""
     cfg = world.cfg
     counts = {len(state_names(cfg.optimizer, hp)) for hp in cfg.groups}
@@ -184,7 +184,7 @@ def stage_report(w: World, *, rank: int = 0) -> str:
             format_messages(message_table(w, rank), world_size=w.n, psi_padded=padded_numel(w)),
             "**Bytes each rank holds** (counted from its buffers):",
             format_memory(held),
-            f"Analytic model (zero.memory.model_state_breakdown at Ψ_pad): {want} = "
+            f"Analytic model (zero.common.memory.model_state_breakdown at Ψ_pad): {want} = "
             f"{expected:,} bytes; measured/expected = {total / expected:.4f}.",
         ]
     )
@@ -195,7 +195,7 @@ class StageSummary:
     """One simulated step of every stage on the same problem, as rank 0 sees it."""
 
     held: dict[int, dict[str, int]]  # stage -> bytes by category, counted from the buffers
-    expected: dict[int, int]  # stage -> analytic total (zero.memory)
+    expected: dict[int, int]  # stage -> analytic total (zero.common.memory)
     volume: dict[int, float]  # stage -> model-state elements sent / ((N-1)/N·Ψ_pad)
 
     def table(self) -> str:

@@ -19,17 +19,15 @@ step starts from the reference's state and the reduced gradient, master, optimiz
 working copy must each lie within their derived bound; the row prints the worst check's measured
 error beside its bound (a cell passes at ratio <= 1).
 
-Sections of the report (verify/report.py): "cells" (gradients from backward), "injected"
-(gradients fed in by verify/inject.py), "world_size_invariance" (verify/invariance.py) and,
-with --resume, "resume" (checkpoint resume and resharding, from verify/resume.py when present);
-the presets and --parity add "parity" and "parity_invariance" (the engine against plain PyTorch
-on several model families, verify/parity.py); the presets and --mp add "mp" and "mp_invariance"
-(ZeRO inside the DP group of each tensor-parallel slice against reference/mp.py,
-verify/mp_cells.py; --no-mp leaves it out of a preset). On a GPU (--device cuda) the cells and
-the invariance table run there; the parity, model-parallel, watchdog and resume sections compute
-on the CPU and each says in one line that it is skipped. The report names the backend and the
-device (provenance.backend, provenance.device).
-"""
+Sections of the report (verify/report.py): "cells" (gradients from backward), "injected" (gradients
+fed in by verify/inject.py), "world_size_invariance" (verify/invariance.py) and, with --resume,
+"resume" (checkpoint resume and resharding, from verify/resume.py when present); the presets and
+--parity add "parity" and "parity_invariance" (the engine against plain PyTorch on several model
+families, verify/parity.py); the presets and --mp add "mp" and "mp_invariance" (ZeRO inside the DP
+group of each tensor-parallel slice against reference/mp.py, verify/mp_cells.py; --no-mp leaves it
+out of a preset). On a GPU (--device cuda) the cells and the invariance table run there; the parity,
+model-parallel, watchdog and resume sections compute on the CPU and each says in one line that it is
+skipped. The report names the backend and the device (provenance.backend, provenance.device). """
 
 from __future__ import annotations
 
@@ -39,16 +37,25 @@ import importlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from zero import cli, launch
-from zero.launch import check_timeout
-from zero.results import ISA_LADDER, cpu_kernels, kernel_caps, provenance, write_atomic, write_json
+from zero.common import cli
+from zero.common.results import (
+    ISA_LADDER,
+    cpu_kernels,
+    kernel_caps,
+    provenance,
+    write_atomic,
+    write_json,
+)
+from zero.ranks import launch
+from zero.ranks.launch import check_timeout
 
 from . import invariance, matrix
-from .harness import Cell
+from .cell import Cell
 from .report import SECTIONS, console_row, markdown, sanitize
 from .run import Where, run_matrix
 
@@ -187,11 +194,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 def choose_where(backend: str | None, device: str | None) -> tuple[str, str]:
     """(backend, device) of --backend and --device with the defaults filled in
-    (zero.launch.choose_where): gloo on the CPU, or under torchrun NCCL on the GPUs where there
-    are some; --device cuda alone means gloo ranks sharing the GPUs when launched plainly.
+    (zero.ranks.launch.choose_where): gloo on the CPU, or under torchrun NCCL on the GPUs where
+    there are some; --device cuda alone means gloo ranks sharing the GPUs when launched plainly.
     Refused by name: NCCL on the CPU, and cuda where this torch has no CUDA or sees no GPU
     (counted through NVML: the launcher must not initialise CUDA before it forks ranks,
-    [Note: fork] in zero/launch.py)."""
+    [Note: fork] in zero/ranks/launch.py)."""
     if backend == "nccl" and device == "cpu":
         raise ValueError(
             "--backend nccl --device cpu: NCCL carries GPU tensors only; allowed are "
@@ -251,8 +258,8 @@ def cpu_only(args, name: str, say) -> bool:
 def check_kernels(path: str) -> None:
     """Refuse a digest baseline taken under other CPU kernels than this run's, before any cell
     runs: its GPT cells would differ in every bit that torch's kernels choose, not by any change of
-    ours ([Note: CPU kernels and digests] in zero/results.py). A report that records no kernels
-    is compared as it is (compare_baseline says so)."""
+    ours ([Note: CPU kernels and digests] in zero/common/results.py). A report that records no
+    kernels is compared as it is (compare_baseline says so)."""
     try:
         then = (json.loads(Path(path).read_text()).get("provenance") or {}).get("cpu_kernels")
     except (OSError, ValueError, AttributeError) as exc:
@@ -457,11 +464,13 @@ def write_digests(path: str, report: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.coverage:
-        from .linecoverage import run_from_verify
-
+    if args.coverage:  # this command again, in a fresh interpreter under coverage: verify's
+        # own imports have already run the library's module-level lines unmeasured
         rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--coverage"]
-        return run_from_verify(rest)
+        root = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", "verify.linecoverage", *rest]
+        return subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}).returncode
     # under torchrun every rank computes; rank 0 alone prints and writes
     lead = os.environ.get("RANK", "0") == "0"
 

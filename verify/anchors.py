@@ -25,11 +25,12 @@ import torch
 from reference import ModelSpec, StepConfig, init_state, train_step, working_copy
 from reference.precision import UNIT_ROUNDOFF
 from reference.step import CLIP_EPS, StepInfo, TrainState
-from zero import optim as zero_optim
 from zero.config import decay_matrices_only
+from zero.optim import update as zero_optim
 
 from .bounds import gamma, optimizer_step_error
-from .harness import GROUPS, MODELS, microbatch_grads
+from .cell import GROUPS, MODELS
+from .harness import microbatch_grads
 
 U = UNIT_ROUNDOFF["fp32"]
 U64 = 2.0**-53
@@ -43,7 +44,7 @@ class Anchor:
     """One lock-step anchor run: the model, the data and the step, as the reference sees them."""
 
     model: str = "gpt"
-    """A key of verify.harness.MODELS."""
+    """A key of verify.cell.MODELS."""
     micro_batches: int = 8
     """M, a power of two (A2): the peers scale by 1/M and 1/N exactly only then."""
     steps: int = 4
@@ -235,7 +236,7 @@ def ddp_payload(steps: list[RefStep]) -> list[tuple]:
 
 
 def ddp_run(rank: int, n: int, a: Anchor, payload: list[tuple], recipe: Recipe) -> list[PeerStep]:
-    """The DDP peer on one rank (run it with zero.launch.get_pool(n).run)."""
+    """The DDP peer on one rank (run it with zero.ranks.local.get_pool(n).run)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     m = a.micro_batches

@@ -13,12 +13,12 @@ import math
 from pathlib import Path
 
 from measure.bench import BenchConfig
-from measure.simulate import SimulateConfig
+from measure.fake_rank import SimulateConfig
 from reference.optim import Hyper
 from reference.precision import ScalerConfig
 from zero.config import ZeroConfig
-from zero.digits import DigitsConfig
-from zero.train import TrainConfig
+from zero.workloads.digits import DigitsConfig
+from zero.workloads.train import TrainConfig
 
 INF, NAN = math.inf, math.nan
 
@@ -116,7 +116,7 @@ def cli_rows() -> list[tuple]:
     def bad(prog, field, *argv):
         rows.append((prog, list(argv), field))
 
-    t = "zero.train"
+    t = "zero.workloads.train"
     for v in ("inf", "nan", "-1", "0"):
         bad(t, "lr", "--lr", v)
     bad(t, "lr", "--lr", "fast")
@@ -147,7 +147,7 @@ def cli_rows() -> list[tuple]:
     bad(t, "optimizer", "--optimizer", "lion")
     bad(t, "out", "--out", "{file}/sub")  # was reported after the training had run
     bad(t, "data", "--data", "{missing}")
-    d = "zero.digits"
+    d = "zero.workloads.digits"
     bad(d, "lr", "--lr", "inf")
     bad(d, "timeout_s", "--timeout", "inf")
     bad(d, "test_fraction", "--test-fraction", "1")
@@ -166,7 +166,7 @@ def cli_rows() -> list[tuple]:
     bad(v, "device", "--device", "tpu", "--list")
     bad("verify.demo", "world_size", "--world-size", "0")
     bad("verify.demo", "steps", "--steps", "0")
-    s = "measure.simulate"
+    s = "measure.fake_rank"
     bad(s, "steps", "--steps", "0")
     bad(s, "params", "--params", "1e15")  # was minutes building a million-layer model
     bad(s, "params", "--params", "inf")

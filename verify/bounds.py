@@ -151,7 +151,7 @@ def scalar_gaps(kernel: str, hp, t: int) -> ScalarGaps:
 
 
 def kernel_for(device) -> str:
-    """The KERNEL_SCALARS model of the fused Adam/AdamW that zero.optim.fast_step runs on a
+    """The KERNEL_SCALARS model of the fused Adam/AdamW that zero.optim.update.fast_step runs on a
     tensor of `device` (a torch.device or its type's name)."""
     return "cuda_fused" if getattr(device, "type", device) == "cuda" else "rounded"
 

@@ -7,10 +7,9 @@ whose output is added only when the micro-batch's flag says so. The data sets th
                        reduces them), on odd data steps none does;
   skip_microbatches    every micro-batch of an even data step uses it, none of an odd one (the
                        ranks agree, as stage 3 needs: docs/models.md).
-On odd data steps the branch's parameters are unused: the optimizer skips them, as torch.optim
-skips a parameter whose .grad is None, and their step count falls behind t. At stage 3 the
-side unit is then never gathered nor run in that step.
-"""
+On odd data steps the branch's parameters are unused: the optimizer skips them, as torch.optim skips
+a parameter whose .grad is None, and their step count falls behind t. At stage 3 the side unit is
+then never gathered nor run in that step."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zero.models import MLP, MLPConfig, mlp_microbatches, stable_seed
+from zero.workloads.models import MLP, MLPConfig, mlp_microbatches, stable_seed
 
 
 class BranchMLP(nn.Module):

@@ -2,7 +2,7 @@
 
     python -m verify.demo              # 2 local gloo ranks, 3 steps per stage, about 10 s
 
-One small GPT (verify.harness.MODELS["gpt"]) trains at stages 0, 1, 2 and 3 on the same 2 ranks, in
+One small GPT (verify.cell.MODELS["gpt"]) trains at stages 0, 1, 2 and 3 on the same 2 ranks, in
 deterministic mode and in the paper's configuration (bf16 working copy, gradients reduced in bf16,
 fp32 master, Adam; M = N). One row per stage:
 - loss: the global loss of the last step;
@@ -56,9 +56,10 @@ def config(stage: int, world_size: int, units: tuple[str, ...]):
 
 def _rank(rank: int, world_size: int, steps: int) -> list[dict]:
     """Every stage in turn on this rank; what each ended with."""
-    from verify.harness import MODELS, state_digest
+    from verify.cell import MODELS
+    from verify.harness import state_digest
     from zero.engine import ZeroEngine
-    from zero.train import train_steps
+    from zero.loop import train_steps
 
     build, data = MODELS["gpt"]
     out = []
@@ -87,7 +88,7 @@ def _rank(rank: int, world_size: int, steps: int) -> list[dict]:
 
 def run(*, world_size: int = 2, steps: int = 3) -> list[Row]:
     """Train stages 0-3 on `world_size` local gloo ranks; one Row per stage."""
-    from zero.launch import spawn
+    from zero.ranks.local import spawn
 
     ranks = spawn(_rank, world_size, steps, timeout_s=300)
     rows = []
@@ -114,7 +115,7 @@ def table(rows: list[Row]) -> str:
         "| optimizer B | total B/rank | ×stage 0 | paper | traffic ×Ψ(N-1)/N | paper |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    from zero.memory import bytes_per_param
+    from zero.common.memory import bytes_per_param
 
     total0 = sum(rows[0].memory.values())
     lines = [head]
@@ -148,6 +149,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from zero import cli
+    from zero.common import cli
 
     cli.run(main, "python -m verify.demo")

@@ -12,7 +12,7 @@ cb/gb the bytes of the compute and reduction dtypes.
   reference_groups  config.group_of(name, parameter) for every parameter (0 without group_of)
   expected_traffic  per step and rank, {"op:phase": (calls, elements, padding)} by the design's
                     volume table (docs/design.md §2) unit by unit, see the function
-  expected_memory   engine.memory_report()'s categories by zero.memory.model_state_breakdown
+  expected_memory   engine.memory_report()'s categories by zero.common.memory.model_state_breakdown
                     per unit, plus the offload buffers (zero/zero_r/offload.py's documented ones)
 A test plants an engine whose grouping or prefetch is wrong; only expectations built here can
 tell (tests/distributed/test_verify_planted.py).
@@ -25,7 +25,7 @@ import math
 from reference import ModelSpec
 from reference.optim import state_names
 from reference.step import StepConfig
-from zero.memory import model_state_breakdown
+from zero.common.memory import model_state_breakdown
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -63,7 +63,7 @@ def reference_spec(model, config) -> ModelSpec:
 
 
 def frozen_layouts(model, config) -> list[tuple[str, object]]:
-    """[(unit name, UnitLayout)] of each unit's frozen parameters, root first (zero/frozen.py:
+    """[(unit name, UnitLayout)] of each unit's frozen parameters, root first (zero/build.py:
     the trainable parameters' layout rules, a buffer of their own)."""
     units = reference_units(model, config, frozen=True)
     spec = ModelSpec.build([ps for _, ps in units], chunk=config.chunk)
@@ -265,7 +265,7 @@ def arena_span(numel: int, precision: str, align: int = 256) -> int:
 
 def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
     """engine.memory_report()'s model-state categories (comm_buffers, which depend on what is
-    in flight, are not modelled): per unit, zero.memory.model_state_breakdown at the unit's
+    in flight, are not modelled): per unit, zero.common.memory.model_state_breakdown at the unit's
     stage (stage 0 for stage 3's persistent units) over its padded numel; pure fp32 has no
     separate master (it is a view of the working copy). offload_optimizer adds a host buffer
     for the gradient extent the update reads (stages 0-1: the master's extent, beside the

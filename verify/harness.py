@@ -39,23 +39,22 @@ import random
 import time
 import traceback
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from reference import init_state, train_step, working_copy
-from reference.optim import Hyper
-from reference.precision import DTYPES, ScalerConfig, cast, f32
+from reference.precision import DTYPES, cast, f32
 from reference.tree import chunk_sumsq, global_norm
-from zero import collectives, launch
-from zero.config import TORCH_DTYPES, ZeroConfig, decay_matrices_only
+from zero import collectives
+from zero.config import TORCH_DTYPES, ZeroConfig
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
-from zero.forward import forward_rng
-from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches, mlp_microbatches
-from zero.train import train_steps
+from zero.hooks import forward_rng
+from zero.loop import train_steps
+from zero.ranks import launch
 
-from .branch import BranchMLP, branch_microbatches, skip_microbatches
+from .cell import DELAY_S, MODELS, Cell
 from .compare import bitwise_equal, max_abs_diff, max_ulp, to_numpy
 from .expect import (
     expected_extents,
@@ -68,243 +67,14 @@ from .expect import (
     reference_step_config,
     traffic_of_step,
 )
-from .inject import GradientDraw, ParamModel, draw_for, to_torch
+from .inject import to_torch
 from .lockstep import check_fast_step, gradient_errors
 
 __all__ = ["expected_extents"]  # re-exported: it lived here before verify/expect.py
 
 
-class NormMLP(MLP):
-    """The MLP with a BatchNorm1d (affine=False: buffers only, no parameters) after each hidden
-    layer, so that the engine's buffer path runs: buffers kept whole on every rank, rank 0's
-    broadcast before every forward ([Note: buffers] in zero/build.py). In training mode a
-    BatchNorm normalises with the micro-batch's own statistics, so the gradients are those of
-    the reference side's copy whatever its running statistics hold. fp32 cells only: the engine
-    keeps buffers in the compute dtype, the reference side's copy in fp32."""
-
-    def __init__(self, cfg: MLPConfig, *, device=None):
-        super().__init__(cfg, device=device)
-        hidden = cfg.n_layer - 1
-        self.norms = torch.nn.ModuleList(
-            torch.nn.BatchNorm1d(cfg.d_hidden, affine=False, device=device) for _ in range(hidden)
-        )
-
-    def forward(self, x, targets=None):
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.tanh(self.norms[i](x))
-        loss = None if targets is None else torch.nn.functional.mse_loss(x, targets)
-        return x, loss
-
-
-def frozen_mlp(device=None) -> MLP:
-    """The MLP with its middle layer frozen (requires_grad=False): the frozen parameters of
-    docs/design.md §2 (a buffer of their own per unit, gathered at stage 3 in forward and, as
-    the layer before it trains, in backward; no gradient, master or optimizer state)."""
-    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3), device=device)
-    model.layers[1].requires_grad_(False)
-    return model
-
-
-MODELS = {  # build(device=None): on the CPU, or on the meta device (Cell.meta)
-    "mlp": (
-        lambda device=None: MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3), device=device),
-        mlp_microbatches,
-    ),
-    # numel 481, 37, 1369, 37, 185, 5: none divisible by any N > 1
-    "mlp-uneven": (
-        lambda device=None: MLP(MLPConfig(d_in=13, d_hidden=37, d_out=5, n_layer=3), device=device),
-        mlp_microbatches,
-    ),
-    "gpt": (
-        lambda device=None: GPT(
-            GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32), device=device
-        ),
-        gpt_microbatches,
-    ),
-    "mlp-frozen": (frozen_mlp, mlp_microbatches),
-    "mlp-bn": (
-        lambda device=None: NormMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
-        mlp_microbatches,
-    ),
-    # a side branch that odd data steps skip: unused parameters (verify/branch.py); used by
-    # some ranks only on even steps ("mlp-branch", stages 0-2) or by all ("mlp-skip")
-    "mlp-branch": (
-        lambda device=None: BranchMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
-        branch_microbatches,
-    ),
-    "mlp-skip": (
-        lambda device=None: BranchMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
-        skip_microbatches,
-    ),
-    # no forward: injected gradients only (verify/inject.py)
-    "params-even": (lambda: ParamModel("even"), None),
-    "params-uneven": (lambda: ParamModel("uneven"), None),
-}
-GROUPS = {  # group 0: matrices (decayed), group 1: biases and norms
-    "sgd": (
-        Hyper(lr=0.05, momentum=0.9, weight_decay=0.01),
-        Hyper(lr=0.1, momentum=0.5, nesterov=True),
-    ),
-    "adam": (Hyper(lr=1e-2, weight_decay=0.01), Hyper(lr=2e-2)),
-    "adamw": (Hyper(lr=1e-2, weight_decay=0.1), Hyper(lr=2e-2, betas=(0.8, 0.99))),
-}
-GRADIENTS = ("backward", "random", "extreme", "nonfinite", "drawn")
-UNIT_SIZES = {"tiny": 128, "huge": 4096, "auto": 128}  # clipping chunk C; see Cell.units
-DELAY_S = 0.004  # upper end of the random sleep before each collective launch (Cell.delays)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cell:
-    """One configuration to verify; every field ends up in the JSON record's `config`."""
-
-    stage: int
-    world_size: int
-    precision: str
-    optimizer: str
-    mode: str  # "deterministic" or "fast"
-    steps: int = 3
-    model: str = "mlp"  # a key of MODELS
-    accumulation: int = 2  # M/N micro-steps per step
-    clip_norm: float | None = 1.0
-    overlap: bool = True
-    reduce_dtype: str | None = None
-    batch_size: int = 4
-    seed: int = 0
-    persist_below: int = 0  # stage 3: units this small stay whole
-    units: str = "tiny"
-    """'tiny': every block its own unit and clipping chunks of 128 elements (many small
-    buckets, parameters straddling shards); 'huge': one unit holding everything and chunks of
-    4096 (one bucket; at large N most ranks hold only padding); 'auto': units="auto" for the
-    engine (zero/units.py), chunks of 128, while the reference side takes the blocks the model
-    declares (model.unit_names()), so the engine's detection must find exactly those."""
-    gradients: str = "backward"
-    """'backward' (the model's own), or injected: 'random', 'extreme', 'nonfinite'
-    (verify.inject.draw_for) or 'drawn' (the explicit `draw`)."""
-    draw: GradientDraw | None = None
-    delays: bool = False
-    """Sleep 0-4 ms (seeded per rank) before every collective launch, so that asynchronous
-    collectives complete in other orders and interleavings."""
-    nonfinite: str = "raise"  # fp32/bf16: 'skip' steps with non-finite gradients instead
-    checkpointing: bool = False
-    """ZeRO-R: every unit's forward under activation checkpointing (with `offload` too, the
-    checkpoints are kept in host memory)."""
-    offload: bool = False
-    """ZeRO-Offload: master, optimizer states and the gradient shard in host memory."""
-    contiguous: bool = False
-    """ZeRO-R's M_D: gradient buffers (and, with `checkpointing`, the checkpoints) in
-    pre-allocated contiguous arenas (ZeroConfig.contiguous_memory)."""
-    bucket_elements: int | None = None
-    """ZeRO-R's C_B: reduce-scatters in pieces of at most this many elements."""
-    release_grads: bool | None = None
-    """Gradient buffers released after every update and allocated again in the next step
-    (ZeroConfig.release_grads; None: the engine's default for the device)."""
-    meta: bool = False
-    """The engine's model is built on the meta device and materialised unit by unit with the
-    models' counter-based initial values (ZeroEngine's init_seed); the reference side starts
-    from the same model built on the CPU."""
-    init: str = "auto"
-    """With meta: ZeroEngine's init rule. "own" runs each unit's reset_parameters under its
-    unit seed; the reference side recomputes those values itself (own_init)."""
-    loss_scale: float | None = None
-    """fp16: the loss scaler's first scale (and its floor, where below 1); None: the default
-    2^16. Below 1/M the engine checks R itself for overflow ([Note: overflow detection])."""
-
-    def __post_init__(self):
-        if self.model not in MODELS:
-            raise ValueError(f"model={self.model!r}: allowed are {sorted(MODELS)}")
-        if self.gradients not in GRADIENTS:
-            raise ValueError(f"gradients={self.gradients!r}: allowed are {GRADIENTS}")
-        if self.units not in UNIT_SIZES:
-            raise ValueError(f"units={self.units!r}: allowed are {sorted(UNIT_SIZES)}")
-        if self.mode not in ("deterministic", "fast"):
-            raise ValueError(f"mode={self.mode!r}: allowed are 'deterministic', 'fast'")
-        if self.gradients == "backward" and MODELS[self.model][1] is None:
-            raise ValueError(f"model={self.model!r} has no forward: use injected gradients")
-        if self.checkpointing and self.injected:
-            raise ValueError("checkpointing=True: recomputation needs a forward, not injection")
-        if self.model == "mlp-bn" and (self.precision != "fp32" or self.meta):
-            raise ValueError("model='mlp-bn': fp32 and a CPU-built model only (see NormMLP)")
-        if self.init not in ("auto", "own") or (self.init == "own" and not self.meta):
-            raise ValueError(f"init={self.init!r}: 'auto', or 'own' with meta=True")
-        if self.units == "auto" and self.model != "gpt":
-            raise ValueError(f"units='auto' with model={self.model!r}: only the GPT's blocks")
-        if (self.gradients == "drawn") != (self.draw is not None):
-            raise ValueError("draw: give a GradientDraw exactly when gradients='drawn'")
-
-    @property
-    def micro_batches(self) -> int:
-        return self.world_size * self.accumulation
-
-    @property
-    def injected(self) -> bool:
-        return self.gradients != "backward"
-
-    def gradient_draw(self) -> GradientDraw:
-        if self.draw is not None:
-            return self.draw
-        return draw_for(
-            self.gradients,
-            self.precision,
-            seed=self.seed,
-            world_size=self.world_size,
-            micro_batches=self.micro_batches,
-        )
-
-    def zero_config(self, units) -> ZeroConfig:
-        return ZeroConfig(
-            stage=self.stage,
-            precision=self.precision,
-            reduce_dtype=self.reduce_dtype,
-            deterministic=self.mode == "deterministic",
-            optimizer=self.optimizer,
-            groups=GROUPS[self.optimizer],
-            group_of=decay_matrices_only,
-            micro_batches=self.micro_batches,
-            clip_norm=self.clip_norm,
-            units={"tiny": tuple(units), "huge": (), "auto": "auto"}[self.units],
-            overlap=self.overlap,
-            chunk=UNIT_SIZES[self.units],
-            persist_below=self.persist_below,
-            nonfinite=self.nonfinite,
-            activation_checkpointing=self.checkpointing,
-            offload_activations=self.checkpointing and self.offload,
-            offload_optimizer=self.offload,
-            contiguous_memory=self.contiguous,
-            bucket_elements=self.bucket_elements,
-            release_grads=self.release_grads,
-            scaler=self.scaler_config(),
-        )
-
-    def scaler_config(self) -> ScalerConfig:
-        if self.loss_scale is None:
-            return ScalerConfig()
-        floor = min(1.0, self.loss_scale / 16)  # room to back off from a small scale
-        return ScalerConfig(init_scale=self.loss_scale, min_scale=floor)
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["micro_batches"] = self.micro_batches
-        return d
-
-    @classmethod
-    def from_config(cls, config: dict) -> Cell:
-        """The cell of a JSON record's `config` (as_dict's output), e.g. to re-run a failure."""
-        d = {k: v for k, v in config.items() if k != "micro_batches"}
-        if d.get("draw") is not None:
-            g = d["draw"]
-            d["draw"] = GradientDraw(
-                seed=g["seed"],
-                exponents=tuple(g["exponents"]),
-                zeros=g["zeros"],
-                specials=tuple(tuple(x) for x in g["specials"]),
-            )
-        return cls(**d)
-
-
 def cell_device() -> torch.device:
-    """Where a cell runs: this rank's device (zero.launch.rank_device): a GPU in a torchrun
+    """Where a cell runs: this rank's device (zero.ranks.launch.rank_device): a GPU in a torchrun
     world on GPUs (NCCL, or gloo with --device cuda) and in a local pool started with
     device="cuda" (gloo ranks sharing the GPU), else the CPU. Backward cells then compute the
     reference's micro-batch gradients on the same device, with the same kernels as the
@@ -371,7 +141,7 @@ def microbatch_grads(model, working, batch, dtype, scale) -> dict[str, np.ndarra
 def microbatch_loss_and_grads(model, working, batch, dtype, scale, rng=None):
     """(loss, g_j) of one micro-batch: microbatch_grads, and the loss its forward computed
     (as a float, which is what the engine reports per micro-batch). batch: positional inputs,
-    or a dict of keyword inputs; rng: the context the forward runs in (zero.forward.forward_rng
+    or a dict of keyword inputs; rng: the context the forward runs in (zero.hooks.forward_rng
     of the micro-batch, as the engine's forward seeds it; None: torch's RNG as it is)."""
     for name, p in model.named_parameters():
         p.data = (
@@ -593,23 +363,81 @@ class _Backward:
         return res
 
 
-def _verdict(rank: int) -> dict:
-    return {
-        "rank": rank,
-        "bitwise": True,
-        "max_abs_diff": 0.0,
-        "max_ulp": 0,
-        "first": "",
-        "skipped_steps": 0,
-        "clipped_steps": 0,  # steps whose clip coefficient was < 1 (clipping did something)
-        "ratios": {},
-        "errors": {},
-        # what the engine reported and what it sent and holds, each "" when as expected
-        "reported": "",
-        "traffic": "",
-        "memory": "",
-        "memory_bytes": {},
-    }
+@dataclass
+class StateCheck:
+    """Deterministic mode: the engine's master, optimizer states and working copy against the
+    reference's, bit for bit (compare_rank), over every step."""
+
+    bitwise: bool = True
+    max_abs_diff: float = 0.0
+    max_ulp: int = 0
+
+
+@dataclass
+class BoundsCheck:
+    """Fast mode: the worst error / derived bound per quantity over every step, with that
+    element's error and bound (verify/lockstep.py)."""
+
+    ratios: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)
+
+    def note(self, detail: dict) -> None:
+        for key, (r, err, bound) in detail.items():
+            if r >= self.ratios.get(key, -1.0):
+                self.ratios[key], self.errors[key] = r, (err, bound)
+
+
+@dataclass
+class Verdict:
+    """One rank's verdict on one cell, filled by the named checks; `first` is the first
+    failure of any of them, and `as_dict` is the record verify/report.py merges over ranks."""
+
+    rank: int
+    first: str = ""
+    failed: bool = False
+    skipped_steps: int = 0
+    clipped_steps: int = 0  # steps whose clip coefficient was < 1 (clipping did something)
+    state: StateCheck = field(default_factory=StateCheck)
+    bounds: BoundsCheck = field(default_factory=BoundsCheck)
+    # what the engine reported, sent and holds: each the first mismatch, "" when as expected
+    reported: str = ""
+    traffic: str = ""
+    memory: str = ""
+    memory_bytes: dict = field(default_factory=dict)
+
+    def fail(self, why: str) -> None:
+        self.failed = True
+        self.first = self.first or why
+
+    def note(self, check: str, why: str) -> None:
+        """The first mismatch of `check` ("reported", "traffic" or "memory"), if any."""
+        if why:
+            setattr(self, check, getattr(self, check) or why)
+            self.fail(why)
+
+    def as_dict(self, mode: str) -> dict:
+        first = self.first
+        worst = max(self.bounds.ratios.values(), default=0.0)
+        if mode == "fast" and worst > 1.0:
+            first = first or f"bound exceeded: {self.bounds.ratios}"
+        bitwise = self.state.bitwise and not self.failed
+        passed = (self.first == "" and worst <= 1.0) if mode == "fast" else bitwise
+        return {
+            "rank": self.rank,
+            "bitwise": bitwise,
+            "max_abs_diff": self.state.max_abs_diff,
+            "max_ulp": self.state.max_ulp,
+            "first": first,
+            "skipped_steps": self.skipped_steps,
+            "clipped_steps": self.clipped_steps,
+            "ratios": self.bounds.ratios,
+            "errors": self.bounds.errors,
+            "reported": self.reported,
+            "traffic": self.traffic,
+            "memory": self.memory,
+            "memory_bytes": self.memory_bytes,
+            "passed": passed,
+        }
 
 
 def _scaler_tuple(scaler):
@@ -659,13 +487,25 @@ def reference_config(cell: Cell, model) -> ZeroConfig:
     return cfg
 
 
-def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
-    """Run one cell on this rank; returns this rank's verdict.
+@dataclass
+class CellRun:
+    """What one cell builds on one rank: the engine, and the reference side beside it, which
+    comes from the model and the cell alone (verify/expect.py)."""
 
-    The reference side is built from the model and the cell alone (verify/expect.py): its
-    units, parameter groups and configuration; the engine is only compared with it."""
-    assert cell.world_size == world_size, (cell.world_size, world_size)
-    n = world_size
+    cell: Cell
+    rank: int
+    eng: ZeroEngine
+    ref_cfg: ZeroConfig  # the configuration the reference side reads (reference_config)
+    spec: object  # reference_spec: its units, layouts and parameter groups
+    frozen: object  # frozen_layouts
+    rcfg: object  # reference_step_config
+    start: object  # the reference's initial TrainState
+    ref_model: object  # the reference side's copy of the model (None for injected cells)
+    device: torch.device
+
+
+def build_cell(rank: int, cell: Cell) -> CellRun:
+    """The model, both configurations, the reference's start and the engine, in that order."""
     build = MODELS[cell.model][0]
     device = cell_device()
     model = build()
@@ -676,7 +516,7 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     spec = reference_spec(model, ref_cfg)  # before the engine wraps the model
     frozen = frozen_layouts(model, ref_cfg)
     rcfg = reference_step_config(ref_cfg, cell.world_size)
-    ref = init_state(init, spec, rcfg)
+    start = init_state(init, spec, rcfg)
     with warnings.catch_warnings():  # 'huge' cells are one root unit on purpose
         warnings.filterwarnings("ignore", message="stage 3 with units=", category=UserWarning)
         if cell.meta:  # the same initial values, never materialised whole
@@ -686,124 +526,139 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
             eng = ZeroEngine(model.to(device), cfg)
     eng.keep_reduced = True  # the reduced-gradient and norm checks read R after each step
     ref_model = None if cell.injected else build().to(device)
-    verdict = _verdict(rank)
+    return CellRun(cell, rank, eng, ref_cfg, spec, frozen, rcfg, start, ref_model, device)
 
-    def fail(why: str) -> None:
-        verdict["bitwise"] = False
-        verdict["first"] = verdict["first"] or why
 
+def check_structure(run: CellRun, v: Verdict) -> bool:
+    """The engine's units and parameter groups are the reference's; False when the units are
+    not (nothing else can be compared then)."""
+    eng, spec = run.eng, run.spec
     ours = [[(name, tuple(shape)) for name, shape in u] for u in eng.unit_specs()]
     theirs = [[(s.name, tuple(s.shape)) for s in lay.slots] for lay in spec.layouts]
     if ours != theirs:
-        fail(f"units: engine {ours}, reference {theirs}")
-        verdict["passed"] = False
-        return verdict
+        v.fail(f"units: engine {ours}, reference {theirs}")
+        return False
     if dict(eng.group_index) != dict(spec.group_of):
         bad = sorted(k for k in spec.group_of if eng.group_index.get(k) != spec.group_of[k])
-        fail(
+        v.fail(
             f"parameter groups: engine puts {bad[0]!r} in group {eng.group_index.get(bad[0])}, "
             f"the config's group_of in {spec.group_of[bad[0]]}"
         )
-    source = (
-        _Injected(cell, eng, spec)
-        if cell.injected
-        else _Backward(cell, eng, ref_model, rcfg, device)
+    return True
+
+
+def norm_check(run: CellRun, before, info, grads):
+    """norm_ok(engine norm, reference norm) -> "" or why they differ: bits in deterministic
+    mode; in fast mode bits against the pinned order applied to the engine's own R (computed
+    here, on every rank together) and within Δν of the reference's."""
+    if run.cell.mode != "fast":
+        return lambda ours, theirs: (
+            "" if ours == theirs else f"engine {ours!r}, reference {theirs!r}"
+        )
+    if info.skipped:
+        return lambda ours, theirs: ""  # a skipped step reports no norm on either side
+    n = run.eng.world_size
+    pinned = engine_norm(run.eng, run.spec, run.rank, n, info.scale)
+    d = gradient_errors(run.spec, run.rcfg, before, info, grads)[-1]
+
+    def norm_ok(ours, theirs):
+        if ours != pinned:  # bits: the order is pinned in both modes
+            return f"engine {ours!r}, the pinned order on its own R gives {pinned!r}"
+        if not abs(ours - theirs) <= d:
+            return f"engine {ours!r}, reference {theirs!r} (bound {d:.3g})"
+        return ""
+
+    return norm_ok
+
+
+def check_traffic(run: CellRun, step: int, info, grads, before_ran, v: Verdict):
+    """The step's counted collectives against expected_traffic; returns which units ran last
+    where (the next step's `before_ran`), derived from the data alone."""
+    n, counter = run.eng.world_size, run.eng.counter
+    traffic = traffic_of_step(counter, counter.step - 1)
+    ran = ran_units(run.spec, grads, n, run.rank)
+    want = expected_traffic(
+        run.ref_cfg,
+        run.spec,
+        n,
+        run.rank,
+        forward=not run.cell.injected,
+        skipped=info.skipped,
+        frozen=run.frozen,
+        ran=ran,
+        before=before_ran,
     )
-    res, before_ran = None, None
+    v.note("traffic", first_difference(f"step {step}: traffic", traffic, want))
+    return [r[-1] for r in ran]
+
+
+def check_state(run: CellRun, step: int, ref, v: Verdict) -> None:
+    """Deterministic mode: this rank's extents, bit for bit."""
+    ok, worst_abs, worst_ulp, first = compare_rank(run.eng, ref, run.rcfg, run.spec)
+    v.state.bitwise &= ok
+    v.state.max_abs_diff = max(v.state.max_abs_diff, worst_abs)
+    v.state.max_ulp = max(v.state.max_ulp, worst_ulp)
+    if first and not v.first:
+        v.first = f"step {step}: {first}"
+
+
+def check_memory(run: CellRun, v: Verdict) -> None:
+    """After the last step: resident bytes against expected_memory, and frozen parameters
+    still the cast start values."""
+    memory = {k: b for k, b in run.eng.memory_report().items() if k != "comm_buffers"}
+    want = expected_memory(run.ref_cfg, run.spec, run.eng.world_size, run.frozen)
+    v.memory_bytes = {"engine": memory, "expected": want}
+    v.note("memory", first_difference("resident bytes", memory, want))
+    if run.ref_model is not None:  # frozen parameters: the cast start values, never updated
+        why = frozen_unchanged(
+            run.eng, run.eng.module, frozen_working(run.ref_model, run.cell.precision)
+        )
+        if why:
+            v.fail(why)
+
+
+def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
+    """Run one cell on this rank; returns this rank's verdict (Verdict.as_dict). The checks are
+    named: structure; every step the reported values, the traffic, then the state (bits) or the
+    bounds (fast mode, in lock-step: every step starts from the reference's state); then the
+    memory and the frozen parameters."""
+    assert cell.world_size == world_size, (cell.world_size, world_size)
+    run, v = build_cell(rank, cell), Verdict(rank)
+    if not check_structure(run, v):
+        return v.as_dict(cell.mode)
+    source = (
+        _Injected(cell, run.eng, run.spec)
+        if cell.injected
+        else _Backward(cell, run.eng, run.ref_model, run.rcfg, run.device)
+    )
+    ref, res, before_ran = run.start, None, None
     for step in range(cell.steps):
         grads, losses = source.grads(step, ref)
         before = ref
-        ref, info = train_step(before, grads, spec, rcfg)
-        if cell.mode == "fast":  # lock-step: start from the reference's state every step
-            eng.load_full_state(
-                before.master,
-                before.opt,
-                t=before.t,
-                data_step=before.data_step,
-                scaler=before.scaler,
-                steps=before.steps,
-            )
-        res = source.feed(step, grads, losses)
-        verdict["skipped_steps"] += int(info.skipped)
-        verdict["clipped_steps"] += int(info.clip_coef is not None)
+        ref, info = train_step(before, grads, run.spec, run.rcfg)
         if cell.mode == "fast":
-            scale = info.scale
-            pinned = None
-            if not info.skipped:  # the norm of the engine's own R, on every rank together
-                pinned = engine_norm(eng, spec, rank, n, scale)
-                d_norm = gradient_errors(spec, rcfg, before, info, grads)[-1]
-
-            def norm_ok(ours, theirs, pinned=pinned, d=None if info.skipped else d_norm):
-                if ours != pinned:  # bits: the order is pinned in both modes
-                    return f"engine {ours!r}, the pinned order on its own R gives {pinned!r}"
-                if not abs(ours - theirs) <= d:
-                    return f"engine {ours!r}, reference {theirs!r} (bound {d:.3g})"
-                return ""
-        else:
-
-            def norm_ok(ours, theirs):
-                return "" if ours == theirs else f"engine {ours!r}, reference {theirs!r}"
-
-        why = check_reported(step, eng, res, ref, info, losses, norm_ok)
-        if why:
-            verdict["reported"] = verdict["reported"] or why
-            fail(why)
-        traffic = traffic_of_step(eng.counter, eng.counter.step - 1)
-        ran = ran_units(spec, grads, n, rank)  # which units ran where: from the data alone
-        traffic_want = expected_traffic(
-            ref_cfg,
-            spec,
-            n,
-            rank,
-            forward=not cell.injected,
-            skipped=info.skipped,
-            frozen=frozen,
-            ran=ran,
-            before=before_ran,
-        )
-        before_ran = [r[-1] for r in ran]
-        why = first_difference(f"step {step}: traffic", traffic, traffic_want)
-        if why and not verdict["traffic"]:
-            verdict["traffic"] = why
-            fail(why)
+            run.eng.load_full_state(
+                before.master, before.opt, t=before.t, data_step=before.data_step,
+                scaler=before.scaler, steps=before.steps,
+            )  # fmt: skip
+        res = source.feed(step, grads, losses)
+        v.skipped_steps += int(info.skipped)
+        v.clipped_steps += int(info.clip_coef is not None)
+        norm_ok = norm_check(run, before, info, grads)
+        v.note("reported", check_reported(step, run.eng, res, ref, info, losses, norm_ok))
+        before_ran = check_traffic(run, step, info, grads, before_ran, v)
         if res.skipped != info.skipped:
             continue
-        if cell.mode == "fast":
-            if not info.skipped:
-                detail = check_fast_step(eng, spec, rcfg, before, ref, info, grads, detail=True)
-                for key, (r, err, bound) in detail.items():
-                    if r >= verdict["ratios"].get(key, -1.0):
-                        verdict["ratios"][key] = r
-                        verdict["errors"][key] = (err, bound)
-            continue
-        ok, worst_abs, worst_ulp, first = compare_rank(eng, ref, rcfg, spec)
-        verdict["bitwise"] &= ok
-        verdict["max_abs_diff"] = max(verdict["max_abs_diff"], worst_abs)
-        verdict["max_ulp"] = max(verdict["max_ulp"], worst_ulp)
-        if first and not verdict["first"]:
-            verdict["first"] = f"step {step}: {first}"
-    memory = {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"}
-    memory_want = expected_memory(ref_cfg, spec, n, frozen)
-    verdict["memory_bytes"] = {"engine": memory, "expected": memory_want}
-    why = first_difference("resident bytes", memory, memory_want)
-    if why:
-        verdict["memory"] = why
-        fail(why)
-    if ref_model is not None:  # frozen parameters: the cast start values, never updated
-        why = frozen_unchanged(eng, eng.module, frozen_working(ref_model, cell.precision))
-        if why:
-            fail(why)
-    if cell.mode == "fast":
-        worst = max(verdict["ratios"].values(), default=0.0)
-        verdict["passed"] = verdict["first"] == "" and worst <= 1.0
-        if worst > 1.0:
-            verdict["first"] = verdict["first"] or f"bound exceeded: {verdict['ratios']}"
-    else:
-        verdict["passed"] = verdict["bitwise"]
+        if cell.mode == "deterministic":
+            check_state(run, step, ref, v)
+        elif not info.skipped:
+            v.bounds.note(
+                check_fast_step(run.eng, run.spec, run.rcfg, before, ref, info, grads, detail=True)
+            )
+    check_memory(run, v)
     # the bits the engine ends with, so that two versions of the code can be compared cell by
     # cell (python -m verify --baseline): a refactoring must leave every digest unchanged
-    verdict["digest"] = state_digest(eng, res)
-    return verdict
+    return {**v.as_dict(cell.mode), "digest": state_digest(run.eng, res)}
 
 
 def each_cell(run_one, rank: int, n: int, cells) -> list[dict]:
@@ -835,8 +690,9 @@ def run_cells(rank: int, world_size: int, cells: list[Cell]) -> list[dict]:
             out[-1]["delayed_launches"] = delayed[0]
         except Exception as exc:  # reported as the cell's failure
             last = traceback.format_exception_only(exc)[-1].strip()
-            out.append({**_verdict(rank), "bitwise": False, "first": f"raised {last}"})
-            out[-1]["passed"] = False
+            v = Verdict(rank)
+            v.fail(f"raised {last}")
+            out.append(v.as_dict(c.mode))
     return out
 
 

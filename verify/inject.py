@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from reference.precision import DTYPES, cast
-from zero.models import stable_seed
+from zero.workloads.models import stable_seed
 
 # unit name -> shapes; the root unit ("") holds what is listed under "".
 PLANS: dict[str, dict[str, tuple[tuple[int, ...], ...]]] = {

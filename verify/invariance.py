@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .harness import MODELS, Cell, cell_device, state_digest
+from .cell import MODELS, Cell
+from .harness import cell_device, state_digest
 from .matrix import CLIP_NORM, INVARIANT_WORLD_SIZES
 
 RUN_DEFAULTS = {
@@ -61,7 +62,7 @@ def run_digests(rank: int, world_size: int, runs: list[dict]) -> list[list[str]]
     """Per run, the digest after each step, on this rank, computed on the rank's device
     (verify.harness.cell_device): the bits are compared across N on one kind of device."""
     from zero.engine import ZeroEngine
-    from zero.train import train_steps
+    from zero.loop import train_steps
 
     torch.set_num_threads(1)
     device = cell_device()

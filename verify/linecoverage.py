@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,14 +24,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "zero"
 NOT_LIBRARY = {
-    "zero/digits.py": "a workload's command line (tests/distributed/test_workloads.py)",
-    "zero/resnet.py": "a workload's model (tests/distributed/test_workloads.py)",
-    "zero/data.py": "the training command line's corpus (tests/distributed/test_train_cli.py)",
-    "zero/cli.py": "command-line parsing for the CLIs (tests/unit/test_cli.py)",
+    "zero/workloads/digits.py": "a workload's command line (tests/distributed/test_workloads.py)",
+    "zero/workloads/resnet.py": "a workload's model (tests/distributed/test_workloads.py)",
+    "zero/workloads/data.py": "the training command line's corpus "
+    "(tests/distributed/test_train_cli.py)",
+    "zero/common/cli.py": "command-line parsing for the CLIs (tests/unit/test_cli.py)",
     "zero/checkpoint/cli.py": "a command line (tests/distributed/test_checkpoint.py)",
     "zero/checkpoint/__main__.py": "a command line (tests/distributed/test_checkpoint.py)",
-    "zero/results.py": "an instrument: result records and provenance for the reports",
-    "zero/history.py": "the training command line's loss history (tests/distributed/"
+    "zero/common/results.py": "an instrument: result records and provenance for the reports",
+    "zero/workloads/train_config.py": "the training command line's options "
+    "(tests/distributed/test_train_cli.py)",
+    "zero/workloads/history.py": "the training command line's loss history (tests/distributed/"
     "test_bounded_memory.py)",
     "zero/checkpoint/lock.py": "the training command line's run lock (tests/distributed/"
     "test_checkpoint_safety.py)",
@@ -40,31 +42,31 @@ NOT_LIBRARY = {
 """[Note: the library] What the figure measures: every module of zero/ except the files above
 (command lines, workloads and instruments built on the library, each with its own tests), and
 except the scopes of NOT_LIBRARY_SCOPES: every `if __name__ == "__main__":` block, the training
-command line that shares zero/train.py with train_steps (the one training loop, which is
-library), and the instruments that no training step calls (the paper's closed-form memory
-formulas, parameter and FLOP counts, the activation-byte probe, the counter's queries), which
-measure/, paper_figures/ and teaching/ use and their tests check, and the bodies of Triton
-kernels, which are device code, never Python that runs. Nothing is left out for being unrun:
-unrun library lines are listed in verify/uncovered.toml, each with its reason, and count as
-missed."""
+command line of zero/workloads/train.py (the loop it shares, zero/loop.py, is library), and the
+instruments that no training step calls (the paper's closed-form memory formulas, parameter and
+FLOP counts, the activation-byte probe, the counter's queries), which measure/, paper_figures/
+and teaching/ use and their tests check, and the bodies of Triton kernels, which are device code,
+never Python that runs. Nothing is left out for being unrun: unrun library lines are listed in
+verify/uncovered.toml, each with its reason, and count as missed."""
 
 NOT_LIBRARY_SCOPES = {
     "*": ("__main__",),
     # Triton kernels: device code that Triton compiles from the source; Python never executes
     # a line of them on any machine (tests/unit/test_optim_blocks.py runs them under Triton's
     # interpreter, tests/gpu compiled). The host functions that launch them are library.
-    "zero/optim_triton.py": ("_adam_kernel", "_sumsq_kernel"),
-    "zero/train.py": (
-        "MODELS", "ZERO_DEFAULT", "ZERO_DERIVED", "ZERO_CHOICES", "TrainConfig", "evaluate",
-        "master_sha256", "_Progress", "plot_losses", "run_rank", "parse", "main",
+    "zero/optim/triton_kernels.py": ("_adam_kernel", "_sumsq_kernel"),
+    "zero/workloads/train.py": (
+        "evaluate", "master_sha256", "_Progress", "plot_losses", "run_rank", "main",
         "resume_point", "_claim",
     ),
-    "zero/memory.py": (  # the paper's closed forms (Figure 1, Tables 1-2), for paper_figures/
+    # the paper's closed forms (Figure 1, Tables 1-2), for paper_figures/
+    "zero/common/memory.py": (
         "_bytes_per_param", "bytes_per_param", "model_state_bytes", "max_model_params",
         "reduction_factor", "asymptotic_reduction", "optimizer_k", "MemoryBreakdown.total",
         "MemoryBreakdown.to_dict",
     ),
-    "zero/models.py": (  # sizes and FLOPs of paper-scale models, for measure/, paper_figures/
+    # sizes and FLOPs of paper-scale models, for measure/ and paper_figures/
+    "zero/workloads/models.py": (
         "PAPER_SHAPES", "gpt_num_params", "gpt_flops", "gpt_config_for", "GPT.num_params",
         "MLP.num_params",
     ),
@@ -120,20 +122,20 @@ def measure(verify_args) -> tuple[int, dict[str, tuple[list[int], list[int]]]]:
     with tempfile.TemporaryDirectory(prefix="zero-coverage-") as tmp:
         rc = _rcfile(Path(tmp))
         cov = coverage.Coverage(config_file=str(rc))
-        # an empty cache: the ranks compile zero/optim_native.py's loop, as on a fresh machine,
+        # an empty cache: the ranks compile zero/optim/native.py's loop, as on a fresh machine,
         # so the measured lines do not depend on what an earlier run left in the user's cache
         cache, os.environ["XDG_CACHE_HOME"] = os.environ.get("XDG_CACHE_HOME"), tmp
         cov.start()
         try:
             # imported only now: the library's module-level lines run under measurement
             from verify.__main__ import main
-            from zero import launch
+            from zero.ranks import local
 
             argv = list(verify_args)
             if "--json" not in argv:  # the report's writing is part of a verify run
                 argv += ["--json", str(Path(tmp) / "verify.json")]
             status = main(argv)
-            launch._close_pools()  # each rank leaves its loop and saves its data file
+            local._close_pools()  # each rank leaves its loop and saves its data file
         finally:
             cov.stop()
             cov.save()
@@ -185,22 +187,13 @@ def main(argv=None) -> int:
     for line in report.lines(threshold=args.threshold):
         print(line, flush=True)
     if args.cov_json:
-        from zero.results import write_json
+        from zero.common.results import write_json
 
         write_json(args.cov_json, report.as_dict())
     if status != 0:
         print(f"verify itself failed (exit status {status})")
     ok = report.ok(threshold=args.threshold) and status == 0
     return 0 if ok else 1
-
-
-def run_from_verify(argv: list[str]) -> int:
-    """`python -m verify ... --coverage`: this command in a fresh interpreter (verify's own
-    imports have already run the library's module-level lines unmeasured)."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    cmd = [sys.executable, "-m", "verify.linecoverage", *argv]
-    return subprocess.run(cmd, env=env, cwd=os.getcwd()).returncode
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 planted bug is observable.
 
 Dimensions (DIMENSIONS): stage 0-3; N ∈ {1, 2, 3, 4, 8}; fp32 / bf16 / fp16 (loss scaling);
-SGD / Adam / AdamW; clipping on/off; M ∈ {N, 4N}; unit size tiny/huge (verify.harness.Cell.units);
+SGD / Adam / AdamW; clipping on/off; M ∈ {N, 4N}; unit size tiny/huge (verify.cell.Cell.units);
 parameter counts even/uneven (numel % N != 0); overlap off / on / on with injected delays;
 deterministic / fast mode; gradients from backward or injected (random, extreme, non-finite).
 The product is 4·5·3·3·2·2·2·2·3·2·4 = 69,120 cells. The presets cover it instead
@@ -44,8 +44,8 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 
+from .cell import Cell
 from .covering import covering_array
-from .harness import Cell
 from .inject import GradientDraw
 
 DIMENSIONS: dict[str, tuple] = {
@@ -319,8 +319,9 @@ def _units_of(c: Cell) -> tuple[tuple[int, ...], bool]:
     """(numel of each unit, whether a parameter of a new group starts strictly inside some
     rank's master extent) of a cell's model, from the reference side's layout
     (verify/expect.py): a group boundary exactly at a shard start has no run before it."""
+    from .cell import MODELS
     from .expect import expected_extents, reference_spec
-    from .harness import MODELS, reference_config
+    from .harness import reference_config
 
     key = (c.model, c.units, c.stage, c.world_size, c.persist_below)
     if key not in _UNITS:

@@ -72,7 +72,7 @@ class MPCell:
 def model_config(mp: int):
     """The cells' GPTConfig at N_m = mp: CFG, with as many heads as MP ranks where it has
     fewer."""
-    from zero.models import GPTConfig
+    from zero.workloads.models import GPTConfig
 
     return GPTConfig(**{**CFG, "n_head": max(CFG["n_head"], mp)})
 
@@ -103,8 +103,8 @@ def setup(dp, mp, stage, precision, *, from_gpt=False, **kw):
     from zero.collectives import CommCounter
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import GPT
     from zero.mp import TPGPT, MPContext
+    from zero.workloads.models import GPT
 
     g = mesh_groups(dp, mp)
     ctx = MPContext.of(g.mp_group, counter=CommCounter(keep_steps=None))
@@ -182,8 +182,8 @@ def _run(cell: MPCell) -> dict:
     from reference.mp import mp_train_step
     from reference.step import init_state, working_copy
     from zero.config import TORCH_DTYPES
-    from zero.models import gpt_microbatches
     from zero.mp import counts_in_norm, tp_num_params
+    from zero.workloads.models import gpt_microbatches
 
     from . import expect as E
     from .harness import check_reported, state_digest

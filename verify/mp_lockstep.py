@@ -46,9 +46,9 @@ class LockCell:
 
 
 def _plant(which: str | None):
-    """Replace zero.mp.collectives.reduce_sum for a plant; returns the undo (pool workers
+    """Replace zero.mp.tp_comm.reduce_sum for a plant; returns the undo (pool workers
     outlive a cell: the next one must run the real code)."""
-    import zero.mp.collectives as mpc
+    import zero.mp.tp_comm as mpc
 
     real = mpc.reduce_sum
     if which == "no_sum":
@@ -168,8 +168,8 @@ def _run(cell: LockCell) -> dict:
     import torch.nn.functional as F
 
     from zero.collectives import CommCounter
-    from zero.models import GPT, GPTConfig, gpt_microbatches
     from zero.mp import MPContext, layers
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     from .mp_bounds import xent_bounds
     from .mp_cells import mesh_groups

@@ -32,8 +32,8 @@ def engine_at(dp, mp, stage, precision, seed, *, plain=False, cfg=CFG):
     from zero.collectives import CommCounter
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import GPT, GPTConfig
     from zero.mp import TPGPT, MPContext
+    from zero.workloads.models import GPT, GPTConfig
 
     from .mp_cells import mesh_groups
 
@@ -55,7 +55,7 @@ def engine_at(dp, mp, stage, precision, seed, *, plain=False, cfg=CFG):
 
 def train(eng, d, dp, cfg, start, steps) -> list[float]:
     """Steps start .. start+steps-1; micro-batch j = i·N_d + d; returns the losses."""
-    from zero.models import gpt_microbatches
+    from zero.workloads.models import gpt_microbatches
 
     losses = []
     for step in range(start, start + steps):
@@ -94,7 +94,7 @@ def whole_state(eng, mp_group, cfg) -> dict | None:
 def save_then_uninterrupted(rank, world, dp, mp, stage, precision, root):
     """Worker: K steps, save, the whole state; then a fresh run of K + 1 steps never saving:
     its whole state and last loss (rank 0's)."""
-    from zero.models import GPTConfig
+    from zero.workloads.models import GPTConfig
 
     cfg = GPTConfig(**CFG)
     d, group, _, eng = engine_at(dp, mp, stage, precision, seed=3)
@@ -119,7 +119,7 @@ def load_and_continue(rank, world, dp, mp, stage, precision, root, opts=()):
     """Worker: an engine from another seed loads root; the whole state, (t, data step, step
     counts, N_m) of the info, then one more step's whole state and loss. opts (pairs): plain (a
     GPT engine, no MP), plant (the reversed join), resave (a directory to save to after loading)."""
-    from zero.models import GPTConfig
+    from zero.workloads.models import GPTConfig
 
     opts = dict(opts)
     plain, plant, resave = opts.get("plain", False), opts.get("plant", False), opts.get("resave")
@@ -159,7 +159,7 @@ def consolidated_whole(root) -> dict:
     """zero.checkpoint.consolidate(root) loaded with strict=True into the plain GPT, as a
     whole state (the optimizer's "step" aside)."""
     from zero.checkpoint import consolidate
-    from zero.models import GPT, GPTConfig
+    from zero.workloads.models import GPT, GPTConfig
 
     ck = consolidate(root)
     model = GPT(GPTConfig(**CFG), seed=0)
@@ -177,7 +177,8 @@ LOADS = ((1, 2, 0), (2, 1, 1))
 
 def mp_rows(*, timeout_s: float = 600) -> list[dict]:
     """The rows (see the module docstring), in the resume table's row format."""
-    from zero.launch import get_pool, under_torchrun
+    from zero.ranks.launch import under_torchrun
+    from zero.ranks.local import get_pool
 
     if under_torchrun():
         return []

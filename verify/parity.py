@@ -24,14 +24,15 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from zero import optim as zero_optim
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
-from zero.train import default_loss
+from zero.loop import default_loss
+from zero.optim import update as zero_optim
 
 from .anchors import REF_NORM_DEPTH, STATES, U64, U, norm_rel_error, ratio
 from .bounds import gamma, optimizer_step_error
-from .harness import GROUPS, MODELS, each_cell, loss_bound, state_digest
+from .cell import GROUPS, MODELS
+from .harness import each_cell, loss_bound, state_digest
 
 CHECKS = ("loss", "norm", "master", *STATES, "buffers")
 PLANTS = ("coupled_decay", "no_mean")
@@ -64,7 +65,7 @@ class Family:
 
 
 def _ours(name: str, clip_norm: float) -> Family:
-    """The project's own models (verify.harness.MODELS) and their data, seed 0."""
+    """The project's own models (verify.cell.MODELS) and their data, seed 0."""
     build, data = MODELS[name]
     cfg = build().cfg
 
@@ -75,7 +76,7 @@ def _ours(name: str, clip_norm: float) -> Family:
 
 
 def _resnet():
-    from zero.resnet import ResNet, ResNetConfig
+    from zero.workloads.resnet import ResNet, ResNetConfig
 
     return ResNet(ResNetConfig(widths=(8, 16, 16), depth=1), seed=0)
 
@@ -121,9 +122,9 @@ and 1 and 2 do not."""
 
 
 def _lora():
-    """The project's GPT with rank-2 LoRA adapters (zero/lora.py): every base weight frozen,
-    only the adapters train (frozen parameters: docs/design.md §2)."""
-    from zero.lora import add_lora
+    """The project's GPT with rank-2 LoRA adapters (zero/workloads/lora.py): every base weight
+    frozen, only the adapters train (frozen parameters: docs/design.md §2)."""
+    from zero.workloads.lora import add_lora
 
     model = MODELS["gpt"][0]()
     add_lora(model, 2)

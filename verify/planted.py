@@ -8,11 +8,11 @@ Each bug (BUGS) is a name, one line on what it breaks, where it shows, and a pla
 (verify/plants.py: plant_<name>) that patches the library through a Patch (undone afterwards),
 never touching the library's own code path when not planted. A bug of kind "cells" runs on the
 --quick cells where verify.matrix.OBSERVABLE says it is observable ([Note: observable] there),
-a bug of kind "resume" on the --resume rows where RESUME_OBSERVABLE says so. Every such cell or
-row must fail; the same cells pass unpatched in `python -m verify --quick --resume`. A bug that
-no --quick cell can catch is a bug in the preset (verify/matrix.py's PLANTED_GAPS holds the
-cells added for that reason).
-It prints the table (--markdown writes it); docs/verification.md holds the last full run's.
+a bug of kind "resume" on the --resume rows where RESUME_OBSERVABLE says so. Every such cell or row
+must fail; the same cells pass unpatched in `python -m verify --quick --resume`. A bug that no
+--quick cell can catch is a bug in the preset (verify/matrix.py's PLANTED_GAPS holds the cells added
+for that reason). It prints the table (--markdown writes it); docs/verification.md holds the last
+full run's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from pathlib import Path
 
 from . import matrix, plants
 from . import resume as resume_mod
-from .harness import Cell, run_cells
+from .cell import Cell
+from .harness import run_cells
 from .plants import Patch
 from .report import merge
 
@@ -184,7 +185,7 @@ def check_of(row: dict) -> str:
 
 def run_bug(name: str, chosen: list, *, timeout_s: float = 300) -> list[dict]:
     """Rows of bug `name` planted on `chosen` (cells or resume cases); each with `passed`."""
-    from zero.launch import get_pool
+    from zero.ranks.local import get_pool
 
     if BUGS[name].kind == "resume":
         rows = []
@@ -277,7 +278,7 @@ def main(argv=None) -> int:
         return 0
     summaries = run(args.bugs, cheap=args.cheap)
     if args.json:
-        from zero.results import write_json
+        from zero.common.results import write_json
 
         write_json(args.json, {"planted": summaries, "cheap": args.cheap})
     if args.markdown:

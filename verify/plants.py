@@ -30,7 +30,7 @@ class Patch:
 
     def everywhere(self, original, value) -> None:
         """Replace `original` under every name any loaded module binds it to (a function that
-        other modules imported by name, as `from zero.train import train_steps` does)."""
+        other modules imported by name, as `from zero.loop import train_steps` does)."""
         for mod in list(sys.modules.values()):
             for name, x in list(vars(mod).items() if mod is not None else ()):
                 if x is original:
@@ -106,7 +106,7 @@ def plant_one_over_n_for_m(p: Patch) -> None:
 
 
 def plant_bias_correction_t_minus_1(p: Patch) -> None:
-    from zero import optim as zoptim
+    from zero.optim import update as zoptim
 
     original = zoptim.step_scalars  # both kernels (compiled loop, torch ops) read it
 
@@ -284,7 +284,7 @@ def plant_t_advances_on_skip(p: Patch) -> None:
 
 def plant_unused_updated(p: Patch) -> None:
     from zero import engine as engine_module
-    from zero import optim as zoptim
+    from zero.optim import update as zoptim
 
     original = zoptim.live_runs
 
@@ -313,9 +313,9 @@ def plant_frozen_drift(p: Patch) -> None:
 
 
 def plant_microbatch_rank_major(p: Patch) -> None:
-    import zero.train
+    import zero.workloads.train
 
-    original = zero.train.train_steps
+    original = zero.loop.train_steps
 
     def train_steps(engine, microbatch, steps, **kw):
         n, k = engine.world_size, engine.config.micro_batches // engine.world_size
@@ -474,7 +474,7 @@ def plant_piece_drops_boundary(p: Patch) -> None:
 
 
 def plant_model_scales_input_in_place(p: Patch) -> None:
-    from zero.models import MLP
+    from zero.workloads.models import MLP
 
     original = MLP.forward
 

@@ -12,7 +12,7 @@ the stage for power-of-two N and M, so a checkpoint must not depend on them eith
 also consolidates the checkpoint and steps plain torch.optim from it ([Note: a resume row that
 consolidates] at consolidated_step).
 
-Launched plainly only: each world size runs on a local pool of gloo ranks (zero.launch).
+Launched plainly only: each world size runs on a local pool of gloo ranks (zero.ranks.launch).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import torch
 
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
-from zero.train import train_steps
+from zero.loop import train_steps
 
-from .harness import GROUPS, MODELS
+from .cell import GROUPS, MODELS
 
 ACCUMULATE_M = 4  # M: micro-batches per step over all ranks; divisible by every N used here
 KEEP_LAST = 1  # the saving run checkpoints every step and keeps this many
@@ -80,7 +80,7 @@ def build(case: ResumeCase, stage: int, *, seed: int = 0):
     make, _ = MODELS[case.model]
     model = make()
     if seed:
-        from zero.models import init_parameters
+        from zero.workloads.models import init_parameters
 
         init_parameters(model, seed)
     return model, ZeroEngine(model, case.engine_config(stage, model.unit_names()))
@@ -159,7 +159,7 @@ def consolidated_step(case: ResumeCase, directory, saved: dict, after: dict) -> 
        step on its global batch (every micro-batch's gradient from the model, 1/(S·M),
        clipping); the engine that loaded the checkpoint must end that step on the same bits
        (deterministic mode equals the reference, docs/design.md §2).
-    3. A plain model and torch.optim (foreach=False, as zero/optim.py builds it) load the
+    3. A plain model and torch.optim (foreach=False, as zero/optim/update.py builds it) load the
        consolidated dict and step with that step's gradient g (the reference's bits: so that
        only the optimizer's op order differs). torch.optim is not op-ordered, so it must lie
        within verify/bounds.optimizer_step_error's one-step bound of the engine's step
@@ -171,7 +171,7 @@ def consolidated_step(case: ResumeCase, directory, saved: dict, after: dict) -> 
     from reference.step import TrainState
     from zero.checkpoint import consolidate
     from zero.config import TORCH_DTYPES
-    from zero.optim import torch_optimizer
+    from zero.optim.update import torch_optimizer
 
     from .bounds import optimizer_step_error
     from .expect import reference_spec, reference_step_config
@@ -372,7 +372,7 @@ def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
     the first difference."""
     from zero.checkpoint import consolidate_to, resolve
     from zero.checkpoint import verify as verify_checkpoint
-    from zero.optim import TORCH_OPTIMIZERS
+    from zero.optim.update import TORCH_OPTIMIZERS
 
     steps = sorted(d.name for d in directory.iterdir() if d.name.startswith("step-"))
     if len(steps) != min(KEEP_LAST, case.steps_before) or resolve(directory).name != steps[-1]:
@@ -405,7 +405,7 @@ def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
 def run_case(case: ResumeCase, directory, *, timeout_s: float = 600, rank_fn=run_rank) -> dict:
     """One row of the table (see the module docstring); `directory` receives the checkpoint.
     rank_fn: run_rank, or a wrapper of it (verify/planted.py plants a bug in the ranks)."""
-    from zero.launch import get_pool, spawn
+    from zero.ranks.local import get_pool, spawn
 
     started = time.perf_counter()
     total = case.steps_before + case.steps_after
@@ -415,7 +415,7 @@ def run_case(case: ResumeCase, directory, *, timeout_s: float = 600, rank_fn=run
         0
     ]
     first = check_saved(case, Path(directory), saved["state"])
-    # fresh processes (zero.launch.spawn, not a pool's workers), so that no module-level
+    # fresh processes (zero.ranks.local.spawn, not a pool's workers), so that no module-level
     # state of the saving or the uninterrupted run can reach the resumed one
     resumed = spawn(
         rank_fn, case.n2, case, case.s2, case.steps_after, None, str(directory), True,
@@ -468,7 +468,7 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
         quick_cases.append(
             ResumeCase(n1=n1, s1=s1, n2=n2, s2=s2, precision=p, optimizer=o, micro_batches=m)
         )
-    # a model with buffers (BatchNorm statistics, verify.harness.NormMLP): saved from rank 0's,
+    # a model with buffers (BatchNorm statistics, verify.cell.NormMLP): saved from rank 0's,
     # loaded on every rank, consolidated beside the parameters
     buffers = [
         ResumeCase(n1=2, s1=1, n2=1, s2=2, precision="fp32", optimizer="sgd", model="mlp-bn",
@@ -497,7 +497,7 @@ def resume_rows(
     """Every case of resume_cases(quick, world_sizes) as a row dict (see run_case). Checkpoints
     go to fresh subdirectories of `directory` (a temporary directory, removed afterwards, when
     None). Launched plainly only: under torchrun the world size is fixed, so this returns []."""
-    from zero.launch import under_torchrun
+    from zero.ranks.launch import under_torchrun
 
     if under_torchrun():
         return []

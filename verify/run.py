@@ -1,13 +1,12 @@
 """Running a verification plan: cells batched per world size, then the invariance table.
 
-`run_matrix(cells, runs)` is what `python -m verify` and notebooks/05_verification.ipynb call.
-Each world size's cells go to one long-lived worker pool in one call (zero.launch.get_pool), so a
-world starts once per run; under torchrun only the launched world's cells run. A world that dies
-(a rank raising outside a cell, or a hang that the pool's timeout ends) fails all its cells
-with the reason, and the run goes on with the next world. `where` (a Where: backend and device)
-says what kind of pool runs them, e.g. gloo ranks sharing one GPU; None: gloo on the CPU, or
-torchrun's default world.
-"""
+`run_matrix(cells, runs)` is what `python -m verify` and notebooks/05_verification.ipynb call. Each
+world size's cells go to one long-lived worker pool in one call (zero.ranks.local.get_pool), so a
+world starts once per run; under torchrun only the launched world's cells run. A world that dies (a
+rank raising outside a cell, or a hang that the pool's timeout ends) fails all its cells with the
+reason, and the run goes on with the next world. `where` (a Where: backend and device) says what
+kind of pool runs them, e.g. gloo ranks sharing one GPU; None: gloo on the CPU, or torchrun's
+default world."""
 
 from __future__ import annotations
 
@@ -16,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import invariance
-from .harness import Cell, run_cells
+from .cell import Cell
+from .harness import run_cells
 from .report import CONSOLE_HEADER, console_row, failed_rows, merge
 
 
@@ -25,9 +25,9 @@ class Where:
     """Where the ranks of a run compute (python -m verify --backend, --device)."""
 
     backend: str = "gloo"
-    """The process group's backend: "gloo" or "nccl" (zero.launch.BACKENDS)."""
+    """The process group's backend: "gloo" or "nccl" (zero.ranks.launch.BACKENDS)."""
     device: str = "cpu"
-    """Each rank's device: "cpu" or "cuda" (zero.launch.rank_device; with gloo, local ranks
+    """Each rank's device: "cpu" or "cuda" (zero.ranks.launch.rank_device; with gloo, local ranks
     share the GPUs: rank r on cuda:(r % GPUs))."""
 
     def label(self, torchrun: bool) -> str:
@@ -42,7 +42,7 @@ def pool_run(n: int, fn, items, timeout_s: float, where: Where | None = None):
     """Per-rank results of fn(rank, n, items) on world size n, on local ranks of `where`'s
     kind or under torchrun (joined with `where` if this process has not joined yet); None
     when this torchrun world has another size."""
-    from zero import launch
+    from zero.ranks import launch, local
 
     kind = {} if where is None else {"backend": where.backend, "device": where.device}
     if launch.under_torchrun():
@@ -56,7 +56,7 @@ def pool_run(n: int, fn, items, timeout_s: float, where: Where | None = None):
         every: list = [None] * n
         dist.all_gather_object(every, mine)
         return every
-    return launch.get_pool(n, **kind).run(fn, items, timeout_s=timeout_s)
+    return local.get_pool(n, **kind).run(fn, items, timeout_s=timeout_s)
 
 
 def section_rows(cells, run_cells, row, *, name, timeout_s, say, show, skip=(), pool=None):
@@ -145,7 +145,7 @@ def invariance_table(
 ) -> list[dict]:
     """The world-size-invariance rows: every run at each power-of-two N dividing M, each N
     on a pool of `where`'s kind (so the digests compared are all of one device)."""
-    from zero import launch
+    from zero.ranks import launch
 
     if launch.under_torchrun():
         say("(world-size invariance skipped: it needs several worlds; run without torchrun)")

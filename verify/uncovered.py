@@ -4,13 +4,12 @@ verify/uncovered.toml holds one [[line]] entry per uncovered place of the librar
 zero/ that verify/linecoverage.py measures). An entry names its place without line numbers, so
 that edits elsewhere in a file do not move it:
 
-    [[line]]
-    file = "zero/launch.py"
-    scope = "init_from_env"      # qualname of a def or class, a module-level name, "__main__"
+    [[line]] file = "zero/ranks/launch.py" scope = "init_from_env"      # qualname of a def or
+    class, a module-level name, "__main__"
                                  # (the `if __name__ == "__main__":` block) or "<module>"
     match = ["torch.cuda.is_available()"]  # texts of lines (each must match), or "*": the scope
-    reason = "gpu-only"          # a key of REASONS
-    why = "tests/gpu/test_cuda.py runs it on a CUDA machine"
+    reason = "gpu-only"          # a key of REASONS why = "tests/gpu/test_cuda.py runs it on a CUDA
+    machine"
 
 An entry explains every statement in its scope (nested defs included) whose source line
 contains one of its `match` texts (each text must name a line); where that line opens a

@@ -2,7 +2,7 @@
 
 Each cell builds the project's small MLP on N gloo ranks, trains a step, and then makes rank 1
 diverge in one way. What must happen is built from the cell alone: every rank raises
-zero.watchdog.CollectiveError at the same exchange, whose `blamed` is exactly {1}, and no rank
+zero.ranks.watchdog.CollectiveError at the same exchange, whose `blamed` is exactly {1}, and no rank
 hangs or goes on training. Before the watchdog each of these hung until the timeout, aborted a
 healthy rank inside gloo, or (equal-size units reduced in another order) summed the wrong
 units silently. The cells exercise the watchdog's boundary check, its legality rules, the
@@ -19,9 +19,9 @@ import torch
 
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import get_pool
-from zero.models import MLP, MLPConfig, mlp_microbatches
-from zero.watchdog import CollectiveError
+from zero.ranks.local import get_pool
+from zero.ranks.watchdog import CollectiveError
+from zero.workloads.models import MLP, MLPConfig, mlp_microbatches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +96,7 @@ def run_section(*, timeout_s: float, say, cells=CELLS) -> list[dict]:
     Under torchrun the section is skipped with one line: its cells make a rank diverge on
     purpose, which a pool of its own survives (a new world per cell) but a launched world
     would not (the sections after it would run on a world whose collectives disagree)."""
-    from zero.launch import under_torchrun
+    from zero.ranks.launch import under_torchrun
 
     if under_torchrun():
         say("  (watchdog skipped under torchrun: its cells break their world on purpose; run")

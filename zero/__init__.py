@@ -7,7 +7,8 @@ optimizer states partitioned (P_os); 2 gradients too (P_os+g); 3 parameters too 
 gathered unit by unit. ZeRO-R's options (offload, arenas, C_B, activation checkpointing) are
 policies the stages are given (zero/zero_r/); checkpoints are zero/checkpoint/. The semantics
 every stage must reproduce are the single-process NumPy package ``reference``'s; ``verify``
-checks them. ``zero.memory`` (the analytic model) and ``zero.results`` are pure Python.
+checks them. ``zero.common.memory`` (the analytic model) and ``zero.common.results`` are pure
+Python.
 
 Legend: Ψ = num_params, N_d = world_size (the data-parallel degree), K = the optimizer-state
 multiplier (12 for mixed-precision Adam).
@@ -23,8 +24,8 @@ import importlib
 _PUBLIC = {
     "ZeroConfig": "zero.config",
     "ZeroEngine": "zero.engine",
-    "spawn": "zero.launch",
-    "train_steps": "zero.train",
+    "spawn": "zero.ranks.local",
+    "train_steps": "zero.loop",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -18,6 +18,8 @@ from torch import nn
 from . import collectives as C
 from .config import ZeroConfig
 from .partition import UnitPartition
+from .stages import stage_class
+from .unit import FlatUnit
 from .zero_r.activations import check_not_nested
 
 
@@ -37,13 +39,11 @@ def check_config(config: ZeroConfig, n: int) -> None:
 
 
 def resolve_units(module: nn.Module, config: ZeroConfig) -> ZeroConfig:
-    """config with units="auto" spelled out (zero/units.py), and a warning when stage 3 would
+    """config with units="auto" spelled out (zero/build.py), and a warning when stage 3 would
     gather the whole model as one root unit for all of forward and backward. Refuses a module
     without parameters and arguments of the wrong type."""
     import dataclasses
     import warnings
-
-    from .units import auto
 
     if not isinstance(module, nn.Module):
         raise ValueError(f"module={type(module).__name__}: must be a torch.nn.Module")
@@ -60,7 +60,7 @@ def resolve_units(module: nn.Module, config: ZeroConfig) -> ZeroConfig:
             "stage 3 with units=(): the whole model is one root unit, gathered for all of "
             "forward and backward, so stage 3 saves no parameter memory; name the repeated "
             "blocks (units=('blocks.0', 'blocks.1', ...)) or pass units='auto' "
-            "(zero.units.auto(model))",
+            "(zero.build.auto(model))",
             UserWarning,
             stacklevel=3,
         )
@@ -81,7 +81,7 @@ def check_units(module: nn.Module, units) -> None:
                 f"units: {uname!r} is an nn.{type(m).__name__}, a container that is never called "
                 "itself, and a unit must be a module whose forward runs (its hooks gather and "
                 f"reduce it); name its children instead: units=({kids}), or pass units='auto' "
-                "(zero.units.auto(model))"
+                "(zero.build.auto(model))"
             )
     for a in units:
         for b in units:
@@ -241,3 +241,107 @@ def broadcast_buffers(buffers, *, group, counter) -> None:
     """Rank 0's buffers to every rank, in place (DDP's broadcast_buffers), counted as control
     traffic; `buffers` is prepare_buffers' list of (name, tensor)."""
     C.broadcast_control([b for _, b in buffers], group=group, counter=counter)
+
+
+# -- Choosing units: `auto(model)` names the repeated blocks of common model structures. -----------
+#     ZeroConfig(units="auto")               # the engine calls auto(model)
+#     ZeroConfig(units=tuple(auto(model)))   # the same, spelled out
+#
+# Legend (docs/design.md §3, docs/models.md): a unit is a submodule whose parameters are flattened,
+# reduced and (stage 3) gathered together; it must be a module that is called in forward, so a
+# container (nn.ModuleList, nn.ModuleDict) is never a unit, its children are.
+
+
+def auto(model: nn.Module) -> list[str]:
+    """The children of the largest nn.ModuleList or nn.Sequential whose children (at least two)
+    are all of one class: transformer blocks, residual stages, MLP layers. Largest by
+    parameters, then by children; ties go to the first in module order. [] when there is none
+    (everything is then the root unit)."""
+    best, best_key = None, (0, 0)
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList | nn.Sequential):
+            continue
+        kids = list(mod.named_children())
+        if len(kids) < 2 or len({type(m) for _, m in kids}) != 1:
+            continue
+        key = (sum(p.numel() for _, m in kids for p in m.parameters()), len(kids))
+        if key[0] and key > best_key:
+            best, best_key = [f"{name}.{k}" if name else k for k, _ in kids], key
+    return best or []
+
+
+class CalledCheck:
+    """Watches which units' forward runs, and refuses a unit whose parameters got a gradient
+    in a backward although its forward never ran: its hooks (stage 3's gather, the activation
+    checkpoint) never fired, so its parameters were used through its submodules or directly
+    (docs/models.md). A unit is watched until its forward is seen once; a unit a backward
+    did not use at all (a branch that step skips) is simply not judged yet."""
+
+    def __init__(self, names: list[str], modules: dict[str, nn.Module]):
+        self.names, self.called = [n for n in names if n], set()
+        self.hooks = {
+            n: modules[n].register_forward_pre_hook(lambda _m, _a, n=n: self.called.add(n))
+            for n in self.names
+        }
+
+    def stop(self) -> None:
+        """Remove the hooks still watching (the engine is gone)."""
+        while self.hooks:
+            self.hooks.popitem()[1].remove()
+
+    def check(self, used: set[str]) -> None:
+        """At the end of a backward; `used`: the units some of whose parameters had a
+        gradient in it."""
+        for n in [n for n in self.hooks if n in self.called]:
+            self.hooks.pop(n).remove()  # seen called: stop watching
+        missing = [n for n in self.names if n in self.hooks and n in used]
+        if missing:
+            raise ValueError(
+                f"units: the forward of unit {missing[0]!r} was never called, yet its "
+                "parameters got gradients (they were used through its submodules or "
+                "directly); a unit must be a module that is called: name the modules that are "
+                "called, or pass units='auto'"
+            )
+
+
+# -- Frozen parameters (requires_grad=False): their own flat buffer per unit, never updated. -------
+# Legend: N ranks, L a buffer's shard length (its padded buffer has N·L elements), Ψ_f the frozen
+# elements of a unit (docs/design.md §2 "Which parameters train", §3 "Frozen parameters").
+#
+# A unit's frozen parameters are laid out by the same rules as its trainable ones
+# (reference/layout.py's unit_layout: 256-byte-aligned offsets, whole chunks, N equal shards) in a
+# second flat buffer beside the trainable one, in the compute dtype, cast once from the start
+# values (round to nearest even). It has no gradient, no fp32 master, no optimizer state, no
+# autograd hook and no place in the clipping norm, so the trainable buffers, their layouts and
+# the norm's chunks are exactly those of the model without the frozen parameters. Stages 0-2
+# (and stage 3's persistent units) hold it whole on every rank; stage 3 shards it 1/N and
+# all-gathers it with its unit for forward and for backward (zero/stages/stage3.py), traffic
+# counted as the trainable parameters' gathers are, with no reduce-scatter.
+
+
+def build_frozen_units(engine, named, values_of, assign) -> list[FlatUnit]:
+    """One FlatUnit (u.frozen = True) per unit that has frozen parameters, indexed after the
+    trainable units, allocated by its stage: whole, or this rank's shard at stage 3. `named`
+    is build.split_frozen's frozen half; `values_of(unit)` its start values
+    (zero/materialize.py's PerUnit); `assign(u, kind)` gives u the engine's stage object of
+    that class."""
+    cfg, n, rank = engine.config, engine.world_size, engine.rank
+    out = []
+    for j, (uname, params) in enumerate(named):
+        part = UnitPartition.build(
+            [(pn, p.shape) for pn, p in params],
+            world_size=n,
+            rank=rank,
+            groups=[0] * len(params),  # no optimizer: the group is never read
+            chunk=cfg.chunk,
+        )
+        u = FlatUnit(len(engine.units) + j, uname, params, part, cfg.compute_dtype,
+                     engine.device, values_of(uname))  # fmt: skip
+        u.frozen = True
+        if u.replaced:
+            rebind(engine.module, u.replaced)
+        kind = stage_class(cfg.stage, part.layout.numel, cfg.persist_below)
+        assign(u, kind).allocate_frozen(u)
+        u.initial = None  # the working copy is all there is (in fp32 it is this very tensor)
+        out.append(u)
+    return out

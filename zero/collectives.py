@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from reference.tree import tree_sum
 
-from .watchdog import guard
+from .ranks.watchdog import guard
 
 # torch 2.13 renamed the flat collectives; 2.6-2.11 only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,7 +51,7 @@ class CommRecord:
     step: int
     start: float  # time.perf_counter() at launch
     end: float | None = None  # at completion (wait)
-    seq: int | None = None  # its number among the engine's collectives (zero/watchdog.py)
+    seq: int | None = None  # its number among the engine's collectives (zero/ranks/watchdog.py)
 
 
 KEEP_STEPS = 8
@@ -79,7 +79,7 @@ class CommCounter:
         self.keep_steps = keep_steps
         self.dropped_below: int | None = None  # records of steps below this one are gone
         self._step = step
-        self.watch = None  # the engine's zero.watchdog.Watch: fingerprints every record
+        self.watch = None  # the engine's zero.ranks.watchdog.Watch: fingerprints every record
 
     @property
     def step(self) -> int:

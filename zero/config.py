@@ -1,9 +1,8 @@
 """The engine's configuration: one keyword-only dataclass, validated on construction.
 
-Legend: N data-parallel world size, M micro-batches per step (over all ranks, so each rank runs
-M/N per step), S loss scale, Ψ parameters. The numerical meaning of every field is the
-reference's (reference/step.py); `step_config(N)` gives the reference configuration this engine
-must reproduce.
+Legend: N data-parallel world size, M micro-batches per step (over all ranks, so each rank runs M/N
+per step), S loss scale, Ψ parameters. The numerical meaning of every field is the reference's
+(reference/step.py); `step_config(N)` gives the reference configuration this engine must reproduce.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ class ZeroConfig:
     """Qualified names of the submodules that are units (e.g. each transformer block); all
     other parameters, and any parameter shared between units, form the root unit. A unit must
     be a module that is called in forward and may not contain another unit (docs/models.md).
-    "auto": the repeated blocks zero.units.auto(model) finds."""
+    "auto": the repeated blocks zero.build.auto(model) finds."""
     overlap: bool = True
     """Run collectives asynchronously: each unit's reduction overlaps the rest of backward, and
     stage 3 prefetches the next unit's parameters. Off: the same collectives, in the same order,
@@ -132,12 +131,12 @@ class ZeroConfig:
     False: each rank keeps its own buffers (they drift apart; checkpoints keep rank 0's)."""
     dropout_seed: int | None = 0
     """Each micro-batch's forward runs with torch's RNG seeded from (dropout_seed, data step,
-    micro-batch index j) and restored afterwards (zero/forward.py), so dropout (any draw inside
+    micro-batch index j) and restored afterwards (zero/hooks.py), so dropout (any draw inside
     forward) is the same at every world size, rank and stage, as docs/design.md §2 asks. None:
     forward draws from the process's own RNG stream, which differs per rank."""
     watchdog: str = "calls"
     """How closely ranks check that they issue the same collectives ([Note: collective
-    fingerprints], zero/watchdog.py). 'calls': once per micro-step (at its forward) and before
+    fingerprints], zero/ranks/watchdog.py). 'calls': once per micro-step (at its forward) and before
     each step, save and load, the ranks all-gather five integers (the call, the data step and
     micro-step, the count and a hash of every collective so far), so a rank making another
     call, or having issued other collectives, is named at once instead of hanging or aborting a
@@ -214,7 +213,7 @@ class ZeroConfig:
             if self.units != "auto":
                 raise ValueError(
                     f"units={self.units!r}: a tuple of submodule names, or 'auto' "
-                    "(zero.units.auto(model))"
+                    "(zero.build.auto(model))"
                 )
         elif len(set(self.units)) != len(self.units) or "" in self.units:
             raise ValueError(f"units={self.units!r}: names must be distinct and non-empty")

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from . import collectives as C
-from . import optim_native, optim_triton
+from .optim import native as optim_native
+from .optim import triton_kernels as optim_triton
 from .unit import FlatUnit
 
 
@@ -28,9 +29,9 @@ def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None = None) -
     """reference.tree.chunk_sumsq in torch: float64 squares, pairwise halving per chunk. In
     place on one float64 copy: the same elementwise additions as the reference, no temporaries.
     keep (bool, x's length): the elements outside it count as +0 (a replicated parameter on a
-    model-parallel rank m > 0, zero/mp/control.py), as the reference's zeros do. On CUDA a
-    Triton kernel does them, one program per chunk (zero/optim_triton.py); on the CPU the
-    compiled loop, chunk by chunk (zero/optim_native.py)."""
+    model-parallel rank m > 0, zero/mp/step.py), as the reference's zeros do. On CUDA a
+    Triton kernel does them, one program per chunk (zero/optim/triton_kernels.py); on the CPU the
+    compiled loop, chunk by chunk (zero/optim/native.py)."""
     for kernel in (optim_triton.chunk_sumsq, optim_native.chunk_sumsq):
         fused = kernel(x, chunk, keep)
         if fused is not None:
@@ -70,7 +71,7 @@ def exchange(
     losses: this rank's micro-batch losses, 0-dim tensors in the order they were run.
     Returns (overflow anywhere, on this rank, global mean loss, per-unit partials,
     per-unit lists of used flags), and clears this rank's flags for the next step.
-    keep: None, or per unit a bool mask of this rank's extent (zero/mp/control.py): elements
+    keep: None, or per unit a bool mask of this rank's extent (zero/mp/step.py): elements
     outside it enter no partial, but still count for the overflow flag."""
     keep = keep or [None] * len(units)
     mine = [chunk_sumsq(own(u, x), chunk, k) for u, x, k in zip(units, g, keep)]
@@ -94,7 +95,7 @@ def exchange(
     every = C.gather_control(
         torch.cat([head, partials]), group=group, counter=counter, phase="step"
     )
-    # the one read: this rank's own row too (a fake process group, measure/simulate.py,
+    # the one read: this rank's own row too (a fake process group, measure/fake_rank.py,
     # leaves the gathered rows unwritten)
     both = torch.cat([head, every.reshape(-1)]).cpu().numpy()
     own_head, rows = both[: len(head)], both[len(head) :].reshape(every.shape)
@@ -142,7 +143,7 @@ def tree_total(x: np.ndarray) -> np.float64:
 
 def step_exchange(engine, held, g, inv: np.float32):
     """The engine's step: `exchange` in its DP group, then, with model parallelism, the [Note:
-    MP control exchange] (zero/mp/control.py). Returns (overflow, bad, loss, norm, used)."""
+    MP control exchange] (zero/mp/step.py). Returns (overflow, bad, loss, norm, used)."""
     mp, args = engine.mp, (engine.config.chunk, engine.device, engine.group, engine.counter)
     keep = None if mp is None else mp.keep(engine.units, [x.device for x in g])
     overflow, bad, loss, partials, used = exchange(

@@ -11,7 +11,8 @@ steps taken, R the reduced gradient. A step is exactly reference/step.py's, comp
   1. every micro-step, each unit's gradients are reduced as its stage says (zero/stages/);
   2. overflow: any non-finite in R on any rank ([Note: overflow detection], zero/control.py);
   3. g = fp32(R) · s(1/(S·M)); the global norm from chunk partials; clipping;
-  4. the optimizer on this rank's extent (zero/optim.py), skipping parameters that no rank had
+  4. the optimizer on this rank's extent (zero/optim/update.py), skipping parameters that no rank
+  had
      a gradient for ([Note: unused parameters], reference/step.py), then the new working copy.
 """
 
@@ -30,19 +31,18 @@ from reference.step import clip_coefficient
 
 from . import build, control, hooks
 from . import collectives as C
+from .build import build_frozen_units
 from .config import ZeroConfig
-from .forward import backward_scaled, cast_inputs, forward_rng
-from .frozen import build_frozen_units
-from .hooks import phased
+from .hooks import backward_scaled, cast_inputs, forward_rng, phased
 from .introspect import Introspection
 from .materialize import StartValues
-from .mp.control import MPStep
-from .optim import Shard, live_runs, step_shards, update_batches
+from .mp.step import MPStep
+from .optim.update import Shard, live_runs, step_shards, update_batches
+from .ranks.watchdog import Watch
 from .stages import STAGE_CLASSES, StageContext, stage_class
 from .stages.base import Clock
 from .stages.stage0 import Stage0
 from .unit import FlatUnit
-from .watchdog import Watch
 from .zero_r.buckets import bucketing
 from .zero_r.placement import Placement
 
@@ -71,7 +71,7 @@ class ZeroEngine(Introspection, nn.Module):
         alone, by the rule `init` names ("auto", "own", "counter" or fn(module): [Note: meta
         start values] in zero/materialize.py) for `init_seed` (None: zeros, for a simulated
         rank whose values do not matter); self.init_report says which rule gave each value.
-        mp: a TP module's MPContext; `group` is then its DP group (zero/mp/control.py).
+        mp: a TP module's MPContext; `group` is then its DP group (zero/mp/step.py).
         Construction is the named steps below, in this order; each rank makes the same
         collectives in it (the ranks-agree check, the watchdog's)."""
         super().__init__()
@@ -123,7 +123,7 @@ class ZeroEngine(Introspection, nn.Module):
 
     def _collect_units(self, init_seed, init):
         """(every unit, their trainable halves, their frozen halves, start values per unit): a
-        unit's two halves take their start values from one pass over it (zero/frozen.py)."""
+        unit's two halves take their start values from one pass over it (zero/build.py)."""
         every = build.collect_units(self.module, self.config)
         named, frozen = build.split_frozen(every)
         values = StartValues(
@@ -248,7 +248,7 @@ class ZeroEngine(Introspection, nn.Module):
     def forward(self, *args, **kwargs):
         """The wrapped module's forward on micro-batch j = microstep·N + rank (rank in the DP
         group: d, shared by the N_m ranks of an MP group, docs/design.md §6): floating inputs
-        cast to the compute dtype, torch's RNG seeded per micro-batch (zero/forward.py)."""
+        cast to the compute dtype, torch's RNG seeded per micro-batch (zero/hooks.py)."""
         if torch.is_grad_enabled() or self._forward_talks or self.buffers:
             self.at("forward" if torch.is_grad_enabled() else "eval")  # else no collective
         if self.activation_arena is not None and torch.is_grad_enabled():

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
-from . import fullstate
+from reference.optim import state_names
+
+from . import collectives as C
 from .collectives import CommCounter
 from .config import ZeroConfig
 from .unit import FlatUnit
@@ -38,13 +41,13 @@ class Introspect(Protocol):
     device: torch.device  # where control tensors and the working copy live
     fake: bool  # a simulated rank (fake process group): values are void
     units: list[FlatUnit]  # in construction order, root first
-    frozen_units: list[FlatUnit]  # each unit's frozen parameters (zero/frozen.py), after them
+    frozen_units: list[FlatUnit]  # each unit's frozen parameters (zero/build.py), after them
     group_index: dict[str, int]  # parameter name -> optimizer parameter group
     counter: CommCounter  # every collective and host<->device copy, by step
     microstep: int  # micro-steps run of the current step (0 between steps)
     t: int  # optimizer steps taken
     data_step: int  # the next data step
-    mp: object  # None, or a model-parallel engine's MPStep (zero/mp/control.py; .ctx)
+    mp: object  # None, or a model-parallel engine's MPStep (zero/mp/step.py; .ctx)
     checkpoint_run_id: str | None  # the run a save continues ([Note: run identity]); load sets it
     # what verification sets and reads: keep_reduced = True makes each step leave R, as this
     # rank holds it, in last_reduced (one tensor per unit) until the next backward
@@ -103,7 +106,7 @@ class Introspection:
         """The full fp32 master and optimizer states by parameter name, on every rank (an
         all-gather of the shards, counted as control traffic)."""
         self.at("gather")
-        return fullstate.gather_state(self)
+        return gather_state(self)
 
     def param_steps(self) -> dict[str, int]:
         """t_p: the optimizer steps each parameter has taken ([Note: unused parameters])."""
@@ -115,7 +118,7 @@ class Introspection:
         """Set every model state from full fp32 arrays by parameter name, and each
         parameter's step count from `steps` (None: t). No communication: each rank takes its
         own extent. Verification runs fast mode in lock-step with it."""
-        fullstate.load_full_state(self, master, opt)
+        load_full_state(self, master, opt)
         self.t, self.data_step, self.scaler = t, data_step, scaler
         for u in self.units:
             u.steps = [t if steps is None else int(steps[n]) for n, _ in u.params]
@@ -124,7 +127,7 @@ class Introspection:
 def resident(engine) -> dict[str, list[torch.Tensor]]:
     """The resident tensors by category. With offload_optimizer: host gradient buffers
     under grads, and the compute-dtype upload staging as its own category. Frozen parameters
-    (zero/frozen.py) are their own category, "frozen", when the model has any."""
+    (zero/build.py) are their own category, "frozen", when the model has any."""
     units = engine.units
     grads = [u.grad for u in units if not u.grad_released]  # reading it would allocate it
     out = {
@@ -175,3 +178,62 @@ def memory_split(engine) -> dict[str, dict[str, int]]:
         "device": {k: device[k] for k in order if k in device},
         "host": {k: host[k] for k in order if k in host},
     }
+
+
+# -- Full model states by parameter name: gathered on every rank, or set from full arrays. ---------
+# Legend: u a FlatUnit; a unit's padded flat buffer has N·L elements; the master and optimizer
+# states cover this rank's extent of it (whole at stage 0 and for persistent units, the shard
+# otherwise). Verification (verify/) compares these with the reference and drives fast mode in
+# lock-step with them; checkpoints do not use them (zero/checkpoint/ reshards by layout).
+
+
+def _full(engine, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == u.part.padded_numel:
+        return t
+    every = C.gather_control(
+        t.to(engine.device).contiguous(),
+        group=engine.group,
+        counter=engine.counter,
+        phase="gather_state",
+    )
+    return every.reshape(-1)
+
+
+def gather_state(engine):
+    """The full fp32 master and optimizer states by parameter name, on every rank (an
+    all-gather of the shards, counted as control traffic)."""
+    cfg = engine.config
+    master: dict[str, torch.Tensor] = {}
+    opt: dict[str, dict[str, torch.Tensor]] = {pn: {} for pn in engine.group_index}
+    for u in engine.units:
+        for key, t in {"master": u.master, **u.opt}.items():
+            full = _full(engine, u, t)
+            for s, (pn, _) in zip(u.part.layout.slots, u.params, strict=True):
+                v = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+                if key == "master":
+                    master[pn] = v
+                elif key in state_names(cfg.optimizer, cfg.groups[engine.group_index[pn]]):
+                    opt[pn][key] = v
+    return master, opt
+
+
+def load_full_state(engine, master, opt) -> None:
+    """Set every model state from full fp32 arrays by parameter name. No communication:
+    each rank takes its own extent."""
+
+    def padded(u: FlatUnit, arrays) -> torch.Tensor:
+        full = torch.zeros(u.part.padded_numel, device=u.working.device)
+        u.part.flatten_into(full, {k: torch.as_tensor(np.asarray(v)) for k, v in arrays.items()})
+        return full
+
+    engine.placement.synchronize()  # no upload may still read a host buffer written here
+    for u in engine.units:
+        ext = engine.master_extent(u)
+        full = padded(u, {k: master[k] for k, _ in u.params})
+        resident, held = engine.working_extent(u)
+        resident.copy_(full[held])  # the master rounded to the compute dtype
+        if u.master.untyped_storage().data_ptr() != resident.untyped_storage().data_ptr():
+            u.master.copy_(full[ext])
+        for x, state in u.opt.items():
+            zeros = {k: np.zeros(tuple(p.shape), np.float32) for k, p in u.params}
+            state.copy_(padded(u, {k: opt[k].get(x, zeros[k]) for k, _ in u.params})[ext])

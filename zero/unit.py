@@ -34,7 +34,7 @@ class FlatUnit:
         built on the meta device (one unit is materialised at a time); otherwise the parameters'
         own values are used."""
         self.index, self.name, self.part = index, name, part
-        self.frozen = False  # a unit's frozen parameters (zero/frozen.py): no grad, no master
+        self.frozen = False  # a unit's frozen parameters (zero/build.py): no grad, no master
         # [Note: params as views] Each parameter's data becomes a view into `working`, at its
         # 256-byte-aligned offset (reference/layout.py), so that forward reads the flat buffer
         # that the all-gather writes, with no copy, and layouts are the same on every device.

@@ -27,7 +27,7 @@ from verify.anchors import (
     step_bounds,
     worst,
 )
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 # Four lock-steps on the harness's GPT (tied head), M = 8, clipping at 0.5: steps 0, 2 and 3
 # clip, step 1 does not (asserted below), so both branches of the clip are exercised.

@@ -15,9 +15,9 @@ import torch
 from measure import bench, mfu
 from measure.bench import BenchConfig, run_bench
 from measure.bench_table import format_memory, format_profile, format_table
-from zero.launch import WorkerPool, get_pool
-from zero.models import GPT
-from zero.results import SCHEMA_VERSION, read_json, write_json
+from zero.common.results import SCHEMA_VERSION, read_json, write_json
+from zero.ranks.local import WorkerPool, get_pool
+from zero.workloads.models import GPT
 
 SMALL = BenchConfig(
     model="small",
@@ -78,8 +78,7 @@ def test_timings_are_positive_and_complete(records):
         assert all(math.isfinite(x) and x > 0 for x in res["losses"][0])
     ours, ddp = (r["result"] for r in records)
     # MFU is made of the model FLOPs (tests/unit/test_mfu.py proves them = torch's count), the
-    # median
-    # step time and the peak every rank measured; both systems do the same FLOPs on one peak
+    # median step time and the peak every rank measured; both systems do the same FLOPs on one peak
     flops = mfu.step_flops(SMALL.workload.gpt, SMALL.workload.batch_size)
     for rec in records:
         res = rec["result"]

@@ -10,9 +10,8 @@
 - The performance model's MP volume (paper_figures/perfmodel.mp_elements) = the engine's count
   with activation checkpointing, with and without P_a, fast mode.
 - Bad input names the field. Speed is never asserted.
-Legend: N world size, N_d DP degree, N_m MP degree, L blocks, X = b·s·h, T = b·s, b the
-sequences of one micro-batch (N_m·B).
-"""
+Legend: N world size, N_d DP degree, N_m MP degree, L blocks, X = b·s·h, T = b·s, b the sequences of
+one micro-batch (N_m·B)."""
 
 import math
 
@@ -21,7 +20,7 @@ import torch
 
 from measure import bench
 from measure.bench import BenchConfig, run_bench
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 SMALL = BenchConfig(model="small-mp", world_sizes=(4,), repeats=1, steps=1, warmup=0,
                     retries=0, quiet_wait_s=0.0, memory=False)  # fmt: skip
@@ -91,8 +90,8 @@ def _megatron_against_engine(rank, world, cfg, steps):
     from zero.collectives import CommCounter
     from zero.config import ZeroConfig, decay_matrices_only
     from zero.engine import ZeroEngine
-    from zero.models import GPT, gpt_microbatches
     from zero.mp import TPGPT, MPContext
+    from zero.workloads.models import GPT, gpt_microbatches
 
     torch.set_num_threads(1)
     t = bench._make("megatron-lm-det", rank, world, cfg)
@@ -163,8 +162,8 @@ def _perf_model_counts(rank, world, dp, mp, p_a):
     from zero.collectives import CommCounter
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import gpt_microbatches
     from zero.mp import TPGPT, MPContext
+    from zero.workloads.models import gpt_microbatches
 
     torch.set_num_threads(1)
     g = mesh_groups(dp, mp)
@@ -188,7 +187,7 @@ def _perf_model_counts(rank, world, dp, mp, p_a):
 def test_perf_model_mp_volume_is_the_engines_count(p_a):
     """paper_figures/perfmodel.mp_elements with recompute (and P_a) = the count at N_m = 2 and 4,
     one micro-batch of b = 3 sequences per DP rank."""
-    from paper_figures import perfmodel as pm
+    from paper_figures import throughput_model as pm
 
     gpt = SMALL.workload.gpt
     for dp, mp in ((2, 2), (1, 4)):

@@ -1,6 +1,7 @@
 """Long runs stay bounded: the engine's traffic records and a checkpoint's manifest do not grow
 with the step count ([Note: bounded traffic records] in zero/collectives.py, [Note: bounded
-manifests] in zero/history.py), while the totals and a resumed run's loss history stay exact."""
+manifests] in zero/workloads/history.py), while the totals and a resumed run's loss history stay
+exact."""
 
 import json
 
@@ -8,9 +9,9 @@ import pytest
 from engine_tools import mlp_engine, one_step
 
 from zero.collectives import KEEP_STEPS
-from zero.launch import get_pool
-from zero.models import mlp_microbatches
-from zero.train import main
+from zero.ranks.local import get_pool
+from zero.workloads.models import mlp_microbatches
+from zero.workloads.train import main
 
 STEPS = 300
 

@@ -1,6 +1,6 @@
 """Checkpoints (zero/checkpoint/): resharding, bitwise resume, consolidation, faults, bad input.
 
-Multi-process tests run on zero.launch's shared pools (module-level functions, so that the
+Multi-process tests run on zero.ranks.launch's shared pools (module-level functions, so that the
 workers unpickle them by reference); tests that kill a rank use a throwaway world (spawn) so
 that no shared pool is broken. Hypothesis draws happen here, in the parent, and are shipped.
 """
@@ -23,7 +23,8 @@ from torch import nn
 from reference import ModelSpec, init_state, train_step, working_copy
 from reference.optim import Hyper, state_names
 from verify.bounds import optimizer_step_error
-from verify.harness import GROUPS, microbatch_grads
+from verify.cell import GROUPS
+from verify.harness import microbatch_grads
 from verify.resume import (
     ResumeCase,
     build,
@@ -39,10 +40,11 @@ from zero import checkpoint
 from zero.checkpoint import CheckpointError
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
-from zero.launch import RankError, get_pool, spawn
-from zero.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches
-from zero.optim import torch_optimizer
-from zero.train import train_steps
+from zero.loop import train_steps
+from zero.optim.update import torch_optimizer
+from zero.ranks.launch import RankError
+from zero.ranks.local import get_pool, spawn
+from zero.workloads.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -76,9 +78,9 @@ def test_the_consolidating_row_sees_a_torch_step_outside_its_bound(kind, monkeyp
     """Part 3 of the row can fail: torch.optim stepping with a learning rate one part in 10^3
     too large lies outside the one-step bound of the engine's step (the row passes unpatched
     above). The rate is changed at the step: load_state_dict restores the saved one."""
-    import zero.optim
+    import zero.optim.update
 
-    original = zero.optim.torch_optimizer
+    original = zero.optim.update.torch_optimizer
 
     def off(k, groups, **options):
         opt = original(k, groups, **options)
@@ -92,7 +94,7 @@ def test_the_consolidating_row_sees_a_torch_step_outside_its_bound(kind, monkeyp
         opt.step = late_step
         return opt
 
-    monkeypatch.setattr(zero.optim, "torch_optimizer", off)
+    monkeypatch.setattr(zero.optim.update, "torch_optimizer", off)
     row = run_case(ResumeCase(n1=1, s1=0, n2=2, s2=1, optimizer=kind), tmp_path)
     plain = row["consolidated"]
     assert plain["state_bitwise"] and plain["next_step_bitwise"]

@@ -1,13 +1,12 @@
-"""Checkpoints and runs that never lose work (zero/checkpoint/, zero/train.py): --resume refuses
-instead of restarting, one run per output directory, a failed save cleans up after itself,
+"""Checkpoints and runs that never lose work (zero/checkpoint/, zero/workloads/train.py): --resume
+refuses instead of restarting, one run per output directory, a failed save cleans up after itself,
 pruning touches only this run's checkpoints, temp files are made safely, only regular files
 inside the root are read (bounded by the manifest), and an edited manifest is refused by field.
 
-A full disk is simulated: zero/checkpoint/format.py's _write_all is replaced by one that writes
-half a chunk and raises ENOSPC (a small real file system needs root to mount). Tests with a
-file that could block a reader today (a FIFO) carry a short timeout, so that a regression fails
-instead of hanging.
-"""
+A full disk is simulated: zero/checkpoint/format.py's _write_all is replaced by one that writes half
+a chunk and raises ENOSPC (a small real file system needs root to mount). Tests with a file that
+could block a reader today (a FIFO) carry a short timeout, so that a regression fails instead of
+hanging."""
 
 import errno
 import hashlib
@@ -29,8 +28,10 @@ from verify.resume import ResumeCase, build, compare_states, microbatches, run_r
 from zero import checkpoint
 from zero.checkpoint import CheckpointError, lock
 from zero.checkpoint import format as fmt
-from zero.launch import RankError, get_pool, spawn
-from zero.train import main, train_steps
+from zero.loop import train_steps
+from zero.ranks.launch import RankError
+from zero.ranks.local import get_pool, spawn
+from zero.workloads.train import main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,7 +103,7 @@ def test_resume_without_a_valid_checkpoint_refuses_and_removes_nothing(
         return
     # the CLI: exit status 2, one line naming the directory
     done = subprocess.run(
-        [sys.executable, "-m", "zero.train", *FAST, "--out", str(out), "--resume"],
+        [sys.executable, "-m", "zero.workloads.train", *FAST, "--out", str(out), "--resume"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
@@ -133,7 +134,7 @@ def test_a_second_run_on_the_same_out_is_refused_before_any_work(tmp_path, text)
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(
-        [sys.executable, "-m", "zero.train", *FAST, "--data", str(text), "--nproc", "1",
+        [sys.executable, "-m", "zero.workloads.train", *FAST, "--data", str(text), "--nproc", "1",
          "--steps", "100000", "--ckpt-every", "1", "--out", str(out)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -146,7 +147,8 @@ def test_a_second_run_on_the_same_out_is_refused_before_any_work(tmp_path, text)
         holder = json.loads((out / "run.lock").read_text())
         assert holder["pid"] == first.pid
         second = subprocess.run(
-            [sys.executable, "-m", "zero.train", *FAST, "--data", str(text), "--nproc", "1",
+            [sys.executable, "-m", "zero.workloads.train", *FAST, "--data", str(text), "--nproc",
+            "1",
              "--steps", "30", "--ckpt-every", "1", "--out", str(out)],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
@@ -181,7 +183,7 @@ def test_a_held_or_stale_lock_is_named_and_a_finished_run_releases_it(tmp_path, 
     train(out, text, "--steps", "1")
     assert not (out / "run.lock").exists()
     (tmp_path / "a-file").write_text("x")
-    # refused before any work, naming the field (zero.cli's writability check runs first)
+    # refused before any work, naming the field (zero.common.cli's writability check runs first)
     with pytest.raises(ValueError, match=r"^out='.*' is not a folder; allowed is a writable"):
         train(tmp_path / "a-file" / "run", text)
 
@@ -258,9 +260,9 @@ def test_a_save_on_a_full_disk_removes_its_partial_files(tmp_path, victim, what)
 
 @pytest.mark.dist
 def test_zero_train_on_a_full_disk_then_resume_in_place(tmp_path, text, monkeypatch):
-    """zero.train meets a full disk at its second checkpoint: the run fails naming it, only the
-    first checkpoint is left, and `--resume` in the same OUT finishes the run with the bits of
-    an uninterrupted one."""
+    """zero.workloads.train meets a full disk at its second checkpoint: the run fails naming it,
+    only the first checkpoint is left, and `--resume` in the same OUT finishes the run with the bits
+    of an uninterrupted one."""
     out = tmp_path / "run"
     first_done = out / "ckpt" / "step-00000001" / "manifest.json"
     monkeypatch.setattr(
@@ -270,7 +272,7 @@ def test_zero_train_on_a_full_disk_then_resume_in_place(tmp_path, text, monkeypa
     with pytest.raises(RankError, match="No space left on device"):
         main([*FAST, "--data", str(text), "--out", str(out), *args])
     monkeypatch.undo()
-    left = sorted(p.name for p in (out / "ckpt").iterdir())  # history: zero/history.py
+    left = sorted(p.name for p in (out / "ckpt").iterdir())  # history: zero/workloads/history.py
     assert left == ["history.jsonl", "latest", "step-00000001"]
     assert not (out / "run.lock").exists()
     resumed = main([*FAST, "--data", str(text), "--out", str(out), *args, "--resume"])

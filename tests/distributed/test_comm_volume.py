@@ -11,7 +11,7 @@ length (padded), "root" the unit of embeddings, final norm and tied head.
 import pytest
 
 from paper_figures.comm_volume import traffic_of
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -1,7 +1,7 @@
 """ZeRO-R's M_D on the engine (zero/zero_r/contiguous.py): gradient buffers and activation
 checkpoints in pre-allocated contiguous arenas. It changes where bytes live, never the bits.
 
-Multi-process tests use zero.launch's shared worker pools; the functions they run are module
+Multi-process tests use zero.ranks.launch's shared worker pools; the functions they run are module
 level so that forked workers can unpickle them by reference.
 """
 
@@ -13,8 +13,8 @@ from measure.fragmentation import fragmentation, indexed, main
 from reference.layout import unit_layout
 from reference.precision import DTYPES
 from zero.config import ZeroConfig
-from zero.launch import get_pool
-from zero.models import gpt_microbatches, mlp_microbatches
+from zero.ranks.local import get_pool
+from zero.workloads.models import gpt_microbatches, mlp_microbatches
 from zero.zero_r import contiguous as md
 from zero.zero_r.activations import saved_activation_bytes
 

@@ -1,7 +1,7 @@
 """`python -m verify.demo` shows what it says: same bits, the analytic bytes, the §2 traffic.
 
 Every expected value is computed here, apart from the demo: the padded sizes from the reference's
-layout (reference/layout.py), the bytes from zero.memory's analytic model, the traffic from
+layout (reference/layout.py), the bytes from zero.common.memory's analytic model, the traffic from
 docs/design.md §2's table at M = N (with the stage-3 root gathered once per micro-step).
 
 Legend: Ψ parameters, Ψ_root the root unit's parameters, N ranks.
@@ -11,8 +11,8 @@ import pytest
 
 from reference.layout import model_layout
 from verify import demo
-from verify.harness import MODELS
-from zero.memory import bytes_per_param, model_state_breakdown
+from verify.cell import MODELS
+from zero.common.memory import bytes_per_param, model_state_breakdown
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 

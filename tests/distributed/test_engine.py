@@ -1,6 +1,6 @@
 """The engine (stages 0-2) on real gloo ranks: bits, volumes, memory, overlap, bad input.
 
-Multi-process tests share the long-lived worker pools of zero.launch (one per world size); the
+Multi-process tests share the long-lived worker pools of zero.ranks.launch (one per world size); the
 functions they run are module-level so that forked workers can unpickle them by reference.
 """
 
@@ -17,15 +17,17 @@ from hypothesis import strategies as st
 
 from reference.precision import DTYPES
 from verify import matrix
-from verify.harness import Cell, run_cells
+from verify.cell import Cell
+from verify.harness import run_cells
 from verify.matrix import OPTIMIZERS, PRECISIONS, STAGES
 from zero import collectives
+from zero.common.memory import model_state_breakdown
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import RankError, get_pool
-from zero.memory import model_state_breakdown
-from zero.models import MLP, MLPConfig, mlp_microbatches
 from zero.partition import UnitPartition
+from zero.ranks.launch import RankError
+from zero.ranks.local import get_pool
+from zero.workloads.models import MLP, MLPConfig, mlp_microbatches
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -150,7 +152,7 @@ def commdebug_counts(rank, n, stage, gloo_all_gather):
 def test_counter_agrees_with_commdebugmode(stage, gloo_all_gather):
     """torch's own c10d counter sees the same number of calls as ours: our reduce-scatters are
     all-to-alls (deterministic), our all-gathers gloo's all_gather_into_tensor, control and the
-    watchdog's boundary checks included (zero/watchdog.py's Watch.boundary). With the model's
+    watchdog's boundary checks included (zero/ranks/watchdog.py's Watch.boundary). With the model's
     all-gathers as point-to-point sends ([Note: all-gather on gloo], the default on gloo), the
     mode does not see them: each is N - 1 sends per rank instead, counted at dist.isend. On
     CUDA tensors ("p2p-cuda": the shards stand in for them) gloo takes its collective again,
@@ -267,9 +269,9 @@ def test_stage3_counted_volume_and_calls(n, k):
 def stage3_gathers(rank, n, overlap):
     """Two steps of a 4-block GPT at stage 3, M = 2N: every gather of a non-root unit, as
     (pass, unit, how): "prefetch" launched ahead, "sync" launched and waited where needed."""
-    from zero.models import GPT, GPTConfig, gpt_microbatches
+    from zero.loop import train_steps
     from zero.stages.stage3 import PartitionState
-    from zero.train import train_steps
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
     cfg = ZeroConfig(stage=3, micro_batches=2 * n, overlap=overlap, units=tuple(model.unit_names()))
@@ -320,8 +322,8 @@ def test_stage3_prefetches_the_ends_of_a_pass():
 
 
 def stage3_gpt_probe(rank, n):
-    from zero.models import GPT, GPTConfig, gpt_microbatches
-    from zero.train import train_steps
+    from zero.loop import train_steps
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -523,7 +525,7 @@ def test_fast_cells_stay_within_their_derived_bounds(n):
 def fast_with_planted_bug(rank, n, bug, todo):
     """Broken fast engines: a reduce-scatter 0.1% off, or a learning rate 0.1% off. Both are
     far beyond rounding (bounds are ~1e-6 relative), so the lock-step checks must fail."""
-    from zero import optim as zoptim
+    from zero.optim import update as zoptim
 
     originals = (collectives.reduce_scatter_fast, zoptim.fast_step, collectives.reduce_scatter_tree)
 

@@ -16,8 +16,8 @@ from engine_tools import mlp_engine, one_step, patched
 
 import zero.hooks
 from zero import collectives
-from zero.launch import get_pool
-from zero.models import mlp_microbatches
+from zero.ranks.local import get_pool
+from zero.workloads.models import mlp_microbatches
 
 pytestmark = pytest.mark.timeout(300)
 

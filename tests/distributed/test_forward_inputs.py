@@ -1,4 +1,4 @@
-"""Around the model's forward (zero/forward.py): floating keyword inputs are cast to the compute
+"""Around the model's forward (zero/hooks.py): floating keyword inputs are cast to the compute
 dtype like positional ones, and each micro-batch's randomness (dropout) is seeded from
 (dropout_seed, data step, micro-batch index), so a model with dropout has the same bits at every
 world size and stage, and those of the single-process reference side."""
@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from reference import ModelSpec, init_state, train_step, working_copy
-from verify.harness import GROUPS, microbatch_loss_and_grads
+from verify.cell import GROUPS
+from verify.harness import microbatch_loss_and_grads
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
-from zero.forward import forward_rng
-from zero.launch import get_pool
-from zero.models import GPT, GPTConfig, gpt_microbatches
-from zero.train import train_steps
+from zero.hooks import forward_rng
+from zero.loop import train_steps
+from zero.ranks.local import get_pool
+from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
 pytestmark = pytest.mark.timeout(600)
 

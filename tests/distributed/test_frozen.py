@@ -1,7 +1,7 @@
 """Frozen parameters (requires_grad=False): docs/design.md §2 "Which parameters train", §3.
 
-A LoRA model (zero/lora.py: the project's GPT, every parameter frozen, low-rank adapters on its
-linears) trains at stages 0-3 and N = 1, 2, 4 to the reference's bits, where the reference's
+A LoRA model (zero/workloads/lora.py: the project's GPT, every parameter frozen, low-rank adapters
+on its linears) trains at stages 0-3 and N = 1, 2, 4 to the reference's bits, where the reference's
 spec holds the trainable parameters alone and its micro-batch gradients are computed in one
 process on the working copy (the frozen values in the compute dtype); the frozen values never
 change. Against plain torch.optim.AdamW over the trainable parameters: one step with clipping
@@ -25,9 +25,9 @@ from verify import expect
 from zero import checkpoint
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
-from zero.launch import get_pool
-from zero.lora import add_lora
-from zero.models import GPT, GPTConfig, gpt_microbatches
+from zero.ranks.local import get_pool
+from zero.workloads.lora import add_lora
+from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
 GPT_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 BATCH, SEED = 2, 3
@@ -519,10 +519,10 @@ def test_hugging_face_gpt2_with_lora_every_stage_the_same_bits():
 
 @pytest.mark.dist
 def test_lora_memory_at_stage_3_on_a_simulated_rank_equals_the_analytic_model():
-    """measure/frozen.py at N = 64 (one rank of a fake world, the GPT built on meta): the
-    engine's bytes equal zero.memory's model over the same padding exactly, frozen = 2Ψ_f/N
+    """measure/lora_memory.py at N = 64 (one rank of a fake world, the GPT built on meta): the
+    engine's bytes equal zero.common.memory's model over the same padding exactly, frozen = 2Ψ_f/N
     plus padding, and the trainable part is (2 + 2 + 12)Ψ_t/N."""
-    from measure.frozen import measure
+    from measure.lora_memory import measure
 
     (rec,) = measure([64], chunk=128)
     assert rec["frozen_fraction"] > 0.98

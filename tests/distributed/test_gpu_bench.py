@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero.models import GPT, GPTConfig, gpt_flops, gpt_microbatches
+from zero.workloads.models import GPT, GPTConfig, gpt_flops, gpt_microbatches
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]

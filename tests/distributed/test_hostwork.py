@@ -8,7 +8,7 @@ import pytest
 
 from measure import hostwork
 from zero import control
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 pytestmark = pytest.mark.timeout(600)
 

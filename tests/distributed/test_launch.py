@@ -1,4 +1,4 @@
-"""zero.launch: forked local worlds (spawn), long-lived pools, and joining a torchrun world.
+"""zero.ranks.launch: forked local worlds (spawn), long-lived pools, and joining a torchrun world.
 
 Functions the ranks run are module-level, so that WorkerPool can pickle them by reference. Times
 are never asserted, except that nothing outlives its timeout (pytest-timeout enforces that);
@@ -14,16 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero.launch import (
-    PoolBrokenError,
-    RankError,
-    WorkerPool,
-    get_pool,
-    init_from_env,
-    rank_device,
-    spawn,
-    under_torchrun,
-)
+from zero.ranks.launch import RankError, init_from_env, rank_device, under_torchrun
+from zero.ranks.local import PoolBrokenError, WorkerPool, get_pool, spawn
 
 # --- functions the ranks run ------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Memory measured outside the engine (measure.resident) and simulated ranks (measure.simulate).
+"""Memory measured outside the engine (measure.resident) and simulated ranks (measure.fake_rank).
 
 Legend: Ψ parameters, N = N_d world size, RSS resident set size, MiB = 2^20 bytes.
 """
@@ -6,6 +6,7 @@ Legend: Ψ parameters, N = N_d world size, RSS resident set size, MiB = 2^20 byt
 import pytest
 import torch
 
+from measure.fake_rank import estimate_peak_bytes, measure_rank
 from measure.resident import (
     PAGE_BYTES,
     MemoryProbe,
@@ -16,8 +17,7 @@ from measure.resident import (
     rss_bytes,
     saved_activations,
 )
-from measure.simulate import estimate_peak_bytes, measure_rank
-from zero.memory import model_state_breakdown
+from zero.common.memory import model_state_breakdown
 
 MiB = 2**20
 BUFFER = 64 * MiB

@@ -11,10 +11,9 @@ from torch import nn
 
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.init import init_value
-from zero.launch import get_pool
-from zero.materialize import unit_seed
-from zero.models import GPT, GPTConfig
+from zero.materialize import init_value, unit_seed
+from zero.ranks.local import get_pool
+from zero.workloads.models import GPT, GPTConfig
 
 D, SEED = 8, 5
 UNITS = ("blocks.0", "blocks.1")
@@ -215,7 +214,7 @@ def real_report(rank, n):
 
 def build_meta_frozen(rank, n):
     """Net on meta with every block's fc1 frozen: each unit is split into a trainable and a
-    frozen FlatUnit (zero/frozen.py)."""
+    frozen FlatUnit (zero/build.py)."""
     del rank
     model = Net(device="meta")
     for b in model.blocks:

@@ -37,7 +37,7 @@ from verify.mp_resume import (
     save_then_uninterrupted,
     train,
 )
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -117,7 +117,7 @@ def _consolidated_state(root, tmp_path) -> tuple[dict, object]:
     """`python -m zero.checkpoint consolidate` (its main, in this process), loaded with
     strict=True into the plain GPT; returns (whole state as _whole gives it, the model)."""
     from zero import checkpoint
-    from zero.models import GPT, GPTConfig
+    from zero.workloads.models import GPT, GPTConfig
 
     out = tmp_path / "model.pt"
     assert checkpoint.main(["consolidate", str(root), str(out)]) == 0
@@ -157,7 +157,7 @@ def save_on_a_full_disk(rank, world, root):
     import os
 
     import zero.checkpoint.format as fmt
-    from zero.models import GPTConfig
+    from zero.workloads.models import GPTConfig
 
     d, _, _, eng = engine_at(2, 2, 1, "fp32", seed=3)
     first = eng.save(root)
@@ -203,8 +203,8 @@ def bad_input(rank, world, root):
     from zero.collectives import CommCounter
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import GPTConfig
     from zero.mp import TPGPT, MPContext
+    from zero.workloads.models import GPTConfig
 
     class NoRule(TPGPT):
         split_rule = None

@@ -26,7 +26,7 @@ import torch
 
 from verify import mp_cells
 from verify.mp_cells import BATCH, CFG, CHUNK, M
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -53,8 +53,8 @@ def run_mp(rank, world, dp, mp, runs):
     )
     from verify.harness import state_digest
     from zero.config import TORCH_DTYPES
-    from zero.models import gpt_microbatches
     from zero.mp import counts_in_norm
+    from zero.workloads.models import gpt_microbatches
 
     torch.set_num_threads(1)
     out = []
@@ -167,7 +167,7 @@ def mp_traffic(n, k):
     """docs/design.md §6's table for one step of k micro-batches (deterministic mode), as
     sorted (op, phase, elements) records: verify/expect.py's expected_mp_traffic."""
     from verify.expect import expected_mp_traffic
-    from zero.models import GPTConfig
+    from zero.workloads.models import GPTConfig
 
     return expected_mp_traffic(GPTConfig(**CFG), BATCH, n, k)
 
@@ -274,7 +274,7 @@ from verify.expect import expected_memory, reference_spec
 from zero.collectives import CommCounter
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.models import GPTConfig
+from zero.workloads.models import GPTConfig
 from zero.mp import TPGPT, Mesh, MPContext
 dp, mp = 4, 2
 cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -303,15 +303,15 @@ print(json.dumps(out))
 def test_simulated_rank_holds_its_slice_on_the_fake_process_group():
     """Ranks (0, 0) and (2, 1) of a 4 × 2 job, each alone in one process: after a step (values
     void, collectives instant) the engine's resident bytes at stages 0-3 equal verify.expect's
-    per-unit model (zero/memory.py) for the slice's spec at N = N_d, and the slice has
+    per-unit model (zero/common/memory.py) for the slice's spec at N = N_d, and the slice has
     tp_num_params(cfg, 2) parameters (counted by hand here)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    from zero.models import GPTConfig
     from zero.mp import tp_num_params
+    from zero.workloads.models import GPTConfig
 
     done = subprocess.run(
         [sys.executable, "-c", FAKE_RANKS],
@@ -346,8 +346,8 @@ def run_bad_input(rank, world):
     from zero.collectives import CommCounter
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import GPT, GPTConfig
     from zero.mp import TPGPT, MPContext
+    from zero.workloads.models import GPT, GPTConfig
 
     g = _groups(1, 1)
     cfg = GPTConfig(**CFG)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,10 +41,10 @@ def run_model(rank, world, deterministic, delay_seed=None):
     import random
     import time
 
-    import zero.mp.collectives as mpc
+    import zero.mp.tp_comm as mpc
     from zero.collectives import CommCounter
-    from zero.models import GPT, GPTConfig, gpt_microbatches
     from zero.mp import TPGPT, Mesh, MPContext
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     groups = Mesh(dp=1, mp=world).groups()
     real = mpc.__dict__.setdefault("_real_reduce_sum", mpc.reduce_sum)
@@ -187,8 +187,8 @@ def commdebug(rank, world, deterministic):
 
     from zero import collectives
     from zero.collectives import CommCounter
-    from zero.models import GPT, GPTConfig, gpt_microbatches
     from zero.mp import TPGPT, Mesh, MPContext
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     groups = Mesh(dp=1, mp=world).groups()
     cfg = GPTConfig(**CFG)
@@ -219,8 +219,8 @@ def compose(rank, world, plant=None):
     """Worker: loss and gradients of the TPGPT slice and of the plain GPT, both in float64."""
     import zero.mp.gpt as mpgpt
     from zero.collectives import CommCounter
-    from zero.models import GPT, GPTConfig, gpt_microbatches
     from zero.mp import TPGPT, Mesh, MPContext
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     groups = Mesh(dp=1, mp=world).groups()
     saved = dict(mpgpt.SPLITS)
@@ -242,8 +242,8 @@ def compose(rank, world, plant=None):
 
 
 def composition_errors(n, plant=None):
-    from zero.models import GPTConfig
     from zero.mp import join_states
+    from zero.workloads.models import GPTConfig
 
     ranks = get_pool(n).run(compose, plant)
     loss1, _, g1, _ = ranks[0]
@@ -290,7 +290,7 @@ for rank in range(8):
     if rank == 5:  # the simulated rank runs its TPGPT slice (values void, traffic counted)
         import torch
         from zero.collectives import CommCounter
-        from zero.models import GPTConfig
+        from zero.workloads.models import GPTConfig
         from zero.mp import TPGPT, MPContext
         cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
         counter = CommCounter()

@@ -16,7 +16,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,9 +26,9 @@ BATCH = 3
 
 def one_pass(rank, world, how):
     from zero.collectives import CommCounter
-    from zero.models import GPT, GPTConfig, gpt_microbatches
     from zero.mp import TPGPT, Mesh, MPContext
     from zero.mp.partitioned import PartitionedCheckpoints
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     groups = Mesh(dp=1, mp=world).groups()
     cfg = GPTConfig(**CFG)

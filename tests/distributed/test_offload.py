@@ -1,15 +1,14 @@
 """ZeRO-Offload on the engine (zero/zero_r/offload.py): the fp32 master, optimizer states and
 reduced gradient shard in host memory, the update on the CPU. On this CPU-only machine offload is a
-change of placement: what is tested is the bits, the exact host<->device bytes, and which
-buffers moved from the device to the host.
-"""
+change of placement: what is tested is the bits, the exact host<->device bytes, and which buffers
+moved from the device to the host."""
 
 import pytest
 from engine_tools import OptCell, failures, mlp_engine, one_step
 
 from reference.precision import DTYPES
 from verify.matrix import PRECISIONS, STAGES, cells
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,7 +29,7 @@ def offload_cells(n, mode, model="mlp", gradients="backward"):
 @pytest.mark.dist
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_offloaded_cells_are_bitwise_equal_to_the_reference(n):
-    """The CPU update runs zero/optim.py's deterministic kernels on host tensors, the working
+    """The CPU update runs zero/optim/update.py's deterministic kernels on host tensors, the working
     copy is rounded on the host: every rank's master, states and working copy are the
     reference's bits, stages 0-3 x fp32/bf16/fp16, on the MLP and (AdamW) on the GPT."""
     todo = offload_cells(n, "deterministic")

@@ -19,8 +19,8 @@ import pytest
 from paper_figures import paper, table1_memory
 from paper_figures.common import Outputs
 from paper_figures.paper import format_size, paper_round, table2_round
-from zero.memory import max_model_params, model_state_bytes
-from zero.results import read_json, write_json
+from zero.common.memory import max_model_params, model_state_bytes
+from zero.common.results import read_json, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -253,7 +253,7 @@ def test_measured_ranks_reach_figure1_table1_and_the_index(tmp_path):
     drawn as a measured bar, shown as a measured Table 1 cell (†) and listed in INDEX.md as
     measured, with the paper's value and the ratio beside it."""
     from paper_figures import fig1_memory, index
-    from zero.results import make_record, provenance
+    from zero.common.results import make_record, provenance
 
     out = Outputs(root=tmp_path)
     psi, n, stage = 7.5e9, 64, 3
@@ -368,12 +368,12 @@ def test_a_full_run_stopped_part_way_keeps_its_cells_and_the_earlier_ones(monkey
 def test_a_rank_that_times_out_is_recorded_as_skipped_with_its_reason(monkeypatch):
     import subprocess
 
-    from measure import simulate
+    from measure import fake_rank as simulate
     from paper_figures import simulated_ranks as sr
 
     def too_slow(**kwargs):
         assert kwargs["timeout_s"] == 5.0
-        raise subprocess.TimeoutExpired(cmd="measure.simulate", timeout=kwargs["timeout_s"])
+        raise subprocess.TimeoutExpired(cmd="measure.fake_rank", timeout=kwargs["timeout_s"])
 
     monkeypatch.setattr(simulate, "measure_rank", too_slow)
     monkeypatch.setattr(simulate, "fits_here", lambda est, device: (True, "estimated peak fits"))

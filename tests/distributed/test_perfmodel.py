@@ -13,11 +13,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from measure.bench import BenchConfig, run_bench
-from paper_figures import perfmodel as pm
+from paper_figures import throughput_model as pm
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import get_pool
-from zero.models import GPT, GPTConfig, gpt_microbatches, gpt_num_params
+from zero.ranks.local import get_pool
+from zero.workloads.models import GPT, GPTConfig, gpt_microbatches, gpt_num_params
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "runs" / "paper_figures" / "results" / "perf_model.json"
@@ -171,7 +171,7 @@ def test_records_fit_on_figure_4_only_and_report_errors(tmp_path):
     # the search a step along the flat valley; structure and every string exactly.
     if RESULTS.is_file():  # runs/ is not in git: a fresh clone has none
         stored = json.loads(RESULTS.read_text())["records"]
-        assert len(stored) == len(records), "rerun paper_figures.perfmodel.write_records"
+        assert len(stored) == len(records), "rerun paper_figures.throughput_model.write_records"
         for old, new in zip(stored, records):
             assert_close(old["config"], new["config"])
             assert_close(old["result"], new["result"])

@@ -21,8 +21,11 @@ import pytest
 import torch.distributed as dist
 
 from tests.helpers.torchrun import REPO
-from zero import checkpoint, cli, launch
-from zero.launch import RankError, spawn
+from zero import checkpoint
+from zero.common import cli
+from zero.ranks import launch, local
+from zero.ranks.launch import RankError
+from zero.ranks.local import spawn
 
 FAST = ["--model", "tiny", "--eval-every", "0", "--log-every", "1000", "--eval-batches", "1"]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -106,9 +109,18 @@ def clear_within(run: Run, seconds: float) -> list[str]:
 
 
 def train(tmp: Path, text: Path, *, session: bool = False) -> Run:
-    """zero.train on 2 local ranks, checkpointing every step, far more steps than a test lasts;
-    returns once the first checkpoint is written (the ranks are training)."""
-    command = [sys.executable, "-m", "zero.train", "--nproc", "2", *FAST, "--data", str(text)]
+    """zero.workloads.train on 2 local ranks, checkpointing every step, far more steps than a test
+    lasts; returns once the first checkpoint is written (the ranks are training)."""
+    command = [
+        sys.executable,
+        "-m",
+        "zero.workloads.train",
+        "--nproc",
+        "2",
+        *FAST,
+        "--data",
+        str(text),
+    ]
     command += ["--out", str(tmp / "out"), "--steps", "100000", "--ckpt-every", "1"]
     run = Run(tmp, command, session=session)
     run.wait_for(tmp / "out" / "ckpt" / "latest")
@@ -134,7 +146,7 @@ def test_sigterm_to_the_launcher_ends_every_rank_and_keeps_checkpoints(tmp_path,
         assert status == 143, run.err
         assert run.store_dirs() == []
         lines = run.err.strip().splitlines()
-        assert lines[-1].startswith("python -m zero.train: stopped by SIGTERM"), run.err
+        assert lines[-1].startswith("python -m zero.workloads.train: stopped by SIGTERM"), run.err
         assert "Traceback" not in run.err, run.err
         ckpt = tmp_path / "out" / "ckpt"
         checkpoint.verify(ckpt)
@@ -158,7 +170,9 @@ def test_ctrl_c_to_the_process_group_is_handled_by_the_launcher_alone(tmp_path, 
         assert status == 130, run.err
         assert run.store_dirs() == []
         assert (
-            run.err.strip().splitlines()[-1].startswith("python -m zero.train: stopped by SIGINT")
+            run.err.strip()
+            .splitlines()[-1]
+            .startswith("python -m zero.workloads.train: stopped by SIGINT")
         ), run.err
         assert "Traceback" not in run.err and "KeyboardInterrupt" not in run.err, run.err
     finally:
@@ -185,11 +199,8 @@ def test_a_killed_launcher_takes_its_ranks_even_a_stopped_one(tmp_path, text):
 
 
 POOL_SCRIPT = """
-import sys, time
-from zero.launch import WorkerPool
-pool = WorkerPool(2, timeout_s=60)
-print("ready", flush=True)
-time.sleep(600)
+import sys, time from zero.ranks.launch import WorkerPool pool = WorkerPool(2, timeout_s=60)
+print("ready", flush=True) time.sleep(600)
 """
 
 
@@ -226,7 +237,7 @@ def _return_rank(rank, world_size):
 def test_a_rank_that_dies_before_the_rendezvous_is_named_at_once(monkeypatch):
     """Rank 1 dies before joining: the parent names it within a few seconds, far inside the
     60-s timeout during which rank 0 would otherwise wait for it."""
-    setup = launch._child_setup
+    setup = local._child_setup
 
     def die_on_rank_1(rank, *rest):
         if rank == 1:
@@ -272,8 +283,8 @@ def _cli_run_in_a_world(rank, world_size):
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_the_cli_entry_point_leaves_its_process_group_before_exit():
-    """Every CLI ends through zero.cli.run; a rank whose main returned leaves the process group
-    there (a barrier, then destroy_process_group), so no backend thread or pending work is
+    """Every CLI ends through zero.common.cli.run; a rank whose main returned leaves the process
+    group there (a barrier, then destroy_process_group), so no backend thread or pending work is
     left for interpreter finalization to tear down (the SIGABRT at exit under torchrun)."""
     assert spawn(_cli_run_in_a_world, 2) == [(0, False), (0, False)]
 
@@ -292,7 +303,9 @@ def test_leave_world_is_a_barrier_then_destroy_and_idempotent():
 
 
 def test_signal_guard_restores_the_handlers_and_reraises_a_deferred_signal():
-    from zero import launch_signals  # here: the other tests also run on code without it
+    from zero.ranks import (
+        signals as launch_signals,  # here: the other tests also run on code without it
+    )
 
     before = {s: signal.getsignal(s) for s in launch_signals.SIGNALS}
     with pytest.raises(launch_signals.Interrupted) as info:
@@ -324,7 +337,7 @@ def test_sigterm_to_torchrun_ends_every_rank(tmp_path, text):
     (torchrun's own wait between SIGTERM and SIGKILL is 30 s) and it exits non-zero."""
     out = tmp_path / "out"
     args = [*FAST, "--data", str(text), "--out", str(out), "--steps", "100000", "--ckpt-every", "1"]
-    run = Run(tmp_path, torchrun_command("zero.train", *args))
+    run = Run(tmp_path, torchrun_command("zero.workloads.train", *args))
     ranks = []
     try:
         run.wait_for(out / "ckpt" / "latest", timeout=200)
@@ -341,7 +354,7 @@ def test_sigterm_to_torchrun_ends_every_rank(tmp_path, text):
 @pytest.mark.full
 @pytest.mark.timeout(600)
 def test_torchrun_ranks_exit_cleanly_over_repeated_launches(tmp_path):
-    """Four ranks whose last collectives are asynchronous, ending through zero.cli.run, five
+    """Four ranks whose last collectives are asynchronous, ending through zero.common.cli.run, five
     launches: every one exits 0 and no rank dies by a signal. On the code that exited with the
     group alive, 6 of 20 such launches had a rank killed by SIGABRT, so these five catch that
     about 4 times in 5; test_the_cli_entry_point_leaves_its_process_group_before_exit checks

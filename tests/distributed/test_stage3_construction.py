@@ -10,9 +10,9 @@ import torch
 
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import get_pool
-from zero.models import GPT, GPTConfig, gpt_config_for, gpt_microbatches, gpt_num_params
-from zero.train import train_steps
+from zero.loop import train_steps
+from zero.ranks.local import get_pool
+from zero.workloads.models import GPT, GPTConfig, gpt_config_for, gpt_microbatches, gpt_num_params
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
@@ -94,24 +94,17 @@ def test_construction_holds_one_full_unit_at_a_time():
 
 
 SIMULATED_RANK = """
-import json, sys
-import torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-torch.set_num_threads(1)
-n, rank = int(sys.argv[1]), int(sys.argv[2])
-dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
-from zero.config import ZeroConfig
-from zero.engine import ZeroEngine
-from zero.models import GPT, GPTConfig, gpt_microbatches
-from zero.train import train_steps
-cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
-model = GPT(cfg, device="meta")
-eng = ZeroEngine(model, ZeroConfig(stage=3, precision="bf16", reduce_dtype="bf16",
+import json, sys import torch, torch.distributed as dist from
+torch.testing._internal.distributed.fake_pg import FakeStore torch.set_num_threads(1) n, rank =
+int(sys.argv[1]), int(sys.argv[2]) dist.init_process_group("fake", store=FakeStore(), rank=rank,
+world_size=n) from zero.config import ZeroConfig from zero.engine import ZeroEngine from
+zero.workloads.models import GPT, GPTConfig, gpt_microbatches from zero.loop import train_steps cfg
+= GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128) model = GPT(cfg,
+device="meta") eng = ZeroEngine(model, ZeroConfig(stage=3, precision="bf16", reduce_dtype="bf16",
                  optimizer="adam", micro_batches=n, chunk=128, nonfinite="skip",
                  units=tuple(model.unit_names())), device="cpu", init_seed=None)
-batch = gpt_microbatches(cfg, seed=0, data_step=0, count=1, batch_size=2)[0]
-train_steps(eng, lambda s, j: batch, 1)
-print(json.dumps({"memory": eng.memory_report(), "counts": eng.counter.counts(0),
+batch = gpt_microbatches(cfg, seed=0, data_step=0, count=1, batch_size=2)[0] train_steps(eng, lambda
+s, j: batch, 1) print(json.dumps({"memory": eng.memory_report(), "counts": eng.counter.counts(0),
                   "padded": sum(u.part.padded_numel for u in eng.units),
                   "units": len(eng.units)}))
 """
@@ -122,7 +115,7 @@ def test_a_simulated_rank_of_a_large_world(n, rank):
     """One process acts as rank r of an N-rank job (a fake process group: collectives keep
     shapes, values are meaningless), builds only its shards from a meta model, and runs a real
     step. Its resident bytes equal the analytic model at stage 3 exactly, category by category."""
-    from zero.memory import model_state_breakdown
+    from zero.common.memory import model_state_breakdown
 
     done = subprocess.run(
         [sys.executable, "-c", SIMULATED_RANK, str(n), str(rank)],
@@ -149,7 +142,7 @@ def test_a_simulated_rank_of_a_large_world(n, rank):
 
 
 def test_simulate_cli_records_measurements(tmp_path):
-    """python -m measure.simulate: a rank of a 64-rank world at stage 3, one real step; the record
+    """python -m measure.fake_rank: a rank of a 64-rank world at stage 3, one real step; the record
     carries the measured RSS beside the analytic model states, which the engine's own
     accounting equals exactly. (RSS is not asserted: large zero-filled buffers need not be
     resident until written; the 7.5B measurement is in the README.)"""
@@ -158,7 +151,7 @@ def test_simulate_cli_records_measurements(tmp_path):
         [
             sys.executable,
             "-m",
-            "measure.simulate",
+            "measure.fake_rank",
             "--params",
             "3e7",
             "--world-size",

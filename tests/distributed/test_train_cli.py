@@ -1,6 +1,6 @@
-"""python -m zero.train as users run it: the loss falls, every stage gives the same bits, a resumed
-run is the uninterrupted one, the corpus split depends on names only, torchrun works, and bad
-input is refused by name."""
+"""python -m zero.workloads.train as users run it: the loss falls, every stage gives the same bits,
+a resumed run is the uninterrupted one, the corpus split depends on names only, torchrun works, and
+bad input is refused by name."""
 
 import json
 import math
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torchrun import torchrun
 
-from zero.data import load_corpus, split_names, stdlib_dir, stdlib_files
-from zero.models import GPT
-from zero.train import MODELS, main, parse
+from zero.workloads.data import load_corpus, split_names, stdlib_dir, stdlib_files
+from zero.workloads.models import GPT
+from zero.workloads.train import MODELS, main, parse
 
 REPO = Path(__file__).resolve().parents[2]
 # tiny model, no checkpoints or evaluations in between unless a test asks: seconds per run
@@ -101,7 +101,7 @@ def test_torchrun_runs_the_same_training(tmp_path, text):
     """torchrun --standalone on CPU: gloo, the launched world, rank 0 alone reports, and the
     same bits as the locally spawned run of the same configuration."""
     args = [*FAST, "--data", str(text), "--steps", "2", "--stage", "3"]
-    done = torchrun("zero.train", [*args, "--out", str(tmp_path / "t")], timeout=240)
+    done = torchrun("zero.workloads.train", [*args, "--out", str(tmp_path / "t")], timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("GPT tiny") == 1, done.stdout  # one header: rank 0's
     log = json.loads((tmp_path / "t" / "train_log.json").read_text())
@@ -141,7 +141,7 @@ def test_the_split_is_a_function_of_the_names(tmp_path):
     _, sub_val = split_names(names[::3], 0.2)
     assert sub_val and set(sub_val) == set(val) & set(names[::3])  # other files do not matter
     assert split_names(list(reversed(names)), 0.2)[1] == list(reversed(val))  # nor the order
-    code = "from zero.data import split_names; import sys, json; " + (
+    code = "from zero.workloads.data import split_names; import sys, json; " + (
         "print(json.dumps(split_names([f'pkg/mod{i}.py' for i in range(200)], 0.2)[1]))"
     )
     for seed in ("0", "123"):

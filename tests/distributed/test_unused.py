@@ -1,10 +1,9 @@
 """Parameters without a gradient in a step ([Note: unused parameters], reference/step.py):
 skipped by the optimizer exactly as torch.optim skips `grad is None`, at every stage.
 
-The model is verify/branch.py's BranchMLP: a side branch (its own unit) that odd data steps
-skip, and that on even steps some ranks use and others do not ("mlp-branch"; at stage 3 the
-ranks agree: "mlp-skip", docs/models.md).
-"""
+The model is verify/branch.py's BranchMLP: a side branch (its own unit) that odd data steps skip,
+and that on even steps some ranks use and others do not ("mlp-branch"; at stage 3 the ranks agree:
+"mlp-skip", docs/models.md)."""
 
 import json
 import math
@@ -16,13 +15,14 @@ import torch
 from reference.optim import Hyper
 from verify.bounds import gamma, optimizer_step_error
 from verify.branch import BranchMLP, branch_microbatches, skip_microbatches
-from verify.harness import Cell, reference_trajectory, run_cells
+from verify.cell import Cell
+from verify.harness import reference_trajectory, run_cells
 from zero import checkpoint
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import get_pool
-from zero.models import MLPConfig
-from zero.train import train_steps
+from zero.loop import train_steps
+from zero.ranks.local import get_pool
+from zero.workloads.models import MLPConfig
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from reference import Hyper
-from zero import units as zunits
+from zero import build as zunits
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import get_pool
-from zero.models import GPT, MLP, GPTConfig, MLPConfig
+from zero.ranks.local import get_pool
+from zero.workloads.models import GPT, MLP, GPTConfig, MLPConfig
 
 
 def outcome(fn, *args):
@@ -109,7 +109,7 @@ def test_a_module_list_unit_is_refused_with_advice(stage):
     got = run_build(stage, ("blocks",))
     assert got[:2] == ("error", "ValueError"), got
     assert "ModuleList" in got[2] and "'blocks.0', 'blocks.1'" in got[2], got
-    assert "zero.units.auto" in got[2], got
+    assert "zero.build.auto" in got[2], got
 
 
 @pytest.mark.dist

@@ -10,7 +10,7 @@ from torchrun import torchrun
 
 from verify import matrix, mp_cells, mp_lockstep, parity
 from verify.__main__ import main
-from verify.harness import Cell
+from verify.cell import Cell
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {
@@ -92,7 +92,7 @@ def test_digests_file_is_a_baseline_that_names_its_cpu_kernels(tmp_path, capsys)
     """--digests writes each cell's configuration and digest with the run's CPU kernels; it
     serves as --baseline on the same kernels, and a file taken under other kernels is refused
     before any cell runs, naming the field, both values and the environment that matches it."""
-    from zero.results import cpu_kernels
+    from zero.common.results import cpu_kernels
 
     slim = tmp_path / "digests.json"
     argv = ["--stages", "1", "--world-sizes", "2", "--precisions", "fp32"]

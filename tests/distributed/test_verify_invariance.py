@@ -5,7 +5,7 @@ import pytest
 
 from verify import invariance
 from zero import collectives
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 RUNS = [
     {"stage": 0, "precision": "fp32", "optimizer": "adamw"},

@@ -7,10 +7,11 @@ import functools
 import pytest
 
 from verify import harness
-from verify.harness import Cell, run_cells
+from verify.cell import Cell
+from verify.harness import run_cells
 from verify.lockstep import check_fast_step
 from verify.report import merge
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 

@@ -1,7 +1,7 @@
-"""zero.watchdog: a rank that diverges, stalls, dies or leaves is named by every rank.
+"""zero.ranks.watchdog: a rank that diverges, stalls, dies or leaves is named by every rank.
 
 Each test starts a fresh local world with a short collective timeout and plants one fault on one
-rank: the error that comes back must name that rank (`zero.watchdog.blamed`), never a victim,
+rank: the error that comes back must name that rank (`zero.ranks.watchdog.blamed`), never a victim,
 and arrive within the timeout plus the heartbeat survey. On the code before the watchdog each of
 these either hung until the timeout naming no rank, or ended with the victim's SIGABRT.
 """
@@ -16,9 +16,10 @@ import torch
 from tests.helpers.engine_tools import mlp_engine, one_step
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import RankError, spawn
-from zero.models import MLP, MLPConfig, mlp_microbatches
-from zero.watchdog import blamed
+from zero.ranks.launch import RankError
+from zero.ranks.local import spawn
+from zero.ranks.watchdog import blamed
+from zero.workloads.models import MLP, MLPConfig, mlp_microbatches
 
 TIMEOUT_S = 6.0  # the process group's per-collective timeout in these worlds
 
@@ -188,7 +189,15 @@ def test_under_torchrun_the_stopped_rank_is_blamed(tmp_path):
     log = tmp_path / "torchrun.log"
     with open(log, "w") as sink:
         proc = subprocess.Popen(
-            [launcher, "--standalone", "--nproc-per-node", "2", "-m", "zero.train", *args],
+            [
+                launcher,
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "zero.workloads.train",
+                *args,
+            ],
             cwd=repo,
             env=env,
             stdout=sink,
@@ -234,7 +243,7 @@ def test_verify_watchdog_section_passes_and_has_teeth():
 
 def _planted_majority(rank, n, cell):
     from verify import watchdog_cells
-    from zero import watchdog
+    from zero.ranks import watchdog
 
     real = watchdog._odd_ones
     watchdog._odd_ones = lambda keys, leavers: list(range(len(keys)))

@@ -1,7 +1,8 @@
 """Real-world workloads wrapped unchanged by the engine (docs/models.md, "Workloads"):
 
-1. zero.resnet.ResNet (BatchNorm) at stages 0-3: the same bits at every stage and at N = 1 and 2,
-   buffers equal on every rank, and `python -m zero.digits` end to end.
+1. zero.workloads.resnet.ResNet (BatchNorm) at stages 0-3: the same bits at every stage and at N = 1
+and 2,
+   buffers equal on every rank, and `python -m zero.workloads.digits` end to end.
 2. Hugging Face GPT-2 (tied lm_head) and Llama built from configs with random weights: the same
    bits at every stage and N, the first-step loss equal to the plain model's, and one step within
    a derived bound of torch.optim.AdamW on the mean gradient.
@@ -19,12 +20,12 @@ import torch
 
 from reference import Hyper
 from verify.harness import state_digest
+from zero.build import auto
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import get_pool
-from zero.resnet import ResNet, ResNetConfig
-from zero.train import train_steps
-from zero.units import auto
+from zero.loop import train_steps
+from zero.ranks.local import get_pool
+from zero.workloads.resnet import ResNet, ResNetConfig
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HAS_SKLEARN = importlib.util.find_spec("sklearn") is not None
@@ -102,11 +103,11 @@ def test_resnet_buffers_are_equal_on_every_rank_and_stage(resnet_runs):
     not HAS_SKLEARN, reason="scikit-learn is not installed (pip install -e '.[models]')"
 )
 def test_digits_cli_reports_the_accuracy_of_the_model_it_saves(tmp_path):
-    """`python -m zero.digits` end to end (stage 3, N = 2, few steps): the accuracy in its log
-    is the one recomputed here, in this process, from OUT/model.pt on the test split. The
+    """`python -m zero.workloads.digits` end to end (stage 3, N = 2, few steps): the accuracy in its
+    log is the one recomputed here, in this process, from OUT/model.pt on the test split. The
     count of correct predictions must be equal; a flip could come only from a logit tie broken
     differently under another thread count, which the test would report."""
-    from zero.digits import accuracy, load_digits_split, main
+    from zero.workloads.digits import accuracy, load_digits_split, main
 
     out = tmp_path / "digits"
     record = main(["--steps", "12", "--nproc", "2", "--stage", "3", "--out", str(out)])

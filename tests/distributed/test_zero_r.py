@@ -1,7 +1,7 @@
 """ZeRO-R on the engine: activation checkpointing per unit (with checkpoints offloaded to the
 host) and constant-size communication buffers. Each option changes memory, never the bits.
 
-Multi-process tests use zero.launch's shared worker pools; the functions they run are module
+Multi-process tests use zero.ranks.launch's shared worker pools; the functions they run are module
 level so that forked workers can unpickle them by reference.
 """
 
@@ -13,9 +13,10 @@ from verify.harness import run_cells
 from verify.matrix import PRECISIONS, cells
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import RankError, get_pool
-from zero.models import MLP, MLPConfig, gpt_microbatches
+from zero.ranks.launch import RankError
+from zero.ranks.local import get_pool
 from zero.stages.stage3 import PartitionState
+from zero.workloads.models import MLP, MLPConfig, gpt_microbatches
 from zero.zero_r.activations import saved_activation_bytes
 
 pytestmark = pytest.mark.timeout(600)

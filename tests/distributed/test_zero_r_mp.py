@@ -1,6 +1,6 @@
 """C1-C5 with model parallelism on a simulated rank (paper_figures/zero_r_mp.py).
 
-- The estimate (zero.memory on the slice: model states at N = N_d, checkpoints by
+- The estimate (zero.common.memory on the slice: model states at N = N_d, checkpoints by
   checkpoint_bytes) equals what rank (0, 0) of a 4 × 4 mesh holds, category by category,
   exactly: the engine's params / grads / master / optimizer, and P_a+cpu's host parts as the
   engine counts them. P_a's all-gathers are counted as zero/mp/partitioned.py says.
@@ -20,7 +20,7 @@ import pytest
 from measure.budget import Setup, configurations
 from measure.mp_rank import measure_together
 from paper_figures import zero_r_mp
-from zero.memory import checkpoint_bytes
+from zero.common.memory import checkpoint_bytes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -176,7 +176,7 @@ def test_p_a_lowers_the_measured_peak_by_at_most_the_checkpoints_it_drops():
 
 
 def test_bad_mp_settings_are_refused_by_name():
-    from measure.simulate import SimulateConfig
+    from measure.fake_rank import SimulateConfig
 
     cases = (
         (lambda: SimulateConfig(mp=0), "^mp=0: allowed are integers >= 1"),

@@ -91,8 +91,9 @@ def test_the_fast_subset_covers_every_family_but_leaks():
 
 
 def test_a_rank_is_named_only_when_it_is_the_culprit():
-    dead = "zero.launch.RankError: rank 1 failed:\nthe process exited (code -9) without reporting"
-    survivor = "zero.launch.RankError: rank 0 failed (ranks [1] failed too):\nConnection closed"
+    error = "zero.ranks.launch.RankError"
+    dead = f"{error}: rank 1 failed:\nthe process exited (code -9) without reporting"
+    survivor = f"{error}: rank 0 failed (ranks [1] failed too):\nConnection closed"
     assert names_rank(dead, 1, stalled=False) and not names_rank(survivor, 1, stalled=False)
     blame = f"{survivor}\nCollectiveError: watchdog blames rank 1: stopped at all_gather"
     assert names_rank(blame, 1, stalled=False) and names_rank(blame, 1, stalled=True)

@@ -17,7 +17,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from verify.harness import Cell, run_cells
+from verify.cell import Cell
+from verify.harness import run_cells
 from verify.report import merge
 
 

@@ -91,8 +91,8 @@ def test_tensor_memory_on_cuda_is_the_allocators_peak():
 
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_deterministic_optimizer_on_cuda_gives_the_reference_bits(path):
-    """zero/optim.py's deterministic update on CUDA against reference/optim.py, bit for bit:
-    the Triton kernel (zero/optim_triton.py, the default where Triton imports: one kernel,
+    """zero/optim/update.py's deterministic update on CUDA against reference/optim.py, bit for bit:
+    the Triton kernel (zero/optim/triton_kernels.py, the default where Triton imports: one kernel,
     no FMA contraction, div_rn and sqrt_rn) and the torch-op fallback with CUDA's sqrt. The
     values span 60 binades with signed zeros and subnormals, where an FMA or a flush to zero
     would show."""
@@ -100,7 +100,8 @@ def test_deterministic_optimizer_on_cuda_gives_the_reference_bits(path):
 
     from reference import optim as ref
     from reference.optim import Hyper
-    from zero import optim, optim_triton
+    from zero.optim import triton_kernels as optim_triton
+    from zero.optim import update as optim
 
     if path == "triton" and not optim_triton.available("cuda"):
         pytest.skip("Triton does not import here")

@@ -1,5 +1,6 @@
 """A torchrun entry point whose last collectives are asynchronous all-gathers, only the last one
-waited (as a pipelined step's may be), ending through zero.cli.run like every CLI of the project.
+waited (as a pipelined step's may be), ending through zero.common.cli.run like every CLI of the
+project.
 
 `torchrun --standalone --nproc-per-node 4 -m tests.helpers.async_exit`: on code that exits with
 the process group alive, about half of such launches end with a rank killed by SIGABRT during
@@ -9,7 +10,8 @@ interpreter finalization (tests/distributed/test_shutdown.py).
 import torch
 import torch.distributed as dist
 
-from zero import cli, launch
+from zero.common import cli
+from zero.ranks import launch
 
 
 def main(argv=None) -> int:

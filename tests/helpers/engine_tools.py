@@ -1,17 +1,18 @@
 """Helpers shared by the engine's multi-process tests (test_engine, test_zero_r, test_offload).
 
 Everything here is module level and importable by name, so that the functions the tests hand to
-zero.launch's forked worker pools can use it on every rank. Nothing here is a test.
+zero.ranks.launch's forked worker pools can use it on every rank. Nothing here is a test.
 """
 
 import contextlib
 import dataclasses
 
-from verify.harness import Cell, run_cells
+from verify.cell import Cell
+from verify.harness import run_cells
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import get_pool
-from zero.models import MLP, MLPConfig, mlp_microbatches
+from zero.ranks.local import get_pool
+from zero.workloads.models import MLP, MLPConfig, mlp_microbatches
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +82,7 @@ def probe_gpt_engine(stage, n, k, *, seq, hidden, heads, layers, **kw):
     M = N·k, chunks of 128; kw are further ZeroConfig fields."""
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
-    from zero.models import GPT, GPTConfig
+    from zero.workloads.models import GPT, GPTConfig
 
     model = GPT(
         GPTConfig(vocab_size=64, block_size=seq, n_layer=layers, n_head=heads, n_embd=hidden)

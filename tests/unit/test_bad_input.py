@@ -13,11 +13,12 @@ import pytest
 from torch import nn
 
 from verify import bad_inputs
-from zero import cli
 from zero.collectives import CommCounter
+from zero.common import cli
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
-from zero.launch import WorkerPool, check_launch_env, spawn
+from zero.ranks.launch import check_launch_env
+from zero.ranks.local import WorkerPool, spawn
 
 INF, NAN = math.inf, math.nan
 
@@ -90,19 +91,19 @@ def test_torchrun_variables_pass():
 
 def _mains():
     from measure.bench import main as bench
-    from measure.simulate import main as simulate
+    from measure.fake_rank import main as simulate
     from paper_figures.__main__ import main as figures
     from verify.__main__ import main as verify
     from verify.demo import main as demo
-    from zero.digits import main as digits
-    from zero.train import main as train
+    from zero.workloads.digits import main as digits
+    from zero.workloads.train import main as train
 
     return {
-        "zero.train": train,
-        "zero.digits": digits,
+        "zero.workloads.train": train,
+        "zero.workloads.digits": digits,
         "verify": verify,
         "verify.demo": demo,
-        "measure.simulate": simulate,
+        "measure.fake_rank": simulate,
         "measure.bench": bench,
         "paper_figures": figures,
     }
@@ -134,16 +135,16 @@ def test_a_bad_option_is_one_line_and_exit_status_2(prog, argv, field, paths, ca
 
 
 def test_stale_launcher_variables_are_refused_before_waiting(tmp_path, capsys, monkeypatch):
-    """RANK, WORLD_SIZE and MASTER_* left in a shell made zero.train wait for a peer until the
-    timeout; now it is one line naming them, exit status 2."""
-    from zero.train import main
+    """RANK, WORLD_SIZE and MASTER_* left in a shell made zero.workloads.train wait for a peer until
+    the timeout; now it is one line naming them, exit status 2."""
+    from zero.workloads.train import main
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     for key, value in STALE.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exc:
-        cli.run(main, "python -m zero.train", ["--out", str(tmp_path)])
+        cli.run(main, "python -m zero.workloads.train", ["--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "\n" not in err, err
     assert "WORLD_SIZE=2" in err and "LOCAL_RANK" in err, err
@@ -168,12 +169,12 @@ def test_an_error_elsewhere_keeps_its_traceback():
 
 
 ENTRY_POINTS = {
-    "zero.train": "zero/train.py",
-    "zero.digits": "zero/digits.py",
+    "zero.workloads.train": "zero/workloads/train.py",
+    "zero.workloads.digits": "zero/workloads/digits.py",
     "zero.checkpoint": "zero/checkpoint/__main__.py",
     "verify": "verify/__main__.py",
     "verify.demo": "verify/demo.py",
-    "measure.simulate": "measure/simulate.py",
+    "measure.fake_rank": "measure/fake_rank.py",
     "measure.bench": "measure/bench.py",
     "measure.fragmentation": "measure/fragmentation.py",
     "paper_figures": "paper_figures/__main__.py",
@@ -182,7 +183,7 @@ ENTRY_POINTS = {
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
 def test_every_entry_point_runs_through_cli_run(module):
-    """Each `python -m MODULE` hands its main to zero.cli.run (read from the source: starting
+    """Each `python -m MODULE` hands its main to zero.common.cli.run (read from the source: starting
     nine interpreters would cost the unit tier half a minute; one is started below)."""
     from pathlib import Path
 
@@ -191,16 +192,18 @@ def test_every_entry_point_runs_through_cli_run(module):
 
 
 def test_an_entry_point_exits_2_with_one_line():
-    """`python -m zero.train --lr inf` itself: exit status 2, one line, no traceback (it was a
-    traceback blaming a non-finite gradient, after the run had started)."""
+    """`python -m zero.workloads.train --lr inf` itself: exit status 2, one line, no traceback (it
+    was a traceback blaming a non-finite gradient, after the run had started)."""
     import subprocess
     import sys
     from pathlib import Path
 
     done = subprocess.run(
-        [sys.executable, "-m", "zero.train", "--lr", "inf"],
+        [sys.executable, "-m", "zero.workloads.train", "--lr", "inf"],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     err = done.stderr.strip()
     assert done.returncode == 2 and "Traceback" not in err, (done.returncode, err)
-    assert err.splitlines()[-1].startswith("python -m zero.train: error: argument --lr"), err
+    assert err.splitlines()[-1].startswith(
+        "python -m zero.workloads.train: error: argument --lr"
+    ), err

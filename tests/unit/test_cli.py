@@ -1,4 +1,5 @@
-"""zero.cli: command lines derived from keyword-only dataclasses (one declaration per config)."""
+"""zero.common.cli: command lines derived from keyword-only dataclasses (one declaration per
+config)."""
 
 import argparse
 import dataclasses
@@ -7,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from zero import cli
+from zero.common import cli
 from zero.config import ZeroConfig
 
 

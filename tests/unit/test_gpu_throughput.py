@@ -10,7 +10,7 @@ from pathlib import Path
 from measure import gpu_bench_table as table
 from paper_figures import gpu_throughput as gt
 from paper_figures.common import Outputs
-from zero.results import make_record, write_json
+from zero.common.results import make_record, write_json
 
 NOT_MEASURED = "GPU step time: not yet measured (no committed GPU record)"
 

@@ -1,13 +1,11 @@
-"""The analytic memory model (zero.memory) against the paper's formulas and docs/design.md §3's
-rules.
+"""The analytic memory model (zero.common.memory) against the paper's formulas and docs/design.md
+§3's rules.
 
 Expected values are the paper's formulas (Figure 1, docs/paper.md §1.1) and docs/design.md §3's
-rules,
-written here again in exact arithmetic, independently of zero.memory.
+rules, written here again in exact arithmetic, independently of zero.common.memory.
 
-Legend: Ψ = num_params, N = N_d = world_size, K = the optimizer-state multiplier, M/N =
-accumulation (micro-steps per step).
-"""
+Legend: Ψ = num_params, N = N_d = world_size, K = the optimizer-state multiplier, M/N = accumulation
+(micro-steps per step)."""
 
 import math
 import subprocess
@@ -19,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero.memory import (
+from zero.common.memory import (
     MemoryBreakdown,
     asymptotic_reduction,
     bytes_per_param,
@@ -285,7 +283,7 @@ def test_invalid_input_names_field_value_and_allowed(field, call, value):
 
 
 def test_memory_module_imports_neither_torch_nor_numpy():
-    code = "import sys, zero.memory; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    code = "import sys, zero.common.memory; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )

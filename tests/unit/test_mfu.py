@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from measure import mfu
 from measure.bench import MODELS
-from zero.models import GPT, gpt_microbatches
+from zero.workloads.models import GPT, gpt_microbatches
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -1,4 +1,5 @@
-"""zero.models: counter-based init, the tied head, forward/backward, data, and bitwise determinism.
+"""zero.workloads.models: counter-based init, the tied head, forward/backward, data, and bitwise
+determinism.
 
 Bits are compared on integer views (``.view(torch.int32)``), so -0.0 vs +0.0 and NaN payloads
 count as differences, as they do for the engine's bitwise checks.
@@ -9,7 +10,7 @@ import math
 import pytest
 import torch
 
-from zero.models import (
+from zero.workloads.models import (
     GPT,
     MLP,
     GPTConfig,

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zero.models import GPT, GPTConfig, gpt_num_params
 from zero.mp import Mesh, counts_in_norm, join_states, split_rule, split_state
 from zero.mp.gpt import check_split
+from zero.workloads.models import GPT, GPTConfig, gpt_num_params
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 

@@ -1,6 +1,6 @@
-"""zero/optim.py's deterministic kernels give reference/optim.py's bits: the torch ops in blocks
-([Note: in-place blocks], [Note: correctly rounded sqrt]) and the compiled Adam/AdamW loop
-(zero/optim_native.py, [Note: a fused loop with the same roundings]). Hypothesis draws the
+"""zero/optim/update.py's deterministic kernels give reference/optim.py's bits: the torch ops in
+blocks ([Note: in-place blocks], [Note: correctly rounded sqrt]) and the compiled Adam/AdamW loop
+(zero/optim/native.py, [Note: a fused loop with the same roundings]). Hypothesis draws the
 shard size (odd sizes, sizes around the block edges), the block size, the step, the values'
 scale and the gradient's dtype, for SGD, Adam and AdamW with and without weight decay and
 momentum, through each kernel."""
@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 from reference import optim as ref
 from reference.optim import Hyper
 from reference.tree import chunk_sumsq as ref_sumsq
-from zero import optim as zero_optim
-from zero import optim_native, optim_triton
 from zero.control import chunk_sumsq
+from zero.optim import native as optim_native
+from zero.optim import triton_kernels as optim_triton
+from zero.optim import update as zero_optim
 from zero.partition import Run
 
 KERNELS = ["native", "triton", "torch"]
@@ -32,8 +33,8 @@ KERNELS = ["native", "triton", "torch"]
 def kernel(name: str):
     """Run the deterministic update through one kernel: the compiled loop must be there when
     asked for (on x86-64 Linux with a C compiler, as here and in CI), or the test would
-    check the torch ops twice and call it the loop. "triton" is zero/optim_triton.py's kernel
-    under Triton's interpreter (NumPy on CPU tensors: its operations in its order; tests/gpu
+    check the torch ops twice and call it the loop. "triton" is zero/optim/triton_kernels.py's
+    kernel under Triton's interpreter (NumPy on CPU tensors: its operations in its order; tests/gpu
     checks the compiled kernel), installed with the dev extra on x86-64 Linux."""
     saved = optim_native.ENABLED, optim_triton.ENABLED, os.environ.get("TRITON_INTERPRET")
     optim_native.ENABLED, optim_triton.ENABLED = name == "native", name == "triton"
@@ -220,7 +221,7 @@ def test_chunk_partials_give_the_reference_bits(seed, chunk, chunks, masked, spe
 @settings(deadline=None, max_examples=20)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([128, 4096]), st.integers(1, 3), st.booleans())
 def test_triton_chunk_partials_give_the_reference_bits(seed, chunk, chunks, masked):
-    """zero/optim_triton.py's partials (one program per chunk, its halvings as sums over an
+    """zero/optim/triton_kernels.py's partials (one program per chunk, its halvings as sums over an
     axis of two) = reference/tree.py's chunk_sumsq bit for bit, under Triton's interpreter."""
     rng = np.random.default_rng(seed)
     n = chunk * chunks
@@ -378,13 +379,14 @@ def test_torch_ops_off_the_cpu_are_one_pass_per_operation(kind):
 
 @contextlib.contextmanager
 def planted_triton(tmp_path, old: str, new: str, kernel_name: str):
-    """zero/optim_triton.py with `old` replaced by `new` in place of the real kernel, under
+    """zero/optim/triton_kernels.py with `old` replaced by `new` in place of the real kernel, under
     the interpreter. The planted kernel is a module file of its own: Triton reads a kernel's
     source from its file."""
     source = Path(optim_triton.__file__).read_text()
     planted = source.replace(old, new)
     assert planted != source, "the plant did not change the kernel"
-    planted = planted.replace("from .", "from zero.")  # a module file of its own
+    # a module file of its own: its relative imports made absolute
+    planted = planted.replace("from ..", "from zero.").replace("from .", "from zero.optim.")
     path = tmp_path / "planted_triton_kernels.py"
     path.write_text(planted)
     spec = importlib.util.spec_from_file_location("planted_triton_kernels", path)

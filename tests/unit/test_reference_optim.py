@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from reference import optim
 from reference.optim import Hyper
 from verify.bounds import optimizer_step_error
-from zero import optim as zero_optim
+from zero.optim import update as zero_optim
 
 STEPS = 20
 

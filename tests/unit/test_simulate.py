@@ -9,7 +9,7 @@ from reference import Hyper, ModelSpec, StepConfig, cast, init_state, train_step
 from reference.precision import DTYPES, bits
 from reference.simulate import World
 from verify.bounds import sum_bound
-from zero.memory import model_state_breakdown, model_state_bytes
+from zero.common.memory import model_state_breakdown, model_state_bytes
 
 OPTIMIZERS = {
     "sgd": (

@@ -28,7 +28,7 @@ from teaching import (
     toy_problem,
     world_blocks,
 )
-from zero.memory import reduction_factor
+from zero.common.memory import reduction_factor
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

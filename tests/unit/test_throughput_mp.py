@@ -6,10 +6,10 @@ the fastest system of each size with its ratio to Megatron recomputed here from 
 import pytest
 
 from measure.bench_table import MP_SYSTEMS
-from paper_figures import perfmodel as pm
+from paper_figures import throughput_model as pm
 from paper_figures import throughput_mp as tm
 from paper_figures.common import Outputs
-from zero.results import read_json
+from zero.common.results import read_json
 
 FILES = tm.measured_files()
 

@@ -1,10 +1,8 @@
 """What the --quick preset exercises, and the expectations verify builds without an engine.
 
-The branches are checked on the reference alone (verify.harness.reference_trajectory): which
-steps of a cell clip, skip or overflow does not depend on the engine under test. The traffic
-and memory expectations (verify/expect.py) are checked against the design's tables written
-out again here.
-"""
+The branches are checked on the reference alone (verify.harness.reference_trajectory): which steps
+of a cell clip, skip or overflow does not depend on the engine under test. The traffic and memory
+expectations (verify/expect.py) are checked against the design's tables written out again here."""
 
 import dataclasses
 
@@ -13,6 +11,7 @@ import pytest
 
 from paper_figures.comm_volume import factor, root_saving
 from verify import matrix
+from verify.cell import MODELS
 from verify.expect import (
     expected_memory,
     expected_traffic,
@@ -20,8 +19,8 @@ from verify.expect import (
     reference_spec,
     reference_units,
 )
-from verify.harness import MODELS, reference_trajectory
-from zero.memory import model_state_bytes
+from verify.harness import reference_trajectory
+from zero.common.memory import model_state_bytes
 
 
 def quick_cells():

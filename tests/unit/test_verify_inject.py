@@ -19,10 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference.precision import cast
-from verify.harness import Cell, run_cells
+from verify.cell import Cell
+from verify.harness import run_cells
 from verify.inject import FINITE_MAX, PLANS, GradientDraw, ParamModel, draw_for
 from verify.report import merge
-from zero.launch import get_pool
+from zero.ranks.local import get_pool
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -7,7 +7,7 @@ import math
 import matplotlib
 import pytest
 
-from verify.harness import Cell
+from verify.cell import Cell
 from verify.report import failed_rows, heatmap, markdown, merge, sanitize
 
 matplotlib.use("Agg")
@@ -138,7 +138,7 @@ def test_cpu_kernels_follow_the_onednn_cap_and_never_exceed_the_cpu(monkeypatch)
     kernel_caps turns a record back into the environment that caps a stronger CPU to it."""
     import torch
 
-    from zero import results
+    from zero.common import results
 
     best = results._cpu_isa()
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)

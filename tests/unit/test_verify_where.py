@@ -1,7 +1,7 @@
-"""Where verify's ranks run: --backend and --device of python -m verify, zero.launch's rank
+"""Where verify's ranks run: --backend and --device of python -m verify, zero.ranks.launch's rank
 device, and the report naming both.
 
-Nothing here starts a rank or touches CUDA: GPUs are counted through zero.launch.visible_gpus
+Nothing here starts a rank or touches CUDA: GPUs are counted through zero.ranks.launch.visible_gpus
 (which a test replaces), torchrun is its environment variables. Refusals are one line naming
 the option and its value, exit status 2, before anything starts (docs/design.md §5, "Bad input").
 """
@@ -14,7 +14,8 @@ import torch
 from verify import harness
 from verify.__main__ import choose_where, main, parse
 from verify.report import markdown
-from zero import cli, launch
+from zero.common import cli
+from zero.ranks import launch
 
 ONE_CELL = ["--stages", "0", "--precisions", "fp32", "--optimizers", "sgd", "--models", "mlp"]
 TORCHRUN = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")

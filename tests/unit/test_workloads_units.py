@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zero import digits
-from zero.resnet import ResNet, ResNetConfig
-from zero.train import default_loss, train_steps
-from zero.units import auto
+from zero.build import auto
+from zero.loop import default_loss, train_steps
+from zero.workloads import digits
+from zero.workloads.resnet import ResNet, ResNetConfig
 
 
 def test_digits_options_come_from_the_dataclass():

@@ -1,10 +1,8 @@
 """`python -m verify.faults [--fast | --release] [--only NAME ...] [--json PATH] [--list]`.
 
-Runs the fault cases (verify/faults/__init__.py), one table row per case, then the figures.
-Exit status 1 if any case hung, gave a silent wrong result, lost a committed checkpoint's
-bytes, left an orphan or a temp dir, or gave an unclear error (a bad input included); 2 for
-bad options.
-"""
+Runs the fault cases (verify/faults/__init__.py), one table row per case, then the figures. Exit
+status 1 if any case hung, gave a silent wrong result, lost a committed checkpoint's bytes, left an
+orphan or a temp dir, or gave an unclear error (a bad input included); 2 for bad options."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from zero import cli
+from zero.common import cli
 
 from . import all_cases
 from .core import Ctx, Figures, Result

@@ -3,7 +3,7 @@
 The issue's list at stages 2 and 3: an extra backward, a skipped step, a save or a load by one
 rank alone, an early exit; and ranks whose collectives differ from the start: another unit
 order, another micro-batch count. The right outcome: the run ends within the driver's
---timeout (plus start-up) with an error whose blame line (zero.watchdog.blamed) names exactly
+--timeout (plus start-up) with an error whose blame line (zero.ranks.watchdog.blamed) names exactly
 the diverging rank. A run that finishes anyway is a silent wrong result; one that outlives the
 case's deadline a hang; an error that blames no rank, or another, an unclear error.
 """
@@ -13,14 +13,14 @@ from __future__ import annotations
 import re
 from functools import partial
 
-from zero.watchdog import blamed
+from zero.ranks.watchdog import blamed
 
 from .core import PY, Case, Ctx, Result
 from .driver import AT_START
 
 TIMEOUT_S = 20
 """The driver's --timeout: the watchdog must name the rank within it. It also bounds the whole
-local run (zero.launch.spawn), which on a loaded 2-core machine takes up to about 10 s."""
+local run (zero.ranks.local.spawn), which on a loaded 2-core machine takes up to about 10 s."""
 
 KINDS = ("extra_backward", "skipped_step", "skipped_iteration", "save_alone", "load_alone",
          "early_exit")  # fmt: skip

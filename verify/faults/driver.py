@@ -2,7 +2,7 @@
 
     python -m verify.faults.driver --diverge extra_backward --rank 1 --at-step 3 --stage 2
 
-Local ranks (zero.launch.spawn; --nproc, 2 by default) train the GPT of the README through the
+Local ranks (zero.ranks.local.spawn; --nproc, 2 by default) train the GPT of the README through the
 public API (ZeroEngine, forward, backward, step) for --steps steps; at --at-step, rank --rank
 does what --diverge says and the other ranks go on as normal:
 
@@ -20,11 +20,10 @@ does what --diverge says and the other ranks go on as normal:
     none            nothing: the undisturbed run
 
 The right outcome of every divergence is an error naming the diverging rank within --timeout
-(zero.watchdog's blame line). On success it prints one line, `ok SHA` (the master's sha256 on
+(zero.ranks.watchdog's blame line). On success it prints one line, `ok SHA` (the master's sha256 on
 rank 0), and with --rss each rank's resident set size after every step as JSON (`rss [...]`).
 --leak-bytes keeps that many bytes per step alive on every rank: a planted leak, so that the
-suite's leak check is shown to fail on one.
-"""
+suite's leak check is shown to fail on one."""
 
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ def worker(rank: int, n: int, args) -> dict:
 
     from reference import Hyper
     from zero import ZeroConfig, ZeroEngine
-    from zero.models import GPT, GPTConfig, gpt_microbatches
+    from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=32), seed=0)
     me = rank == args.rank
@@ -124,7 +123,7 @@ def parse(argv=None):
 
 
 def main(argv=None) -> int:
-    from zero.launch import spawn
+    from zero.ranks.local import spawn
 
     args = parse(argv)
     with tempfile.TemporaryDirectory(prefix="fault-driver-") as tmp:
@@ -145,6 +144,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from zero import cli
+    from zero.common import cli
 
     cli.run(main, "python -m verify.faults.driver")

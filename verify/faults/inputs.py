@@ -1,8 +1,8 @@
 """Input faults and long runs: stale launcher variables, the bad-input survey, and leaks.
 
 - Stale environment: RANK, WORLD_SIZE and MASTER_* left in a shell, without torchrun, must
-  make `python -m zero.train` exit 2 at once with one line naming them (it used to wait for a
-  peer that never comes).
+  make `python -m zero.workloads.train` exit 2 at once with one line naming them (it used to wait
+  for a peer that never comes).
 - Bad inputs: every row of verify/bad_inputs.py. The API rows are called here, each must raise
   a one-line ValueError naming the field; the command-line rows run as real processes (two at
   a time), each must exit 2 with one line, `python -m PROG: error: ...`, naming the option, and
@@ -31,7 +31,7 @@ def stale_env_case(ctx: Ctx) -> Result:
     job = ctx.job(argv, env=env, tag="stale")
     started = time.monotonic()
     if job.wait(ctx) is None:
-        return Result("hang", "zero.train waited for peers that never come")
+        return Result("hang", "zero.workloads.train waited for peers that never come")
     ctx.settle(job)
     line = one_line_error(job.text())
     took = time.monotonic() - started
@@ -57,7 +57,11 @@ def api_rows(ctx: Ctx) -> tuple[int, list[str]]:
     return len(rows), bad
 
 
-FAST_CLI = {("zero.train", "lr"), ("verify", "world_sizes"), ("measure.simulate", "params")}
+FAST_CLI = {
+    ("zero.workloads.train", "lr"),
+    ("verify", "world_sizes"),
+    ("measure.fake_rank", "params"),
+}
 """The command-line rows of the fast subset: one per issue-named regression, first of each."""
 
 

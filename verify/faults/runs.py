@@ -1,10 +1,10 @@
 """Training runs for the fault cases: the undisturbed run, resuming, and the checkpoint audit.
 
-Every run is `python -m zero.train` (or under torchrun) on the tiny GPT in deterministic mode,
-so that a run that is interrupted and resumed from `latest` must end in exactly the bits of the
-undisturbed run: `final_master_sha256` of OUT/train_log.json (zero/train.py) compares them.
-`bytes_lost` audits a run's checkpoint root after a fault: every committed step directory
-(one with a manifest) must still verify, and `latest` must name one of them.
+Every run is `python -m zero.workloads.train` (or under torchrun) on the tiny GPT in deterministic
+mode, so that a run that is interrupted and resumed from `latest` must end in exactly the bits of
+the undisturbed run: `final_master_sha256` of OUT/train_log.json (zero/workloads/train.py) compares
+them. `bytes_lost` audits a run's checkpoint root after a fault: every committed step directory (one
+with a manifest) must still verify, and `latest` must name one of them.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class Shared:
     def argv(self, out: Path, *extra: str, nproc=2, torchrun=False, steps=STEPS) -> list[str]:
         args = [*TRAIN, "--steps", str(steps), "--data", str(self.data), "--out", str(out), *extra]
         if torchrun:
-            return torchrun_argv("zero.train", args, nproc)
-        return [PY, "-m", "zero.train", "--nproc", str(nproc), *args]
+            return torchrun_argv("zero.workloads.train", args, nproc)
+        return [PY, "-m", "zero.workloads.train", "--nproc", str(nproc), *args]
 
     def baseline(self, ctx: Ctx, steps: int = STEPS) -> tuple[str, Path]:
         """(final master sha256, a finished run's OUT) of the undisturbed run, run once."""

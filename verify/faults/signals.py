@@ -7,10 +7,9 @@ directory exists without its manifest: a save under way), and sends the signal. 
 - a rank SIGSTOPped: the run must fail within its --timeout, the watchdog blaming that rank;
 - the launcher SIGTERMed, SIGINTed or SIGKILLed: every rank must end with it (no orphans);
 - the launcher SIGSTOPped for a few seconds, then continued: the run must finish;
-and in every case the committed checkpoints must still verify (0 bytes lost), and `--resume`
-in place (after removing a stale lock, as its error says to) must end in exactly the bits of
-the undisturbed run.
-"""
+and in every case the committed checkpoints must still verify (0 bytes lost), and `--resume` in
+place (after removing a stale lock, as its error says to) must end in exactly the bits of the
+undisturbed run."""
 
 from __future__ import annotations
 
@@ -23,14 +22,14 @@ import time
 from functools import partial
 from pathlib import Path
 
-from zero.watchdog import blamed
+from zero.ranks.watchdog import blamed
 
 from .core import Case, Ctx, Result, children, marked_pids
 from .runs import LONG_STEPS, STEPS, bytes_lost, final_sha, resume
 
 RUN_TIMEOUT_S = 60
 """--timeout of the signalled runs: a stopped rank must be named within it (the watchdog). For
-local ranks it is also the whole run's limit (zero/train.py), which a 12-step run with a
+local ranks it is also the whole run's limit (zero/workloads/train.py), which a 12-step run with a
 checkpoint at every step keeps well under on a loaded 2-core machine (10-20 s)."""
 
 
@@ -69,7 +68,7 @@ def rank_pids(job, torchrun: bool) -> dict[int, int]:
 
 
 def first_failure(text: str) -> int | None:
-    """The rank a launcher reports as failing first: zero.launch's 'rank R failed', or
+    """The rank a launcher reports as failing first: zero.ranks.launch's 'rank R failed', or
     torchrun's 'Root Cause (first observed failure)' block."""
     m = re.search(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", text, re.S)
     if m:

@@ -4,8 +4,8 @@ output directory.
 Damage: each of verify/resume.py's damages (a flipped byte, a short shard, a symlink, a FIFO,
 a shape / a unit's states / the optimizer edited and re-checksummed, `latest` outside the
 root), plus a shard linked to /dev/zero and `latest` removed, made to a copy of the undisturbed
-run's output. `python -m zero.checkpoint verify` and `python -m zero.train --resume` must each
-refuse it, naming the damaged file, without blocking and without removing a committed file.
+run's output. `python -m zero.checkpoint verify` and `python -m zero.workloads.train --resume` must
+each refuse it, naming the damaged file, without blocking and without removing a committed file.
 A full disk is real where an unprivileged process can make one: RLIMIT_FSIZE (with SIGXFSZ
 ignored, as Python does) makes a write past the limit fail with EFBIG, as a full file system
 fails one with ENOSPC; the run resumed under it must fail naming the file, leave no partial

@@ -3,7 +3,7 @@
 Legend: `consolidate DIR OUT` writes one plain state dict; `verify DIR` checks every checksum.
 """
 
-from .. import cli
+from ..common import cli
 from .cli import main
 
 cli.run(main, "python -m zero.checkpoint")

@@ -3,7 +3,7 @@
 Legend: the manifest's params list (module order) names each parameter's unit and offset; a
 value is read slot by slot from the shard files, so the world size it was saved at does not
 matter ([Note: resharding by layout] in zero/checkpoint/reshard.py). The optimizer part is in
-torch.optim's own state_dict format (zero/optim.py maps our hyper-parameters to its kwargs).
+torch.optim's own state_dict format (zero/optim/update.py maps our hyper-parameters to its kwargs).
 A model-parallel checkpoint consolidates to the plain model: each parameter's slices joined
 ([Note: joining slices] in zero/checkpoint/mpjoin.py), so the dict is that of one plain
 checkpoint, gather_state() + zero.mp.join_states bit for bit.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..optim import TORCH_OPTIMIZERS, torch_kwargs
+from ..optim.update import TORCH_OPTIMIZERS, torch_kwargs
 from .format import CheckpointError, _fsync_dir, _write_durably, read_manifest, resolve, saved_steps
 from .mpformat import views, whole_params
 from .mpjoin import Source
@@ -45,18 +45,17 @@ def consolidate(directory) -> dict:
          "param_names": [[names of group 0], ...],    # the order torch.optim's groups must have
          "meta": {step, t, data_step, scaler, optimizer, world_size, stage, ...}}
 
-    Parameter i of the optimizer state is the i-th name of param_names flattened: group by
-    group, each in the model's named_parameters() order. So for one group,
-    `torch.optim.AdamW(model.parameters())` matches; for several, build each group's list in
-    module order. Every value is the fp32 master bit for bit; Adam's "step" is the parameter's
-    own step count as a float32 tensor (torch's own convention; it falls behind t for a
-    parameter some steps left without a gradient, reference/step.py), SGD keeps
-    "momentum_buffer" only when momentum != 0. A parameter never stepped has no state, as in
-    torch.optim.
-    Frozen parameters (requires_grad=False) are in "model" as the engine held them, in the
-    compute dtype, upcast to fp32 (exact; with bf16 training that is the start value rounded to
-    bf16), and nowhere in "optimizer" or "param_names": torch.optim over the trainable
-    parameters (`[p for p in model.parameters() if p.requires_grad]`) is what matches.
+    Parameter i of the optimizer state is the i-th name of param_names flattened: group by group,
+    each in the model's named_parameters() order. So for one group,
+    `torch.optim.AdamW(model.parameters())` matches; for several, build each group's list in module
+    order. Every value is the fp32 master bit for bit; Adam's "step" is the parameter's own step
+    count as a float32 tensor (torch's own convention; it falls behind t for a parameter some steps
+    left without a gradient, reference/step.py), SGD keeps "momentum_buffer" only when momentum !=
+    0. A parameter never stepped has no state, as in torch.optim. Frozen parameters
+    (requires_grad=False) are in "model" as the engine held them, in the compute dtype, upcast to
+    fp32 (exact; with bf16 training that is the start value rounded to bf16), and nowhere in
+    "optimizer" or "param_names": torch.optim over the trainable parameters (`[p for p in
+    model.parameters() if p.requires_grad]`) is what matches.
     """
     step_dir = resolve(directory)
     m = read_manifest(step_dir)

@@ -8,7 +8,7 @@ buffer has N·L elements. On disk, ROOT holds step directories and one pointer:
                                       elements [L1, 2·L1) of the fp32 master, then of each
                                       optimizer state, raw little-endian
     ROOT/step-00000012/r0001.bin      rank 1's RNG state (rank 0's file also holds the buffers)
-    ROOT/step-00000012/f0000-r0001.bin  rank 1's shard of frozen buffer 0 (zero/frozen.py) at N1:
+    ROOT/step-00000012/f0000-r0001.bin  rank 1's shard of frozen buffer 0 (zero/build.py) at N1:
                                       [L1, 2·L1) of the padded buffer, in the compute dtype
     ROOT/step-00000012/owner.json     the run that made it (format 2; [Note: run identity])
 Every rank writes the same thing at every stage: its slice r of each unit, taken from the whole
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..watchdog import guard
+from ..ranks.watchdog import guard
 from .mpformat import validate_mp, views
 from .validate import Invalid, check_gaps, validate_manifest
 
@@ -229,7 +229,7 @@ def _all_gather(engine, obj) -> list:
     if size == 1:
         return [obj]
     out: list = [None] * size
-    with guard(None, group):  # a failure names whom to blame (zero/watchdog.py)
+    with guard(None, group):  # a failure names whom to blame (zero/ranks/watchdog.py)
         dist.all_gather_object(out, obj, group=group)
     return out
 

@@ -9,9 +9,9 @@ it does. So loading never assembles a parameter: for each extent a rank holds at
 and optimizer-state shard; its working copy, whole at stages 0-2), each parameter slot that
 overlaps it is copied from the saved files that hold that slot's range, wherever the parameter
 lived at save time (another unit split or chunk size works too). Alignment gaps and padding are
-zeros, which is what every optimizer keeps in them (zero/optim.py), so the copy is exact. A rank
-reads and hashes whole files: at the same N only its own, at stages 0-2 every file of a unit (the
-working copy is whole there). Limitation: a file is read into memory whole, so a unit's shard
+zeros, which is what every optimizer keeps in them (zero/optim/update.py), so the copy is exact. A
+rank reads and hashes whole files: at the same N only its own, at stages 0-2 every file of a unit
+(the working copy is whole there). Limitation: a file is read into memory whole, so a unit's shard
 must fit in host memory; no I/O is overlapped with compute.
 
 A model-parallel engine loads a checkpoint of any (N_d, N_m), a plain one included, and a plain

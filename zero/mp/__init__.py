@@ -13,9 +13,9 @@ with the norm counting replicated parameters once (``gpt.counts_in_norm``). Its 
 (every rank's slice, joined on load at another N_m): zero/checkpoint/mpformat.py.
 """
 
-from .collectives import KIND, MPContext
 from .gpt import TPGPT, counts_in_norm, join_states, split_rule, split_state, tp_num_params
 from .mesh import Mesh, MeshGroups
+from .tp_comm import KIND, MPContext
 
 __all__ = [
     "KIND",

@@ -1,17 +1,17 @@
-"""The project's GPT (zero/models.py) split over N_m ranks, Megatron-style, and joined back.
+"""The project's GPT (zero/workloads/models.py) split over N_m ranks, Megatron-style, and joined
+back.
 
-Legend (zero/models.py): V vocab, h n_embd, H n_head, N = N_m, m the MP index.
+Legend (zero/workloads/models.py): V vocab, h n_embd, H n_head, N = N_m, m the MP index.
 
 Which parameters are split (SPLITS; docs/design.md §6): the token embedding and its tied head
 by vocabulary rows, QKV by heads (rows m of each of q, k and v), MLP-in by output rows, the two
 output projections by input columns. Everything else (position embedding, LayerNorms, the
 output projections' biases) is replicated: every MP rank holds the same values.
 
-Names are GPT's, so state dicts line up: ``split_state(full, cfg, m=m, n=N)`` cuts rank m's
-slices and ``join_states([s_0, ..., s_{N-1}], cfg)`` undoes it; both are exact copies, so a
-TPGPT starts from the N_m = 1 model's bits (``TPGPT.from_gpt``) and a checkpoint of slices
-consolidates to the plain model's bits.
-"""
+Names are GPT's, so state dicts line up: ``split_state(full, cfg, m=m, n=N)`` cuts rank m's slices
+and ``join_states([s_0, ..., s_{N-1}], cfg)`` undoes it; both are exact copies, so a TPGPT starts
+from the N_m = 1 model's bits (``TPGPT.from_gpt``) and a checkpoint of slices consolidates to the
+plain model's bits."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models import GPT, GPTConfig, fail, init_value
-from .collectives import MPContext
+from ..workloads.models import GPT, GPTConfig, fail, init_value
 from .layers import column_linear, row_linear, vocab_cross_entropy, vocab_embedding
+from .tp_comm import MPContext
 
 SPLITS = {
     "transformer.wte.weight": "rows",
@@ -53,7 +53,7 @@ def tp_num_params(cfg: GPTConfig, n: int) -> int:
     """Ψ_m, the parameter count of one MP rank's TPGPT slice (the tied head once): per block
     12h²/N + 7h/N (QKV and MLP-in biases) + 2h (the output projections' replicated biases) +
     (2 + 2)h (two LayerNorms), then V·h/N + S·h + 2h (biases as cfg.bias says). At N = 1 it is
-    zero.models.gpt_num_params."""
+    zero.workloads.models.gpt_num_params."""
     check_split(cfg, n)
     h, b = cfg.n_embd, 1 if cfg.bias else 0
     block = 12 * h * h // n + b * 7 * h // n + b * 2 * h + (2 + 2 * b) * h
@@ -111,7 +111,7 @@ def join_states(states: list[dict], cfg: GPTConfig) -> dict:
 
 
 # Each module keeps the MPContext (a plain attribute, not state) so that forward(x) has the
-# signature of its counterpart in zero/models.py: the engine's unit hooks and activation
+# signature of its counterpart in zero/workloads/models.py: the engine's unit hooks and activation
 # checkpointing wrap a TP block exactly as a plain one.
 
 
@@ -179,7 +179,8 @@ class TPGPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(h, v, bias=False, device="meta")
-        self.lm_head.weight = self.transformer.wte.weight  # [Note: tied head] in zero/models.py
+        # [Note: tied head] in zero/workloads/models.py
+        self.lm_head.weight = self.transformer.wte.weight
 
     @classmethod
     def from_gpt(cls, full: GPT, mp: MPContext) -> TPGPT:
@@ -195,9 +196,9 @@ class TPGPT(nn.Module):
     @classmethod
     def build(cls, cfg: GPTConfig, mp: MPContext, *, seed: int | None = 0, device="cpu") -> TPGPT:
         """Rank mp.rank's slice of GPT(cfg, seed=seed) without building the whole model: each
-        parameter's full initial value (a pure function of seed and name, zero/init.py) is drawn
-        alone and cut, so at most one full tensor exists at a time. seed=None leaves the values
-        uninitialised (a simulated rank, whose values are meaningless)."""
+        parameter's full initial value (a pure function of seed and name, zero/materialize.py) is
+        drawn alone and cut, so at most one full tensor exists at a time. seed=None leaves the
+        values uninitialised (a simulated rank, whose values are meaningless)."""
         model = cls(cfg, mp).to_empty(device=device)
         model.lm_head.weight = model.transformer.wte.weight  # to_empty unties
         if seed is None:
@@ -222,7 +223,7 @@ class TPGPT(nn.Module):
 
     def counts_in_norm(self, name: str) -> bool:
         """Whether this rank's `name` enters the global gradient norm (the engine asks:
-        zero/mp/control.py); replicated parameters count on m = 0 only."""
+        zero/mp/step.py); replicated parameters count on m = 0 only."""
         return counts_in_norm(name, self.mp.rank)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):

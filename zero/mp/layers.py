@@ -5,7 +5,7 @@ Legend: N = N_m, m this rank's MP index, k a linear layer's input width, V the v
     row-parallel     y = g(Σ_m x_m·W_mᵀ) + b     W_m: columns m of W (input features split)
     vocab embedding  e = g(Σ_m masked lookup in rows m of the table)
     vocab xent       ℓ = log Σ_v exp(z_v - max) - (z_t - max), max and Σ taken over the group
-f (copy_to_mp) and g (reduce_from_mp) are the conjugate operators of zero/mp/collectives.py: f is
+f (copy_to_mp) and g (reduce_from_mp) are the conjugate operators of zero/mp/tp_comm.py: f is
 the identity forward and a sum backward, g the reverse. A column-parallel layer followed by a
 row-parallel one (QKV then attention-out, MLP-in then MLP-out) needs one f and one g, so a block
 costs two sums of b·s·h in forward and two in backward (docs/design.md §6).
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import collectives as _mpc  # module access: tests plant errors in its functions
-from .collectives import MPContext
+from . import tp_comm as _mpc  # module access: tests plant errors in its functions
+from .tp_comm import MPContext
 
 
 def column_linear(x: torch.Tensor, weight, bias, mp: MPContext) -> torch.Tensor:
@@ -55,11 +55,10 @@ def vocab_embedding(idx: torch.Tensor, weight: torch.Tensor, mp: MPContext) -> t
 class VocabCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy from vocabulary-split logits, without gathering them.
 
-    Forward: the max over the group (exact), Σ exp over the group ([Note: deterministic
-    row-parallel sum]) and the target's logit (one rank holds it, the others send 0): three
-    reductions of b·s values, phase "mp_xent". Backward needs no traffic: ∂ℓ/∂z_v =
-    softmax_v - [v = t] on this rank's own columns.
-    """
+    Forward: the max over the group (exact), Σ exp over the group ([Note: deterministic row-parallel
+    sum]) and the target's logit (one rank holds it, the others send 0): three reductions of b·s
+    values, phase "mp_xent". Backward needs no traffic: ∂ℓ/∂z_v = softmax_v - [v = t] on this rank's
+    own columns."""
 
     @staticmethod
     def forward(ctx, logits, targets, mp: MPContext):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..init import fail, positive_int
+from ..materialize import fail, positive_int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..collectives import all_gather, count_transfer
-from .collectives import KIND, MPContext
+from .tp_comm import KIND, MPContext
 
 
 def part_length(numel: int, n: int) -> int:

@@ -13,7 +13,7 @@ Stages 1 and 2 subclass this class and override only what they partition, so eac
 diff of this one. A stage is given a StageContext (zero/stages/base.py), never the engine.
 The lifecycle (called by the engine, which does no stage-specific work):
     allocate(u)          once: the unit's resident buffers
-    allocate_frozen(u)   once per unit with frozen parameters: their buffer (zero/frozen.py)
+    allocate_frozen(u)   once per unit with frozen parameters: their buffer (zero/build.py)
     post_backward(u)     a micro-batch's gradients of u are ready (autograd hook)
     end_microstep(u)     after backward: complete what post_backward launched
     end_backward()       once per backward, after every unit's end_microstep
@@ -67,7 +67,7 @@ class Stage0:
             u.grad = self.new_grad(u)
 
     def allocate_frozen(self, u: FlatUnit) -> None:
-        """A unit's frozen parameters (zero/frozen.py): the working copy, kept whole."""
+        """A unit's frozen parameters (zero/build.py): the working copy, kept whole."""
 
     @staticmethod
     def grad_numel(part: UnitPartition) -> int:

@@ -89,7 +89,7 @@ class Stage3(Stage2):
         self._shard(u)
 
     def allocate_frozen(self, u: FlatUnit) -> None:
-        """Frozen parameters (zero/frozen.py): sharded like the trainable ones, gathered with
+        """Frozen parameters (zero/build.py): sharded like the trainable ones, gathered with
         their unit; freed after backward by mark_inputs (zero/stages/frozen.py: autograd hooks
         on parameters never fire for them), else at the end of the micro-step."""
         self.units.append(u)

@@ -17,19 +17,18 @@ so 4Ψ with fp16/bf16 gradients and 6Ψ with fp32 gradients at N = 1, ZeRO-Offlo
 (Ψ/N of each per rank at N ranks). In fast mode with M > N, stages 2-3 bring each micro-step's
 reduced shard down and accumulate it on the host: M/N downloads per step.
 
-The update itself is zero/optim.py's, unchanged: it already runs on whatever device its tensors
-are on, and on the CPU its deterministic kernels are the reference's bits. The compute-dtype
+The update itself is zero/optim/update.py's, unchanged: it already runs on whatever device its
+tensors are on, and on the CPU its deterministic kernels are the reference's bits. The compute-dtype
 rounding of the new master (round to nearest even) happens on the host; torch's CPU and CUDA
 casts round alike (docs/machine_notes.md), so the working copy's bits do not depend on where.
 
-On CUDA host buffers are pinned and copies are non-blocking: downloads of all units are queued
-at once and one stream synchronisation precedes the CPU's first read; an upload is queued as
-soon as its unit is updated and overlaps the next unit's update. The staging buffer an upload
-reads is rewritten only at the next step, after that step's synchronisation, which completes
-every earlier copy on the stream. On a CPU-only machine host and device are the same memory:
-offload is a change of placement only, and it is the accounting (which buffers are "host",
-which bytes crossed) and the bits that are tested there.
-"""
+On CUDA host buffers are pinned and copies are non-blocking: downloads of all units are queued at
+once and one stream synchronisation precedes the CPU's first read; an upload is queued as soon as
+its unit is updated and overlaps the next unit's update. The staging buffer an upload reads is
+rewritten only at the next step, after that step's synchronisation, which completes every earlier
+copy on the stream. On a CPU-only machine host and device are the same memory: offload is a change
+of placement only, and it is the accounting (which buffers are "host", which bytes crossed) and the
+bits that are tested there."""
 
 from __future__ import annotations
 
