@@ -111,7 +111,7 @@ def _in_flight_at_launch(rank, n, stage, deterministic):
     arrival = buckets.arrival
 
     def observed(u, *args):
-        states.append(u.state.value if hasattr(u, "state") else None)
+        states.append(u.state.value if u.state is not None else None)
         return arrival(u, *args)
 
     buckets.arrival = observed

@@ -199,8 +199,11 @@ def test_a_killed_launcher_takes_its_ranks_even_a_stopped_one(tmp_path, text):
 
 
 POOL_SCRIPT = """
-import sys, time from zero.ranks.launch import WorkerPool pool = WorkerPool(2, timeout_s=60)
-print("ready", flush=True) time.sleep(600)
+import sys, time
+from zero.ranks.local import WorkerPool
+pool = WorkerPool(2, timeout_s=60)
+print("ready", flush=True)
+time.sleep(600)
 """
 
 
@@ -244,7 +247,7 @@ def test_a_rank_that_dies_before_the_rendezvous_is_named_at_once(monkeypatch):
             os._exit(7)
         setup(rank, *rest)
 
-    monkeypatch.setattr(launch, "_child_setup", die_on_rank_1)  # before the fork: inherited
+    monkeypatch.setattr(local, "_child_setup", die_on_rank_1)  # before the fork: inherited
     started = time.monotonic()
     with pytest.raises(RankError, match="code 7") as info:
         spawn(_return_rank, 2, timeout_s=60)

@@ -94,17 +94,24 @@ def test_construction_holds_one_full_unit_at_a_time():
 
 
 SIMULATED_RANK = """
-import json, sys import torch, torch.distributed as dist from
-torch.testing._internal.distributed.fake_pg import FakeStore torch.set_num_threads(1) n, rank =
-int(sys.argv[1]), int(sys.argv[2]) dist.init_process_group("fake", store=FakeStore(), rank=rank,
-world_size=n) from zero.config import ZeroConfig from zero.engine import ZeroEngine from
-zero.workloads.models import GPT, GPTConfig, gpt_microbatches from zero.loop import train_steps cfg
-= GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128) model = GPT(cfg,
-device="meta") eng = ZeroEngine(model, ZeroConfig(stage=3, precision="bf16", reduce_dtype="bf16",
+import json, sys
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+torch.set_num_threads(1)
+n, rank = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
+from zero.config import ZeroConfig
+from zero.engine import ZeroEngine
+from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
+from zero.loop import train_steps
+cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
+model = GPT(cfg, device="meta")
+eng = ZeroEngine(model, ZeroConfig(stage=3, precision="bf16", reduce_dtype="bf16",
                  optimizer="adam", micro_batches=n, chunk=128, nonfinite="skip",
                  units=tuple(model.unit_names())), device="cpu", init_seed=None)
-batch = gpt_microbatches(cfg, seed=0, data_step=0, count=1, batch_size=2)[0] train_steps(eng, lambda
-s, j: batch, 1) print(json.dumps({"memory": eng.memory_report(), "counts": eng.counter.counts(0),
+batch = gpt_microbatches(cfg, seed=0, data_step=0, count=1, batch_size=2)[0]
+train_steps(eng, lambda s, j: batch, 1)
+print(json.dumps({"memory": eng.memory_report(), "counts": eng.counter.counts(0),
                   "padded": sum(u.part.padded_numel for u in eng.units),
                   "units": len(eng.units)}))
 """

@@ -44,7 +44,7 @@ def test_the_ranks_are_measured_and_a_small_run_fails_the_list(tmp_path):
     rank_only = line_of(path, "tree = self.cfg.deterministic or dist.get_backend")
     assert rank_only not in got["files"][path]["missed"]
     # the parent's own lines count too (the launcher's pool, run in this process only)
-    path = "zero/ranks/launch.py"
+    path = "zero/ranks/local.py"
     assert line_of(path, "task = pickle.dumps((fn, args)") not in got["files"][path]["missed"]
     # one cell leaves much of the library unrun: lines the list does not explain, exit 1
     assert proc.returncode == 1 and got["percent"] < linecoverage.THRESHOLD
