@@ -573,6 +573,8 @@ def main(argv=None) -> int:
 
             text += mp_markdown(*mp[:2]) + operators_markdown(mp[2])
         write_atomic(args.markdown, text)
+    if torchrun:  # leave the world together: a rank exiting with its group alive may abort
+        launch.leave_world()
     return 1 if failed or changed or not every else 0
 
 
