@@ -67,7 +67,7 @@ NOT_LIBRARY_SCOPES = {
         "MLP.num_params",
     ),
     "zero/zero_r/activations.py": ("SavedBytes", "saved_activation_bytes"),  # a probe
-    "zero/collectives.py": (  # reports' queries
+    "zero/common/traffic.py": (  # reports' queries
         "CommCounter.volume", "CommCounter.counts", "CommCounter.total",
     ),
 }  # fmt: skip

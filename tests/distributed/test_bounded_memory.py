@@ -1,5 +1,5 @@
 """Long runs stay bounded: the engine's traffic records and a checkpoint's manifest do not grow
-with the step count ([Note: bounded traffic records] in zero/collectives.py, [Note: bounded
+with the step count ([Note: bounded traffic records] in zero/common/traffic.py, [Note: bounded
 manifests] in zero/workloads/history.py), while the totals and a resumed run's loss history stay
 exact."""
 
