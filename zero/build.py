@@ -15,7 +15,7 @@ from dataclasses import fields
 import torch
 from torch import nn
 
-from . import collectives as C
+from . import control
 from .config import ZeroConfig
 from .partition import UnitPartition
 from .stages import stage_class
@@ -223,14 +223,14 @@ def check_ranks_agree(config: ZeroConfig, named, groups: dict[str, int], *, engi
         for _, v in rows
     ]
     mine = torch.tensor([len(named), *digests], dtype=torch.int64, device=device)
-    counts = C.gather_control(mine[:1], group=group, counter=counter, phase="agree")
+    counts = control.gather_control(mine[:1], group=group, counter=counter, phase="agree")
     for r, c in enumerate(counts[:, 0].tolist()):
         if c != counts[0, 0]:
             raise ValueError(
                 f"rank {r} has {c} units, rank 0 has {int(counts[0, 0])}: the ranks built "
                 "different models or unit lists"
             )
-    every = C.gather_control(mine, group=group, counter=counter, phase="agree")
+    every = control.gather_control(mine, group=group, counter=counter, phase="agree")
     for r in range(world_size):
         for i, (what, _) in enumerate(rows):
             if every[r, 1 + i] != every[0, 1 + i]:
@@ -240,7 +240,7 @@ def check_ranks_agree(config: ZeroConfig, named, groups: dict[str, int], *, engi
 def broadcast_buffers(buffers, *, group, counter) -> None:
     """Rank 0's buffers to every rank, in place (DDP's broadcast_buffers), counted as control
     traffic; `buffers` is prepare_buffers' list of (name, tensor)."""
-    C.broadcast_control([b for _, b in buffers], group=group, counter=counter)
+    control.broadcast_control([b for _, b in buffers], group=group, counter=counter)
 
 
 # -- Choosing units: `auto(model)` names the repeated blocks of common model structures. -----------

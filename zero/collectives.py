@@ -5,8 +5,9 @@ element count of everything a call moves, summed over units. Volumes are element
     reduce-scatter    (N-1)·L    = (N-1)/N · Ψ
     all-gather        (N-1)·L    = (N-1)/N · Ψ
     all-reduce        2·(N-1)·L  = 2(N-1)/N · Ψ   (reduce-scatter + all-gather, the ring's cost)
-Control traffic (overflow flag, norm partials, losses, rank-agreement checks) is counted under
-kind="control", apart from model states; the records and the counter are zero/common/traffic.py's.
+The model states' collectives are here; control traffic (overflow flag, norm partials, losses,
+rank-agreement checks) goes through zero/control.py's, ZeRO-R's pieces (C_B) and host copies through
+zero/zero_r/; all count into zero/common/traffic.py's counter.
 
 [Note: deterministic reduce-scatter] A backend's reduce-scatter sums in an order of its choosing
 (a ring: rank r's shard accumulates in rotation order). Deterministic mode instead sends each
@@ -35,7 +36,7 @@ from .common.traffic import CommRecord as CommRecord
 from .ranks.watchdog import guard
 
 # torch 2.13 renamed the flat collectives; 2.6-2.11 only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -78,23 +79,10 @@ def _abandon(parked: tuple) -> None:
     _ABANDONED.append(parked)
 
 
-def _record(counter: CommCounter, op: str, elements: int, padding: int, like, **tag) -> CommRecord:
+def count_call(counter: CommCounter, op: str, elements: int, padding: int, like, **tag):
     """Count one call: `elements` this rank sends (padding included), in like's dtype."""
     return counter.add(
         op=op, elements=elements, padding=padding, nbytes=elements * like.element_size(), **tag
-    )
-
-
-def count_transfer(counter, t: torch.Tensor, *, phase: str, op: str, unit: int) -> None:
-    """Count one host<->device copy of t (kind 'offload'; op 'd2h' or 'h2d')."""
-    counter.add(
-        op=op,
-        phase=phase,
-        kind="offload",
-        unit=unit,
-        elements=t.numel(),
-        padding=0,
-        nbytes=t.numel() * t.element_size(),
     )
 
 
@@ -114,7 +102,7 @@ def reduce_scatter_tree(
     """
     n = dist.get_world_size(group)
     shard = flat.numel() // n
-    rec = _record(counter, "reduce_scatter", (n - 1) * shard, padding, flat, **tag)
+    rec = count_call(counter, "reduce_scatter", (n - 1) * shard, padding, flat, **tag)
     if n == 1:
         return Pending(None, lambda: flat.clone(), rec)
     recv = torch.empty_like(flat)
@@ -129,7 +117,7 @@ def reduce_scatter_fast(
     """The backend's reduce-scatter (SUM, its own order). Sends (N-1)/N·Ψ per rank."""
     n = dist.get_world_size(group)
     shard = flat.numel() // n
-    rec = _record(counter, "reduce_scatter", (n - 1) * shard, padding, flat, **tag)
+    rec = count_call(counter, "reduce_scatter", (n - 1) * shard, padding, flat, **tag)
     out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
     if n == 1:
         return Pending(None, lambda: out.copy_(flat), rec)
@@ -143,7 +131,7 @@ def all_reduce_sum(
     """In-place backend all-reduce (SUM). Sends 2(N-1)/N·Ψ per rank (ring cost)."""
     n = dist.get_world_size(group)
     shard = flat.numel() // n
-    rec = _record(counter, "all_reduce", 2 * (n - 1) * shard, padding, flat, **tag)
+    rec = count_call(counter, "all_reduce", 2 * (n - 1) * shard, padding, flat, **tag)
     if n == 1:
         return Pending(None, lambda: flat, rec)
     work = _launch(dist.all_reduce, flat, group=group, async_op=async_op, rec=rec)
@@ -165,7 +153,7 @@ def all_gather(
     padding: padding elements this rank sends, i.e. (N-1) times those in its own shard.
     """
     n = dist.get_world_size(group)
-    rec = _record(counter, "all_gather", (n - 1) * shard.numel(), padding, shard, **tag)
+    rec = count_call(counter, "all_gather", (n - 1) * shard.numel(), padding, shard, **tag)
     if n == 1:
         return Pending(None, lambda: out.copy_(shard), rec)
     if _p2p(group, shard):  # [Note: all-gather on gloo]
@@ -175,7 +163,7 @@ def all_gather(
         if not async_op:
             pending.wait()
         return pending
-    work = _launch(_all_gather_flat, out, shard, group=group, async_op=async_op, rec=rec)
+    work = _launch(all_gather_flat, out, shard, group=group, async_op=async_op, rec=rec)
     return Pending(work, lambda: out, rec, (shard,), group)
 
 
@@ -248,81 +236,3 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def gather_control(
-    values: torch.Tensor, *, group, counter: CommCounter, phase: str, unit=None
-) -> torch.Tensor:
-    """Control: all-gather a small tensor (equal sizes) from every rank; returns (N, *shape)."""
-    n = dist.get_world_size(group)
-    elements = (n - 1) * values.numel()
-    rec = _record(
-        counter, "all_gather", elements, 0, values, phase=phase, kind="control", unit=unit
-    )
-    out = torch.empty((n, *values.shape), dtype=values.dtype, device=values.device)
-    if n == 1:
-        out[0].copy_(values)
-    else:
-        with guard(rec, group):
-            _all_gather_flat(out.view(-1), values.reshape(-1).contiguous(), group=group)
-    rec.end = time.perf_counter()
-    return out
-
-
-def broadcast_control(tensors, *, group, counter: CommCounter, phase: str = "buffers") -> None:
-    """Control: every tensor set in place to group rank 0's value (DDP's broadcast_buffers).
-    One broadcast per dtype of a flat copy; each call is counted with the payload's elements
-    (what every other rank receives once), none at N = 1, where nothing moves."""
-    n = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for ts in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        elements = flat.numel() if n > 1 else 0
-        rec = _record(
-            counter, "broadcast", elements, 0, flat, phase=phase, kind="control", unit=None
-        )
-        if n > 1:
-            with guard(rec, group):
-                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
-            at = 0
-            with torch.no_grad():
-                for t in ts:
-                    t.copy_(flat[at : at + t.numel()].view_as(t))
-                    at += t.numel()
-        rec.end = time.perf_counter()
-
-
-class Pieces:
-    """[Note: constant-size buffers] One unit's reduce-scatter done in pieces (ZeRO-R's C_B,
-    paper §6.2): piece [a, b) reduces columns a..b of every rank's shard, i.e. elements
-    [r·L + a, r·L + b) for each rank r, through a fused buffer of N·(b - a) <= C_B elements that
-    `fill(buf, a, b)` writes. At most `depth` pieces are in flight; wait() completes them in
-    order, launching the next as each finishes, and assembles this rank's shard (L elements).
-    The deterministic tree sums each element over ranks on its own, so any cut gives the same
-    bits; the volume is the unit's, split over the pieces (each piece is one counted call).
-
-    All-gathers are not cut into pieces, at any stage: each lands in a buffer the unit has
-    anyway (its flat working parameters, or its flat gradient at stage 0), so there is no fused
-    buffer to cap, only the L elements this rank sends. What a gather holds is set by the unit
-    choice instead: one unit's parameters, and at stage 3 at most `max_live` units besides the
-    root (zero/stages/stage3.py), so splitting units, not C_B, bounds it."""
-
-    depth = 2
-
-    def __init__(self, cuts, launch: Callable[[int, int], Pending], out: torch.Tensor):
-        self._queue, self._running, self._out, self._launch = list(cuts), [], out, launch
-        self._top_up()
-
-    def _top_up(self) -> None:
-        while self._queue and len(self._running) < self.depth:
-            a, b = self._queue.pop(0)
-            self._running.append((a, b, self._launch(a, b)))
-
-    def wait(self) -> torch.Tensor:
-        while self._running:
-            a, b, p = self._running.pop(0)
-            self._out[a:b].copy_(p.wait())
-            self._top_up()
-        return self._out

@@ -16,8 +16,11 @@ and the step's one control exchange tells every rank ([Note: one control exchang
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from . import collectives as C
 from .optim import native as optim_native
@@ -92,9 +95,7 @@ def exchange(
     flags = [float(x) for u in units for x in u.used]
     host = C.to_device(torch.tensor([len(losses), *flags], dtype=torch.float64), device)
     head = torch.cat([loss_sum.view(1), host[:1], bad.to(torch.float64).view(1), host[1:]])
-    every = C.gather_control(
-        torch.cat([head, partials]), group=group, counter=counter, phase="step"
-    )
+    every = gather_control(torch.cat([head, partials]), group=group, counter=counter, phase="step")
     # the one read: this rank's own row too (a fake process group, measure/fake_rank.py,
     # leaves the gathered rows unwritten)
     both = torch.cat([head, every.reshape(-1)]).cpu().numpy()
@@ -154,3 +155,47 @@ def step_exchange(engine, held, g, inv: np.float32):
         return overflow, bad, loss, np.sqrt(tree_total(flat)), used
     overflow, norm, used = mp.combine(overflow, partials, used, engine.device)
     return overflow, bad, loss, norm, used
+
+
+def gather_control(
+    values: torch.Tensor, *, group, counter: C.CommCounter, phase: str, unit=None
+) -> torch.Tensor:
+    """Control: all-gather a small tensor (equal sizes) from every rank; returns (N, *shape)."""
+    n = dist.get_world_size(group)
+    elements = (n - 1) * values.numel()
+    rec = C.count_call(
+        counter, "all_gather", elements, 0, values, phase=phase, kind="control", unit=unit
+    )
+    out = torch.empty((n, *values.shape), dtype=values.dtype, device=values.device)
+    if n == 1:
+        out[0].copy_(values)
+    else:
+        with C.guard(rec, group):
+            C.all_gather_flat(out.view(-1), values.reshape(-1).contiguous(), group=group)
+    rec.end = time.perf_counter()
+    return out
+
+
+def broadcast_control(tensors, *, group, counter: C.CommCounter, phase: str = "buffers") -> None:
+    """Control: every tensor set in place to group rank 0's value (DDP's broadcast_buffers).
+    One broadcast per dtype of a flat copy; each call is counted with the payload's elements
+    (what every other rank receives once), none at N = 1, where nothing moves."""
+    n = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        elements = flat.numel() if n > 1 else 0
+        rec = C.count_call(
+            counter, "broadcast", elements, 0, flat, phase=phase, kind="control", unit=None
+        )
+        if n > 1:
+            with C.guard(rec, group):
+                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+            at = 0
+            with torch.no_grad():
+                for t in ts:
+                    t.copy_(flat[at : at + t.numel()].view_as(t))
+                    at += t.numel()
+        rec.end = time.perf_counter()

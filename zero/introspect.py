@@ -2,8 +2,9 @@
 
 Legend: u a FlatUnit (zero/unit.py); "extent" a range of a unit's padded flat buffer (N·L
 elements); R the reduced gradient. Checkpoints (zero/checkpoint/), verification (verify/),
-figures and teaching read an engine only through the members Introspect lists, never a stage
-or a policy: so the stages and policies can change without their readers changing.
+figures and teaching (notebooks/teaching/) read an engine only through the members Introspect
+lists, never a stage or a policy: so the stages and policies can change without their readers
+changing.
 
 [Note: counting storages] Memory is reported by storage, each counted once: a view owns
 nothing new, so the gradient arenas of contiguous_memory count once, whole, and a master that is
@@ -23,7 +24,7 @@ from torch import nn
 
 from reference.optim import state_names
 
-from . import collectives as C
+from . import control
 from .collectives import CommCounter
 from .config import ZeroConfig
 from .unit import FlatUnit
@@ -190,7 +191,7 @@ def memory_split(engine) -> dict[str, dict[str, int]]:
 def _full(engine, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
     if t.numel() == u.part.padded_numel:
         return t
-    every = C.gather_control(
+    every = control.gather_control(
         t.to(engine.device).contiguous(),
         group=engine.group,
         counter=engine.counter,

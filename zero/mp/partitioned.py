@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from ..collectives import all_gather, count_transfer
+from ..collectives import all_gather
+from ..zero_r.activations import count_transfer
 from .tp_comm import KIND, MPContext
 
 

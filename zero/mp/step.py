@@ -24,8 +24,8 @@ from torch import nn
 
 from reference.tree import tree_sum
 
-from ..collectives import gather_control, to_device
-from ..control import tree_total
+from ..collectives import to_device
+from ..control import gather_control, tree_total
 from .tp_comm import MPContext
 
 

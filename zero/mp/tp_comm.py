@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from reference.tree import tree_sum
 
-from ..collectives import CommCounter, Pending, _record, all_gather
+from ..collectives import CommCounter, Pending, all_gather, count_call
 from ..ranks.watchdog import guard
 
 KIND = "mp"
@@ -85,7 +85,7 @@ def reduce_sum(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
         ).wait()
         return tree_sum(list(out.unbind(0)))
     out = x.clone()
-    rec = _record(ctx.counter, "all_reduce", _ring(n, x), 0, x, **tag)
+    rec = count_call(ctx.counter, "all_reduce", _ring(n, x), 0, x, **tag)
     if n > 1:
         with guard(rec, ctx.group):  # a failure names whom to blame (zero/ranks/watchdog.py)
             dist.all_reduce(out, group=ctx.group)
@@ -95,7 +95,7 @@ def reduce_sum(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
 def reduce_max(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
     """Elementwise max over the MP group (exact in any order): 2(N-1)·⌈X/N⌉ per rank."""
     out = x.detach().clone().contiguous()
-    rec = _record(
+    rec = count_call(
         ctx.counter, "all_reduce", _ring(ctx.size, out), 0, out, phase=phase, kind=KIND, unit=None
     )
     if ctx.size > 1:

@@ -50,8 +50,20 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from .. import collectives as C
 from .contiguous import CheckpointArena
+
+
+def count_transfer(counter, t: torch.Tensor, *, phase: str, op: str, unit: int) -> None:
+    """Count one host<->device copy of t (kind 'offload'; op 'd2h' or 'h2d')."""
+    counter.add(
+        op=op,
+        phase=phase,
+        kind="offload",
+        unit=unit,
+        elements=t.numel(),
+        padding=0,
+        nbytes=t.numel() * t.element_size(),
+    )
 
 
 def check_not_nested(names) -> None:
@@ -137,7 +149,7 @@ class ActivationOffload(saved_tensors_hooks):
 
     def __init__(self, counter, unit: int, arena=None):
         def record(t: torch.Tensor, phase: str, op: str) -> None:
-            C.count_transfer(counter, t, phase=phase, op=op, unit=unit)
+            count_transfer(counter, t, phase=phase, op=op, unit=unit)
 
         def pack(t: torch.Tensor):
             record(t, "activation_down", "d2h")

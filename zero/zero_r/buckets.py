@@ -5,13 +5,15 @@ config.bucket_elements, width = C_B // N columns of every rank's shard per piece
 
 A stage asks its bucketing policy for three things, and never branches on C_B itself:
     arrival(u, grads)    the full-size N·L buffer a reduction reads (None: pieces fill from grads)
-    reduce_scatter(...)  one collective over the whole buffer, or C.Pieces of at most C_B each
+    reduce_scatter(...)  one collective over the whole buffer, or Pieces of at most C_B each
     note(ctx, u, ...)    the transient buffers this holds, for the memory report
 WholeBuffers is the policy without C_B; ConstantBuffers the one with it
-([Note: constant-size buffers] in zero/collectives.py).
+([Note: constant-size buffers] below).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -56,7 +58,7 @@ class ConstantBuffers:
         """No full-size arrival buffer: the pieces fill from the parameters' gradients."""
         return None
 
-    def reduce_scatter(self, ctx, u: FlatUnit, fn, flat, grads, tag: dict) -> C.Pieces:
+    def reduce_scatter(self, ctx, u: FlatUnit, fn, flat, grads, tag: dict) -> Pieces:
         """Pieces filled from `flat` (N·L), or straight from `grads` when flat is None."""
         n, L, rank = ctx.world_size, u.part.shard_numel, ctx.rank
         full = None if flat is None else flat.view(n, L)
@@ -79,13 +81,13 @@ class ConstantBuffers:
             )
 
         cuts = [(a, min(a + self.width, L)) for a in range(0, L, self.width)]
-        return C.Pieces(cuts, launch, torch.empty(L, dtype=dtype, device=device))
+        return Pieces(cuts, launch, torch.empty(L, dtype=dtype, device=device))
 
     def note(self, ctx, u: FlatUnit, arrival: torch.Tensor | None = None) -> None:
         """Pieces.depth fused buffers of at most N·width elements (each with a receive buffer
         of its size)."""
         n, w = ctx.world_size, min(self.width, u.part.shard_numel)
-        ctx.note_transient(C.Pieces.depth * n * w * ctx.config.grad_dtype.itemsize)
+        ctx.note_transient(Pieces.depth * n * w * ctx.config.grad_dtype.itemsize)
 
 
 def bucketing(bucket_elements: int | None, world_size: int) -> WholeBuffers | ConstantBuffers:
@@ -96,3 +98,37 @@ def bucketing(bucket_elements: int | None, world_size: int) -> WholeBuffers | Co
 
 
 Bucketing = WholeBuffers | ConstantBuffers
+
+
+class Pieces:
+    """[Note: constant-size buffers] One unit's reduce-scatter done in pieces (ZeRO-R's C_B,
+    paper §6.2): piece [a, b) reduces columns a..b of every rank's shard, i.e. elements
+    [r·L + a, r·L + b) for each rank r, through a fused buffer of N·(b - a) <= C_B elements that
+    `fill(buf, a, b)` writes. At most `depth` pieces are in flight; wait() completes them in
+    order, launching the next as each finishes, and assembles this rank's shard (L elements).
+    The deterministic tree sums each element over ranks on its own, so any cut gives the same
+    bits; the volume is the unit's, split over the pieces (each piece is one counted call).
+
+    All-gathers are not cut into pieces, at any stage: each lands in a buffer the unit has
+    anyway (its flat working parameters, or its flat gradient at stage 0), so there is no fused
+    buffer to cap, only the L elements this rank sends. What a gather holds is set by the unit
+    choice instead: one unit's parameters, and at stage 3 at most `max_live` units besides the
+    root (zero/stages/stage3.py), so splitting units, not C_B, bounds it."""
+
+    depth = 2
+
+    def __init__(self, cuts, launch: Callable[[int, int], C.Pending], out: torch.Tensor):
+        self._queue, self._running, self._out, self._launch = list(cuts), [], out, launch
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while self._queue and len(self._running) < self.depth:
+            a, b = self._queue.pop(0)
+            self._running.append((a, b, self._launch(a, b)))
+
+    def wait(self) -> torch.Tensor:
+        while self._running:
+            a, b, p = self._running.pop(0)
+            self._out[a:b].copy_(p.wait())
+            self._top_up()
+        return self._out
