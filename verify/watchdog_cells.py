@@ -1,13 +1,15 @@
 """verify's watchdog section: ranks that stop agreeing must be named, the right one, on every rank.
 
-Each cell builds the project's small MLP on N gloo ranks, trains a step, and then makes rank 1
-diverge in one way. What must happen is built from the cell alone: every rank raises
-zero.ranks.watchdog.CollectiveError at the same exchange, whose `blamed` is exactly {1}, and no rank
-hangs or goes on training. Before the watchdog each of these hung until the timeout, aborted a
-healthy rank inside gloo, or (equal-size units reduced in another order) summed the wrong
-units silently. The cells exercise the watchdog's boundary check, its legality rules, the
-majority rule and the trace to the first differing collective; stalls and deaths, which need
-a timeout to pass, are the fault suite's (python -m verify.faults).
+Each cell builds the project's small MLP on N gloo ranks, trains a step, and then makes some
+ranks (rank 1, by default) diverge in one way. What must happen is built from the cell alone
+(expected_blame): every rank raises zero.ranks.watchdog.CollectiveError at the same exchange,
+whose `blamed` is exactly the diverging ranks, or, where they are no minority (a 1-1 split at
+N = 2, a 2-2 split at N = 4), every rank, with a first line that says there was no strict
+majority; and no rank hangs or goes on training. Before the watchdog each of these hung until
+the timeout, aborted a healthy rank inside gloo, or (equal-size units reduced in another order)
+summed the wrong units silently. The cells exercise the watchdog's boundary check, its legality
+rules, the majority rule, its ties and the trace to the first differing collective; stalls and
+deaths, which need a timeout to pass, are the fault suite's (python -m verify.faults).
 """
 
 from __future__ import annotations
@@ -30,10 +32,31 @@ class WatchCell:
     world_size: int
     stage: int
     mode: str = "calls"  # ZeroConfig.watchdog
+    ranks: tuple[int, ...] = (1,)  # the ranks that diverge
 
     @property
     def label(self) -> str:
-        return f"{self.fault} N={self.world_size} stage {self.stage} watchdog={self.mode}"
+        who = "" if self.ranks == (1,) else f" ranks {','.join(map(str, self.ranks))}"
+        return f"{self.fault} N={self.world_size} stage {self.stage} watchdog={self.mode}{who}"
+
+
+NOT_ALLOWED = ("extra_backward", "skipped_step")
+"""Faults whose call the step does not allow: their ranks are named whatever the others do."""
+
+
+def expected_blame(cell: WatchCell) -> list[int]:
+    """The ranks the watchdog must name, from the cell alone: a call the step does not allow
+    names its ranks; otherwise the ranks outside a strict majority, and with no strict majority
+    on either side (a tie) every rank."""
+    n, bad = cell.world_size, sorted(set(cell.ranks))
+    good = [r for r in range(n) if r not in bad]
+    if cell.fault in NOT_ALLOWED or 2 * len(good) > n:
+        return bad
+    return good if 2 * len(bad) > n else list(range(n))
+
+
+def is_tie(cell: WatchCell) -> bool:
+    return cell.fault not in NOT_ALLOWED and expected_blame(cell) == list(range(cell.world_size))
 
 
 CELLS = (
@@ -42,12 +65,15 @@ CELLS = (
     WatchCell(fault="extra_eval", world_size=4, stage=3),
     WatchCell(fault="unit_order", world_size=4, stage=2),
     WatchCell(fault="unit_order_sizes", world_size=4, stage=1, mode="collectives"),
+    WatchCell(fault="extra_eval", world_size=2, stage=3),
+    WatchCell(fault="extra_eval", world_size=4, stage=3, ranks=(2, 3)),
 )
 """One cell per rule: a call the step does not allow (backward beyond M/N; step() before
 them), a majority against one rank (an evaluation forward the others do not make), and the
 trace of equal calls with other collectives, at the boundaries ('calls') and before every
 collective ('collectives', where the units' sizes differ and a boundary check would come too
-late)."""
+late); and two ties, where each side is as large as the other: two legal but different calls
+at N = 2, and a 2-2 split at N = 4 (every rank named, the first line saying why)."""
 
 
 def _engine(cell: WatchCell, n: int):
@@ -66,7 +92,7 @@ def _engine(cell: WatchCell, n: int):
 def diverge(rank: int, n: int, cell: WatchCell) -> dict:
     """One rank's part of a cell: its verdict of what the watchdog said on this rank."""
     model, eng = _engine(cell, n)
-    bad = rank == 1
+    bad = rank in cell.ranks
     if bad and cell.fault.startswith("unit_order"):
         i, j = (next(k for k, u in enumerate(eng.units) if u.name == x) for x in model.unit_names())
         eng.units[i], eng.units[j] = eng.units[j], eng.units[i]  # launched in another order
@@ -92,7 +118,8 @@ def diverge(rank: int, n: int, cell: WatchCell) -> dict:
 
 
 def run_section(*, timeout_s: float, say, cells=CELLS) -> list[dict]:
-    """Every cell on its pool; a row per cell: passed when every rank named exactly rank 1.
+    """Every cell on its pool; a row per cell: passed when every rank named exactly
+    expected_blame(cell), and a tie's first line says there was no strict majority.
     Under torchrun the section is skipped with one line: its cells make a rank diverge on
     purpose, which a pool of its own survives (a new world per cell) but a launched world
     would not (the sections after it would run on a world whose collectives disagree)."""
@@ -105,8 +132,19 @@ def run_section(*, timeout_s: float, say, cells=CELLS) -> list[dict]:
     rows = []
     for cell in cells:
         per_rank = get_pool(cell.world_size).run(diverge, cell, timeout_s=timeout_s)
-        passed = all(r["blamed"] == [1] for r in per_rank)
-        why = "" if passed else next(r["message"] for r in per_rank if r["blamed"] != [1])
+        why = verdict(cell, per_rank)
+        passed = not why
         rows.append({"cell": cell.label, "passed": passed, "message": per_rank[0]["message"]})
         say(f"  {cell.label:<56} {'PASS' if passed else 'FAIL ' + why}")
     return rows
+
+
+def verdict(cell: WatchCell, per_rank: list[dict]) -> str:
+    """'' when every rank named expected_blame(cell) (and, at a tie, said so); else why not."""
+    want = expected_blame(cell)
+    for rank, r in enumerate(per_rank):
+        if r["blamed"] != want:
+            return f"rank {rank} named {r['blamed']}, not {want}: {r['message']}"
+        if is_tie(cell) and "no strict majority" not in r["message"]:
+            return f"rank {rank}: a tie not stated as one: {r['message']}"
+    return ""

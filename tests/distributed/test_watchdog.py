@@ -241,6 +241,44 @@ def test_verify_watchdog_section_passes_and_has_teeth():
     assert not all(r["blamed"] == [1] for r in planted)
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_tie_names_every_rank_and_a_planted_weak_majority_fails_it(n):
+    """A tie (1-1 at N = 2, 2-2 at N = 4): every rank names every rank and says there was no
+    strict majority. With the majority rule planted as 'at least half' (>= for >), one side of
+    the tie is blamed instead, and the cell's verdict reports it."""
+    from verify import watchdog_cells
+
+    cell = next(c for c in watchdog_cells.CELLS if watchdog_cells.is_tie(c) and c.world_size == n)
+    pool = watchdog_cells.get_pool(n)
+    clean = pool.run(watchdog_cells.diverge, cell, timeout_s=120)
+    assert [r["blamed"] for r in clean] == [list(range(n))] * n
+    assert all("no strict majority" in r["message"] for r in clean)
+    assert watchdog_cells.verdict(cell, clean) == ""
+    planted = pool.run(_planted_weak_majority, cell, timeout_s=120)
+    assert all(r["blamed"] != list(range(n)) for r in planted), planted
+    assert "not " + str(list(range(n))) in watchdog_cells.verdict(cell, planted)
+
+
+def _planted_weak_majority(rank, n, cell):
+    from verify import watchdog_cells
+    from zero.ranks import watchdog
+
+    real = watchdog._odd_ones
+
+    def weak(keys, *, leavers):
+        for k in sorted(set(keys)):
+            if keys.count(k) * 2 >= len(keys):
+                return [r for r, x in enumerate(keys) if x != k]
+        return real(keys, leavers=leavers)
+
+    watchdog._odd_ones = weak
+    try:
+        return watchdog_cells.diverge(rank, n, cell)
+    finally:
+        watchdog._odd_ones = real
+
+
 def _planted_majority(rank, n, cell):
     from verify import watchdog_cells
     from zero.ranks import watchdog

@@ -198,6 +198,7 @@ class Watch:
                 why = "the ranks made different engine calls"
                 if all(left[r] for r in blame) and not all(left):
                     why = "left the run while the other ranks went on"
+                why += _tie(blame, rows)
             else:
                 blame, why = self._trace()
         lines = [blame_line([self.ranks[r] for r in blame], why)]
@@ -216,10 +217,16 @@ class Watch:
             if len(set(descs)) > 1:
                 blame = _odd_ones(descs, leavers=[False] * len(descs))
                 what = "; ".join(f"rank {self.ranks[r]} {d}" for r, d in enumerate(descs))
-                return blame, f"the ranks issued different collectives: {what}"
+                return blame, f"the ranks issued different collectives: {what}{_tie(blame, descs)}"
         return list(range(len(self.ranks))), (
             f"the ranks' collectives differ before the last {RECENT} each kept"
         )
+
+
+def _tie(blame, rows) -> str:
+    """The note for a disagreement with no strict majority (two ranks, or a 2-2 split): the
+    watchdog cannot tell which side is right, so it names every rank and says why."""
+    return " (no strict majority: every rank is named)" if len(blame) == len(rows) > 1 else ""
 
 
 def _odd_ones(keys, *, leavers) -> list[int]:
