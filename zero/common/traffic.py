@@ -110,3 +110,17 @@ class CommCounter:
         for r in self.of_step(step, kind):
             out[r.op] = out.get(r.op, 0) + 1
         return out
+
+
+def count_transfer(counter: CommCounter, t, *, phase: str, op: str, unit: int) -> None:
+    """Count one host<->device copy of tensor t (kind 'offload'; op 'd2h' or 'h2d'): ZeRO-R's
+    P_a+cpu copies (zero/zero_r/activations.py) and their model-parallel twin (zero/mp/)."""
+    counter.add(
+        op=op,
+        phase=phase,
+        kind="offload",
+        unit=unit,
+        elements=t.numel(),
+        padding=0,
+        nbytes=t.numel() * t.element_size(),
+    )

@@ -33,7 +33,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..collectives import all_gather
-from ..zero_r.activations import count_transfer
+from ..common.traffic import count_transfer
 from .tp_comm import KIND, MPContext
 
 

@@ -50,20 +50,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
+from ..common.traffic import count_transfer
 from .contiguous import CheckpointArena
-
-
-def count_transfer(counter, t: torch.Tensor, *, phase: str, op: str, unit: int) -> None:
-    """Count one host<->device copy of t (kind 'offload'; op 'd2h' or 'h2d')."""
-    counter.add(
-        op=op,
-        phase=phase,
-        kind="offload",
-        unit=unit,
-        elements=t.numel(),
-        padding=0,
-        nbytes=t.numel() * t.element_size(),
-    )
 
 
 def check_not_nested(names) -> None:
