@@ -25,7 +25,7 @@ ARGS ?=
 # The editable install maps the top-level packages that exist when it runs, so re-install when one
 # of them appears (or pyproject.toml changes).
 PACKAGE_INITS := $(wildcard reference/__init__.py zero/__init__.py measure/__init__.py \
-	verify/__init__.py paper_figures/__init__.py teaching/__init__.py)
+	verify/__init__.py paper_figures/__init__.py notebooks/__init__.py)
 
 .PHONY: coverage faults test test-unit test-distributed test-notebooks test-gpu test-full repro format lint strip-notebooks clean clean-venv
 
@@ -81,8 +81,8 @@ format: $(STAMP)
 	$(RUFF) check --fix .
 
 strip-notebooks: $(STAMP)
-	$(VPY) tools/notebooks.py strip $(wildcard notebooks/*.ipynb)
-	$(VPY) tools/notebooks.py index
+	$(VPY) -m notebooks.tool strip $(wildcard notebooks/*.ipynb)
+	$(VPY) -m notebooks.tool index
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,22 +1,24 @@
 """Notebook tools: the git policy (outputs stripped), the generated index, execution, and
 figure inspection.
 
-Used by tests/notebooks/test_notebooks.py (which imports it as ``notebooks``; pyproject's pytest
-pythonpath holds tools/) and by ``make strip-notebooks``:
+Used by tests/notebooks/test_notebooks.py (as ``from notebooks import tool``) and by
+``make strip-notebooks``; from the repository root:
 
-    python tools/notebooks.py strip notebooks/*.ipynb   # strip outputs in place
-    python tools/notebooks.py check notebooks/*.ipynb   # exit 1 if any has outputs
-    python tools/notebooks.py index                     # write notebooks/README.md
-    python tools/notebooks.py index --check             # exit 1 if notebooks/README.md is stale
+    python -m notebooks.tool strip notebooks/*.ipynb   # strip outputs in place
+    python -m notebooks.tool check notebooks/*.ipynb   # exit 1 if any has outputs
+    python -m notebooks.tool index                     # write notebooks/README.md
+    python -m notebooks.tool index --check             # exit 1 if notebooks/README.md is stale
 
 The index (``index_markdown``) is generated from the notebooks themselves: each one's title is
 its first Markdown heading and its summary the first paragraph after it, so the index cannot
 list a notebook that does not exist, or miss one that does.
 
 Execution (``execute_notebook``) runs a notebook in a fresh kernel of *this* interpreter with
-``ZERO_NOTEBOOK_PROFILE`` set (``small`` in tests) and ``MPLBACKEND=Agg``. With Agg, figures stay
-open after each cell (the inline backend would close them), so one extra cell appended at the end
-can describe every open matplotlib Figure (``describe_figures``) as one ``__FIGURES__ <json>`` line.
+``ZERO_NOTEBOOK_PROFILE`` set (``small`` in tests), ``MPLBACKEND=Agg``, and the repository first
+on ``PYTHONPATH`` (so ``from notebooks import teaching`` is this checkout's). With Agg, figures
+stay open after each cell (the inline backend would close them), so one extra cell appended at
+the end can describe every open matplotlib Figure (``describe_figures``) as one
+``__FIGURES__ <json>`` line.
 ``check_figures`` then asserts that each figure has axes with data, labels and a title.
 
 nbformat and nbclient are imported lazily: importing this module costs nothing.
@@ -316,10 +318,12 @@ def execute_notebook(
     """Execute the notebook at ``path`` and return ``(executed_nb, figures)``.
 
     The notebook runs in its own folder, in a fresh kernel of this interpreter, with
-    ``ZERO_NOTEBOOK_PROFILE=profile`` and ``MPLBACKEND=Agg``. A probe cell appended at the end
-    describes the open figures (see ``describe_figures``). A cell that raises propagates as
-    nbclient's ``CellExecutionError``, which shows the cell and its traceback. The file on disk
-    is not modified.
+    ``ZERO_NOTEBOOK_PROFILE=profile``, ``MPLBACKEND=Agg`` and the repository first on
+    ``PYTHONPATH`` (so ``from notebooks import teaching`` finds this checkout's package from the
+    notebook's folder, installed or not). A probe cell appended at the end describes the open
+    figures (see ``describe_figures``). A cell that raises propagates as nbclient's
+    ``CellExecutionError``, which shows the cell and its traceback. The file on disk is not
+    modified.
     """
     import nbformat
     from nbclient import NotebookClient
@@ -333,6 +337,9 @@ def execute_notebook(
         "MPLBACKEND": "Agg",
         # debugpy warns about frozen modules on every kernel start; the tests never debug.
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+        ),
     }
     with patched_environ(env), kernel_for_this_interpreter():
         client = NotebookClient(
@@ -361,9 +368,9 @@ INDEX_HEAD = """\
 Notebooks that teach ZeRO (Rajbhandari et al.,
 [arXiv 1910.02054](https://arxiv.org/abs/1910.02054)) and reproduce its results with this
 codebase, numbered in reading order. Every one runs on a laptop CPU; none needs a GPU. This index
-is generated from the notebooks by `python tools/notebooks.py index` (a test checks that it is
+is generated from the notebooks by `python -m notebooks.tool index` (a test checks that it is
 current): each title is the notebook's first heading, each summary the start of its first
-paragraph.
+paragraph. Their logic lives beside them, in `teaching/` (`from notebooks import teaching`).
 
 | notebook | title | summary |
 |---|---|---|
@@ -440,7 +447,7 @@ def index_markdown(directory: Path = NOTEBOOKS_DIR) -> str:
 def main(argv: list[str]) -> int:
     import nbformat
 
-    usage = "usage: python tools/notebooks.py {strip|check} NOTEBOOK... | index [--check]"
+    usage = "usage: python -m notebooks.tool {strip|check} NOTEBOOK... | index [--check]"
     if not argv or argv[0] not in {"strip", "check", "index"}:
         print(usage, file=sys.stderr)
         return 2
@@ -448,7 +455,7 @@ def main(argv: list[str]) -> int:
         text = index_markdown()
         if argv[1:] == ["--check"]:
             if INDEX_PATH.read_text(encoding="utf-8") != text:
-                print(f"{INDEX_PATH} is stale: run `python tools/notebooks.py index`")
+                print(f"{INDEX_PATH} is stale: run `python -m notebooks.tool index`")
                 return 1
             return 0
         INDEX_PATH.write_text(text, encoding="utf-8")

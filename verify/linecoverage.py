@@ -45,9 +45,9 @@ NOT_LIBRARY = {
 except the scopes of NOT_LIBRARY_SCOPES: every `if __name__ == "__main__":` block, and the
 instruments that no training step calls (the paper's closed-form memory formulas, parameter and
 FLOP counts, the activation-byte probe, the counter's queries), which measure/, paper_figures/
-and teaching/ use and their tests check, and the bodies of Triton kernels, which are device code,
-never Python that runs. Nothing is left out for being unrun: unrun library lines are listed in
-verify/uncovered.toml, each with its reason, and count as missed."""
+and notebooks/teaching/ use and their tests check, and the bodies of Triton kernels, which are
+device code, never Python that runs. Nothing is left out for being unrun: unrun library lines are
+listed in verify/uncovered.toml, each with its reason, and count as missed."""
 
 NOT_LIBRARY_SCOPES = {
     "*": ("__main__",),

@@ -3,10 +3,10 @@ memory tables, exercise checkers, real gloo runs with timelines, and the measure
 claims.
 
 Used by ``notebooks/02_zero_from_scratch.ipynb`` and ``notebooks/04_claims_vs_measurements.ipynb``
-as ``import teaching`` and ``teaching.X``; every name they use is re-exported here. The mechanism
-itself is not here: notebook 02 writes each stage's step in its own cells (NumPy over simulated
-ranks, the reduce-scatter and all-gather written out), and reference/simulate.py holds the same
-steps as Stage0-Stage3. Tested in tests/unit/test_teaching.py (one process) and
+as ``from notebooks import teaching`` and ``teaching.X``; every name they use is re-exported here.
+The mechanism itself is not here: notebook 02 writes each stage's step in its own cells (NumPy
+over simulated ranks, the reduce-scatter and all-gather written out), and reference/simulate.py
+holds the same steps as Stage0-Stage3. Tested in tests/unit/test_teaching.py (one process) and
 tests/distributed/test_teaching.py (gloo ranks).
 
 Modules:

@@ -1,7 +1,7 @@
 """What every part of teaching shares: the category and stage names, bitwise
 comparison of parameter dicts, Markdown tables, new axes, and saving a figure atomically.
 
-Legend: see the package docstring (teaching/__init__.py)."""
+Legend: see the package docstring (notebooks/teaching/__init__.py)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
-"""teaching/ on real gloo ranks: the measurements behind the teaching notebooks
+"""notebooks/teaching/ on real gloo ranks: the measurements behind the teaching notebooks
 (02_zero_from_scratch and 04_claims_vs_measurements) must agree with the NumPy simulation, with
 the reference's bits, and with the volumes of docs/design.md §2. The one-process tests of
-teaching/ are in tests/unit/test_teaching.py.
+notebooks/teaching/ are in tests/unit/test_teaching.py.
 """
 
 import matplotlib
 import pytest
 
-import teaching
-from teaching import CATEGORIES, Job, bytes_by_rank
+from notebooks import teaching
+from notebooks.teaching import CATEGORIES, Job, bytes_by_rank
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -13,8 +13,8 @@ import matplotlib
 import nbformat
 import pytest
 
-import notebooks as notebook_tools  # tools/notebooks.py (pytest's pythonpath holds tools/)
-from notebooks import (
+from notebooks import tool as notebook_tools
+from notebooks.tool import (
     INDEX_PATH,
     check_figures,
     describe_figures,
@@ -44,7 +44,7 @@ def test_notebook_is_stored_stripped(path):
 def test_index_is_generated_from_the_notebooks():
     assert [p.name[:3] for p in NOTEBOOKS] == [f"{i:02d}_" for i in range(1, len(NOTEBOOKS) + 1)]
     assert INDEX_PATH.read_text(encoding="utf-8") == index_markdown(), (
-        "notebooks/README.md is stale: run `python tools/notebooks.py index` and commit it"
+        "notebooks/README.md is stale: run `python -m notebooks.tool index` and commit it"
     )
 
 
@@ -165,10 +165,11 @@ def test_has_outputs_flags_a_stored_output_and_strip_removes_it(tmp_path):
 
     path = tmp_path / "dirty.ipynb"
     nbformat.write(nb, path)
-    tool = [sys.executable, notebook_tools.__file__]
-    check = subprocess.run([*tool, "check", str(path)], capture_output=True, text=True)
+    tool = [sys.executable, "-m", "notebooks.tool"]
+    root = notebook_tools.REPO_ROOT  # where `python -m` finds the package
+    check = subprocess.run([*tool, "check", str(path)], cwd=root, capture_output=True, text=True)
     assert check.returncode == 1 and "cell 1" in check.stdout, check
-    subprocess.run([*tool, "strip", str(path)], check=True, capture_output=True)
+    subprocess.run([*tool, "strip", str(path)], cwd=root, check=True, capture_output=True)
     assert has_outputs(nbformat.read(path, as_version=4)) == []
     assert has_outputs(strip(nb)) == []
 

@@ -26,7 +26,7 @@ DOCS_MENTION = re.compile(r"(?<![\w/.])docs/([a-z][a-z0-9_]*)\.md")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 UPPER_MD = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[A-Z][A-Z0-9_]*\.md)\b")
 REPO_PATH = re.compile(
-    r"(?<![\w/.-])((?:reference|zero|measure|verify|paper_figures|teaching|tools|tests|notebooks"
+    r"(?<![\w/.-])((?:reference|zero|measure|verify|paper_figures|tools|tests|notebooks"
     r"|benchmarks|docs)/[\w/.-]*\w\.(?:py|md|ipynb))\b"
 )
 HISTORY = ("CHANGELOG.md",)  # a changelog names files as they were when it was written

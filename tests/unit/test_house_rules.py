@@ -35,7 +35,6 @@ PACKAGES = (
     "measure",
     "verify",
     "paper_figures",
-    "teaching",
     "notebooks",
     "apps",
 )

@@ -1,11 +1,12 @@
 """The packages stack in one direction (no package has an import cycle inside: that is
 tests/unit/test_house_rules.py's, with this file's cycle finder).
 
-    reference  <-  zero  <-  measure  <-  verify  <-  paper_figures, teaching
+    reference  <-  zero  <-  measure  <-  verify  <-  paper_figures, notebooks
 
 A package may import only the packages below it (and itself): the library (zero) never imports
 the instruments that measure it (measure), the harness that checks it (verify), or the figures
-and teaching helpers built on top. Imports inside functions count as much as module-level ones.
+and the notebooks' logic (notebooks/teaching/) built on top. Imports inside functions count as
+much as module-level ones.
 """
 
 import ast
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LAYERS = ("reference", "zero", "measure", "verify", ("paper_figures", "teaching"))
+LAYERS = ("reference", "zero", "measure", "verify", ("paper_figures", "notebooks"))
 PACKAGES = [p for layer in LAYERS for p in ((layer,) if isinstance(layer, str) else layer)]
 
 

@@ -1,5 +1,5 @@
-"""teaching/, one process: the pictures, tables, exercise checkers, timelines and claim
-arithmetic behind the teaching notebooks (02_zero_from_scratch and 04_claims_vs_measurements).
+"""notebooks/teaching/, one process: the pictures, tables, exercise checkers, timelines and
+claim arithmetic behind the teaching notebooks (02_zero_from_scratch and 04_claims_vs_measurements).
 
 The block pictures must add up to exactly the bytes the simulated ranks (World.resident_bytes)
 hold; the message tables to exactly World.traffic; the exercise checkers must accept the right
@@ -13,10 +13,8 @@ import matplotlib
 import numpy as np
 import pytest
 
-import teaching
-from reference import Hyper, cast
-from reference.simulate import World
-from teaching import (
+from notebooks import teaching
+from notebooks.teaching import (
     CATEGORIES,
     Interval,
     Job,
@@ -28,6 +26,8 @@ from teaching import (
     toy_problem,
     world_blocks,
 )
+from reference import Hyper, cast
+from reference.simulate import World
 from zero.common.memory import reduction_factor
 
 matplotlib.use("Agg")
