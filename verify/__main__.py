@@ -13,8 +13,10 @@ cuda:(r % GPUs), so N = 2 and 4 run on one GPU; --backend nccl needs a GPU per r
 torchrun (`torchrun --nproc-per-node 8 -m verify ...`) it uses the world it was given, NCCL on
 the GPUs where CUDA is available (else gloo on the CPU; --backend and --device choose), and runs
 the cells of that world size only (the world-size invariance table needs several worlds and is
-skipped there). One row per cell; the exit status is non-zero if any row fails. Deterministic
-cells must be bitwise equal on every rank. Fast cells run in lock-step (verify/lockstep.py): each
+skipped there). One row per cell; the exit status is non-zero if any row fails. What raises (in a
+rank, a cell, a resume case, a whole section) is a failing row naming it and the error, and the
+summary and the reports are still written (verify.report.guarded). Deterministic cells must be
+bitwise equal on every rank. Fast cells run in lock-step (verify/lockstep.py): each
 step starts from the reference's state and the reduced gradient, master, optimizer states and
 working copy must each lie within their derived bound; the row prints the worst check's measured
 error beside its bound (a cell passes at ratio <= 1).
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -56,7 +59,7 @@ from zero.ranks.launch import check_timeout
 
 from . import invariance, matrix
 from .cell import Cell
-from .report import SECTIONS, console_row, markdown, sanitize
+from .report import SECTIONS, console_row, guarded, markdown, sanitize, section
 from .run import Where, run_matrix
 
 MODES = ("deterministic", "fast")
@@ -325,6 +328,24 @@ def plan(args) -> tuple[list[Cell], list[dict]]:
     return cells, runs
 
 
+def list_plans(args) -> dict[str, list]:
+    """The plans besides the cells that `--list` reports feature pairs over (verify/
+    interactions.py): the resume cases and model-parallel rows with --resume, the model-parallel
+    cells and the watchdog cells with a preset, the GPU tests that exist in this checkout."""
+    from . import interactions, mp_cells, mp_resume, resume, watchdog_cells
+
+    plans: dict[str, list] = {}
+    if args.resume:
+        plans["resume"] = resume.resume_cases(quick=not args.complete)
+    if args.quick or args.complete:
+        mp = mp_cells.complete_cells() if args.complete else mp_cells.quick_cells()
+        plans["mp"] = list(mp) + (list(mp_resume.row_names()) if args.resume else [])
+        plans["watchdog"] = list(watchdog_cells.CELLS)
+    root = Path(__file__).resolve().parent.parent
+    plans["gpu"] = [t for t in interactions.GPU_TESTS if (root / t).is_file()]
+    return plans
+
+
 def resume_section(args, say) -> list[dict] | None:
     """The optional checkpoint resume/reshard table (verify/resume.py): rows with `passed`,
     or None without --resume. The quick cases, or every case with --complete."""
@@ -407,8 +428,22 @@ def watchdog_section(args, say) -> list[dict] | None:
     cells = watchdog_cells.CELLS
     if args.world_sizes is not None:
         cells = [c for c in cells if c.world_size in args.world_sizes]
-    say("watchdog (rank 1 diverges; every rank must name it):")
-    return watchdog_cells.run_section(timeout_s=args.timeout, say=say, cells=cells)
+    say("watchdog (some ranks diverge; every rank must name them, or all ranks at a tie):")
+    if launch.under_torchrun():  # the section says in one line why it skips
+        return watchdog_cells.run_section(timeout_s=args.timeout, say=say, cells=cells)
+    return [row for cell in cells for row in watchdog_cell(cell, args.timeout, say)]
+
+
+def watchdog_cell(cell, timeout_s: float, say) -> list[dict]:
+    """One watchdog cell's row; a failing row naming it when its world raised (guarded)."""
+    from . import watchdog_cells
+
+    def failed(row: dict) -> list[dict]:
+        say(f"  {cell.label:<56} FAIL raised {row['error']}")
+        return [{"cell": cell.label, "message": f"raised {row['error']}", **row}]
+
+    run = functools.partial(watchdog_cells.run_section, timeout_s=timeout_s, say=say, cells=[cell])
+    return guarded(cell.label, run, wrap=failed)
 
 
 def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
@@ -462,6 +497,21 @@ def write_digests(path: str, report: dict) -> None:
     write_json(path, {"about": DIGESTS_ABOUT, **slim, "provenance": report["provenance"]})
 
 
+def no_matrix(failed: dict, started: float) -> dict:
+    """The report of a run whose cells raised as a whole (run_matrix): no rows, the failing row
+    in "errors", so that the sections after it still run and the report is still written."""
+    empty = {"cells": [], "injected": [], "world_size_invariance": []}
+    return {**empty, "errors": [failed], "timing": {"total_s": round(time.time() - started, 1)}}
+
+
+def say_raised(errors: list[dict], say) -> None:
+    """The summary's lines for the sections that raised as a whole ([Note: a row that raised])."""
+    if errors:
+        say(f"errors: {len(errors)} section(s) raised, each a failing row:")
+    for r in errors:
+        say(f"  {r['name']}: {r['error']}")
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if args.coverage:  # this command again, in a fresh interpreter under coverage: verify's
@@ -492,7 +542,7 @@ def main(argv=None) -> int:
         for n in sizes:
             say(f"N={n}: {sum(c.world_size == n for c in cells)} cells")
         say(f"{len(cells)} cells, {len(runs)} invariance runs")
-        for line in matrix.coverage(cells):
+        for line in matrix.coverage(cells, list_plans(args)):
             say(line)
         parity_section(args, say)
         mp_section(args, say)
@@ -501,15 +551,20 @@ def main(argv=None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if torchrun:  # join the launched world as asked; every section then uses it
         launch.init_from_env(backend=args.backend, device=args.device)
-    report = run_matrix(
-        cells, runs, timeout_s=args.timeout, say=say, invariance_sizes=args.world_sizes,
-        where=where,
+    t0 = time.time()
+    report = guarded(
+        "cells",
+        lambda: run_matrix(
+            cells, runs, timeout_s=args.timeout, say=say, invariance_sizes=args.world_sizes,
+            where=where,
+        ),
+        wrap=lambda failed: no_matrix(failed, t0),
     )  # fmt: skip
-    resume = resume_section(args, say)
+    resume = section(report, "resume", lambda: resume_section(args, say))
     if resume is not None:
         report["resume"] = resume
     t0 = time.time()
-    par = parity_section(args, say)
+    par = section(report, "parity", lambda: parity_section(args, say))
     if par is not None:  # the parity section (verify/parity.py)
         report["parity"], report["parity_invariance"] = par
         report["timing"]["parity_s"] = round(time.time() - t0, 1)
@@ -517,7 +572,7 @@ def main(argv=None) -> int:
             f"{sum(r['passed'] for r in par[1])}/{len(par[1])} digest groups, "
             f"{report['timing']['parity_s']} s")  # fmt: skip
     t0 = time.time()
-    mp = mp_section(args, say)
+    mp = section(report, "mp", lambda: mp_section(args, say))
     if mp is not None:  # the model-parallel section (verify/mp_cells.py)
         report["mp"], report["mp_invariance"], report["mp_operators"] = mp
         report["timing"]["mp_s"] = round(time.time() - t0, 1)
@@ -525,7 +580,7 @@ def main(argv=None) -> int:
             f"{sum(r['passed'] for r in mp[1])}/{len(mp[1])} digest groups, "
             f"{sum(r['passed'] for r in mp[2])}/{len(mp[2])} operator cells against N_m = 1, "
             f"{report['timing']['mp_s']} s")  # fmt: skip
-    watch = watchdog_section(args, say)
+    watch = section(report, "watchdog", lambda: watchdog_section(args, say))
     if watch is not None:  # the watchdog section (verify/watchdog_cells.py)
         report["watchdog"] = watch
         say(f"watchdog: {sum(r['passed'] for r in watch)}/{len(watch)} cells passed")
@@ -534,6 +589,19 @@ def main(argv=None) -> int:
         **provenance(), "backend": args.backend, "device": args.device, "launcher": launcher
     }  # fmt: skip
     timing = report["timing"]
+    cell_rows = report["cells"] + report["injected"]
+    ok = sum(r["passed"] for r in cell_rows)
+    if not (args.parity or mp_alone(args)):  # --parity, --mp alone run no matrix cells
+        say(f"{ok}/{len(cell_rows)} cells passed in {timing['total_s']:.1f} s")
+    for name in SECTIONS[2:]:
+        if report.get(name) and name != "errors":
+            ok = sum(r["passed"] for r in report[name])
+            say(f"{name}: {ok}/{len(report[name])} passed")
+    changed = []
+    if args.baseline:
+        compare = functools.partial(compare_baseline, args.baseline, cell_rows, say)
+        changed = section(report, "baseline", compare, empty=[])
+    say_raised(report["errors"], say)
     every = [r for name in SECTIONS for r in report.get(name) or []]
     every += [
         r
@@ -548,15 +616,6 @@ def main(argv=None) -> int:
         for r in report.get(name) or []
     ]
     failed = [r for r in every if not r["passed"]]
-    cell_rows = report["cells"] + report["injected"]
-    ok = sum(r["passed"] for r in cell_rows)
-    if not (args.parity or mp_alone(args)):  # --parity, --mp alone run no matrix cells
-        say(f"{ok}/{len(cell_rows)} cells passed in {timing['total_s']:.1f} s")
-    for name in SECTIONS[2:]:
-        if report.get(name):
-            ok = sum(r["passed"] for r in report[name])
-            say(f"{name}: {ok}/{len(report[name])} passed")
-    changed = compare_baseline(args.baseline, cell_rows, say) if args.baseline else []
     if lead and args.json:
         write_json(args.json, sanitize(report))
     if lead and args.digests:

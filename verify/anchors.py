@@ -25,11 +25,10 @@ import torch
 from reference import ModelSpec, StepConfig, init_state, train_step, working_copy
 from reference.precision import UNIT_ROUNDOFF
 from reference.step import CLIP_EPS, StepInfo, TrainState
-from zero.config import decay_matrices_only
-from zero.optim import update as zero_optim
 
 from .bounds import gamma, optimizer_step_error
 from .cell import GROUPS, MODELS
+from .expect import decay_groups
 from .harness import microbatch_grads
 
 U = UNIT_ROUNDOFF["fp32"]
@@ -74,8 +73,11 @@ class Anchor:
     def groups(self):
         return GROUPS["adamw"][:1] if self.one_group else GROUPS["adamw"]
 
-    def group_of(self, name: str, p) -> int:
-        return 0 if self.one_group else decay_matrices_only(name, p)
+    def group_of(self, model) -> dict[str, int]:
+        """Parameter name -> group, stated by verify/expect.py's GROUPINGS (never the library's
+        predicate: the reference and the peers take it alike, so it must be right on its own)."""
+        groups = decay_groups(model)
+        return dict.fromkeys(groups, 0) if self.one_group else groups
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,14 +134,15 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def model_spec(model, chunk: int = 128, group_of=decay_matrices_only) -> ModelSpec:
+def model_spec(model, chunk: int = 128, groups: dict[str, int] | None = None) -> ModelSpec:
     """The reference's view of the model: the root unit first (everything outside the model's
-    units, the tied head included), then one unit each, as zero.engine arranges them."""
+    units, the tied head included), then one unit each, as zero.engine arranges them; groups
+    by name (None: verify.expect.decay_groups)."""
     units = model.unit_names()
     named = list(model.named_parameters())  # a tied parameter appears once
     owner = {n: next((u for u in units if n.startswith(u + ".")), "") for n, _ in named}
     layout = [[(n, tuple(p.shape)) for n, p in named if owner[n] == u] for u in ("", *units)]
-    groups = {n: group_of(n, p) for n, p in named}
+    groups = decay_groups(model) if groups is None else groups
     return ModelSpec.build([u for u in layout if u], groups, chunk=chunk)
 
 
@@ -147,7 +150,7 @@ def reference_run(a: Anchor) -> tuple[ModelSpec, StepConfig, list[RefStep]]:
     """The reference's trajectory over a.steps steps (its own, never the peer's)."""
     build, data = MODELS[a.model]
     model = build()
-    spec = model_spec(model, group_of=a.group_of)
+    spec = model_spec(model, groups=a.group_of(model))
     rcfg = StepConfig(
         optimizer="adamw",
         groups=a.groups(),
@@ -179,13 +182,26 @@ def reference_run(a: Anchor) -> tuple[ModelSpec, StepConfig, list[RefStep]]:
 def torch_optimizer(model, a: Anchor, recipe: Recipe) -> torch.optim.Optimizer:
     """torch.optim with the reference's groups, every hyper-parameter spelled out (torch's AdamW
     defaults to weight_decay=0.01, which group 1 must not get)."""
-    hps = a.groups()
+    hps, group = a.groups(), a.group_of(model)
     members = [[] for _ in hps]
     for name, p in model.named_parameters():
-        members[a.group_of(name, p)].append(p)
+        members[group[name]].append(p)
     kind = recipe.torch_optimizer.lower()
-    groups = [(ps, hp) for ps, hp in zip(members, hps) if ps]
-    return zero_optim.torch_optimizer(kind, groups, foreach=False)  # A4: the single-tensor kernel
+    return peer_optimizer(kind, [(ps, hp) for ps, hp in zip(members, hps) if ps])
+
+
+def peer_optimizer(kind: str, groups) -> torch.optim.Optimizer:
+    """torch.optim.Adam or AdamW over (parameters, Hyper) groups, foreach=False (A4: the
+    single-tensor kernel). Every argument is spelled out here rather than taken from the
+    library's own translation (zero.optim.update.torch_kwargs, which the engine's fast SGD and
+    the consolidation use): a peer built by the code under test would share its mistakes."""
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+    args = [
+        {"params": ps, "lr": hp.lr, "betas": tuple(hp.betas), "eps": hp.eps,
+         "weight_decay": hp.weight_decay}
+        for ps, hp in groups
+    ]  # fmt: skip
+    return cls(args, foreach=False)
 
 
 def load_state(model, opt, master, opt_state, t: int) -> None:

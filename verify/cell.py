@@ -71,6 +71,15 @@ MODELS = {  # build(device=None): on the CPU, or on the meta device (Cell.meta)
         ),
         gpt_microbatches,
     ),
+    # dropout 0.1 in attention, residuals and embeddings: each micro-batch's forward draws its
+    # masks from (dropout_seed, data step, j) ([Note: seeded forward] in zero/hooks.py)
+    "gpt-dropout": (
+        lambda device=None: GPT(
+            GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1),
+            device=device,
+        ),
+        gpt_microbatches,
+    ),
     "mlp-frozen": (frozen_mlp, mlp_microbatches),
     "mlp-bn": (
         lambda device=None: NormMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
@@ -155,6 +164,10 @@ class Cell:
     init: str = "auto"
     """With meta: ZeroEngine's init rule. "own" runs each unit's reset_parameters under its
     unit seed; the reference side recomputes those values itself (own_init)."""
+    groups: str = "two"
+    """'two': GROUPS[optimizer], matrices decayed and biases and norms not (group_of); 'one':
+    its first group for every parameter (no group_of), so that a run of the optimizer spans
+    parameters of a unit that differ in use and step count (unused parameters)."""
     loss_scale: float | None = None
     """fp16: the loss scaler's first scale (and its floor, where below 1); None: the default
     2^16. Below 1/M the engine checks R itself for overflow ([Note: overflow detection])."""
@@ -178,6 +191,8 @@ class Cell:
             raise ValueError(f"init={self.init!r}: 'auto', or 'own' with meta=True")
         if self.units == "auto" and self.model != "gpt":
             raise ValueError(f"units='auto' with model={self.model!r}: only the GPT's blocks")
+        if self.groups not in ("one", "two"):
+            raise ValueError(f"groups={self.groups!r}: allowed are 'one', 'two'")
         if (self.gradients == "drawn") != (self.draw is not None):
             raise ValueError("draw: give a GradientDraw exactly when gradients='drawn'")
 
@@ -207,8 +222,8 @@ class Cell:
             reduce_dtype=self.reduce_dtype,
             deterministic=self.mode == "deterministic",
             optimizer=self.optimizer,
-            groups=GROUPS[self.optimizer],
-            group_of=decay_matrices_only,
+            groups=GROUPS[self.optimizer][: 1 if self.groups == "one" else 2],
+            group_of=decay_matrices_only if self.groups == "two" else None,
             micro_batches=self.micro_batches,
             clip_norm=self.clip_norm,
             units={"tiny": tuple(units), "huge": (), "auto": "auto"}[self.units],

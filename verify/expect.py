@@ -9,7 +9,9 @@ cb/gb the bytes of the compute and reduction dtypes.
   reference_units   config.units applied to model.named_parameters(): a parameter belongs to the
                     one named unit whose submodule holds it, to the root if none or several do
                     (tied parameters, once each), root first (docs/design.md §3)
-  reference_groups  config.group_of(name, parameter) for every parameter (0 without group_of)
+  reference_groups  every trainable parameter's group by GROUPINGS, the split stated here from
+                    the layers' roles (0 everywhere without config.group_of), never by calling
+                    the library's predicate (zero.config.decay_matrices_only)
   expected_traffic  per step and rank, {"op:phase": (calls, elements, padding)} by the design's
                     volume table (docs/design.md §2) unit by unit, see the function
   expected_memory   engine.memory_report()'s categories by zero.common.memory.model_state_breakdown
@@ -21,6 +23,7 @@ tell (tests/distributed/test_verify_planted.py).
 from __future__ import annotations
 
 import math
+from fnmatch import fnmatchcase
 
 from reference import ModelSpec
 from reference.optim import state_names
@@ -50,10 +53,127 @@ def reference_units(
     return [(u, ps) for u, ps in out.items() if ps]
 
 
+# -- parameter groups ---------------------------------------------------------------------------
+# The split every verify config asks for (group_of=zero.config.decay_matrices_only, the input
+# under test), stated here on its own terms (docs/design.md §2.7; docs/verification.md, "Where
+# expected values come from"): group 0, weight decay, holds the matrices a layer multiplies by
+# (linear and attention projections, convolution kernels, embedding tables, LoRA's adapters);
+# group 1, none, holds every additive bias and every normalisation layer's scale and shift.
+# The rows name parameters by pattern (fnmatch: * spans dots), per model kind; a parameter
+# must match exactly one group's patterns, so a name the table does not know is refused
+# rather than guessed. Shapes are not read: where the library's rule (two or more dimensions)
+# and the roles disagree, cells fail.
+
+MLP_SPLIT = (("layers.*.weight",), ("layers.*.bias",))
+"""verify.cell's MLPs (mlp, mlp-uneven, mlp-frozen, mlp-bn: its BatchNorms have no affine
+parameters): the linear layers' weights decay, their biases do not."""
+
+GPT_SPLIT = (
+    (
+        "transformer.wte.weight",  # token embedding, tied to the head (GPT-2's recipe decays it)
+        "transformer.wpe.weight",  # position embedding
+        "transformer.h.*.attn.c_attn.weight",
+        "transformer.h.*.attn.c_proj.weight",
+        "transformer.h.*.mlp.c_fc.weight",
+        "transformer.h.*.mlp.c_proj.weight",
+        "transformer.h.*.lora_a",  # zero/workloads/lora.py's adapters (the base is frozen)
+        "transformer.h.*.lora_b",
+    ),
+    (
+        "transformer.h.*.attn.c_*.bias",
+        "transformer.h.*.mlp.c_*.bias",
+        "transformer.h.*.ln_?.weight",
+        "transformer.h.*.ln_?.bias",
+        "transformer.ln_f.weight",
+        "transformer.ln_f.bias",
+    ),
+)
+"""The project's GPT (and its tensor-parallel slice, and Hugging Face's GPT-2, which names its
+parameters the same way)."""
+
+RESNET_SPLIT = (
+    ("stem.0.weight", "blocks.*.conv?.weight", "blocks.*.shortcut.0.weight", "head.weight"),
+    (
+        "stem.1.weight",  # stem.1 and shortcut.1 are BatchNorms
+        "stem.1.bias",
+        "blocks.*.bn?.weight",
+        "blocks.*.bn?.bias",
+        "blocks.*.shortcut.1.weight",
+        "blocks.*.shortcut.1.bias",
+        "head.bias",
+    ),
+)
+"""zero/workloads/resnet.py: convolution kernels and the head's matrix decay; BatchNorms'
+scales and shifts and the head's bias do not."""
+
+LLAMA_SPLIT = (
+    (
+        "model.embed_tokens.weight",
+        "model.layers.*.self_attn.?_proj.weight",
+        "model.layers.*.mlp.*_proj.weight",
+        "lm_head.weight",
+    ),
+    ("model.layers.*.input_layernorm.weight", "model.layers.*.post_attention_layernorm.weight",
+     "model.norm.weight"),
+)  # fmt: skip
+"""Hugging Face's Llama: no biases; the RMSNorms' scales do not decay."""
+
+GROUPINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "MLP": MLP_SPLIT,
+    "NormMLP": MLP_SPLIT,
+    "BranchMLP": (("mlp.layers.*.weight", "side.weight"), ("mlp.layers.*.bias", "side.bias")),
+    "GPT": GPT_SPLIT,
+    "TPGPT": GPT_SPLIT,
+    "GPT2LMHeadModel": GPT_SPLIT,
+    "ResNet": RESNET_SPLIT,
+    "LlamaForCausalLM": LLAMA_SPLIT,
+    # verify/inject.py's parameter-only models: names without layer roles, so each is listed;
+    # the vectors stand for biases and norms, the rest for matrices and kernels
+    "ParamModel:even": (("p1", "a.p0", "b.p0", "b.p2"), ("p0", "a.p1", "b.p1")),
+    "ParamModel:uneven": (("p1", "a.p0", "b.p0", "c.p0"), ("p0", "a.p1", "b.p1", "b.p2")),
+}
+"""Model kind (the class name; ParamModel with its plan) -> (patterns of the parameters that
+decay, patterns of those that do not)."""
+
+
+def model_kind(model) -> str:
+    """The key of GROUPINGS for a model."""
+    kind = type(model).__name__
+    return f"{kind}:{model.plan}" if kind == "ParamModel" else kind
+
+
+def decay_groups(model) -> dict[str, int]:
+    """Trainable parameter name -> 0 (weight decay) or 1 (none), by GROUPINGS alone."""
+    kind = model_kind(model)
+    if kind not in GROUPINGS:
+        raise ValueError(f"no grouping stated for model kind {kind!r}: add it to GROUPINGS")
+    # frozen parameters are in no group (docs/design.md §2.8)
+    return {n: _group(kind, n) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _group(kind: str, name: str) -> int:
+    hits = [g for g, pats in enumerate(GROUPINGS[kind]) if any(fnmatchcase(name, x) for x in pats)]
+    if len(hits) != 1:
+        raise ValueError(f"{kind}: parameter {name!r} matches groups {hits}, not exactly one")
+    return hits[0]
+
+
 def reference_groups(model, config) -> dict[str, int]:
-    """Parameter name -> optimizer group, by config.group_of on the model's own parameters."""
-    fn = config.group_of
-    return {n: (fn(n, p) if fn else 0) for n, p in model.named_parameters() if p.requires_grad}
+    """Parameter name -> optimizer group: decay_groups where the config groups at all, 0 for
+    every parameter where it does not (group_of=None: ZeroConfig's documented meaning)."""
+    if config.group_of is None:
+        return {n: 0 for n, p in model.named_parameters() if p.requires_grad}
+    return decay_groups(model)
+
+
+def group_mismatch(engine: dict, want: dict) -> str:
+    """'' when the engine's groups (engine.group_index, a read of its state) are `want`, else
+    the first parameter whose group differs."""
+    bad = sorted(k for k in set(engine) | set(want) if engine.get(k) != want.get(k))
+    if not bad:
+        return ""
+    k = bad[0]
+    return f"parameter groups: engine puts {k!r} in group {engine.get(k)}, expected {want.get(k)}"
 
 
 def reference_spec(model, config) -> ModelSpec:
@@ -321,6 +441,22 @@ def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
             for _, lay in frozen
         )
     return total
+
+
+def expected_released(config, spec, device_type: str) -> list[bool]:
+    """Per unit (spec's order), whether its gradient buffer is released between steps, from
+    the config alone (ZeroConfig.release_grads' contract): where release_grads is True (None: on
+    CUDA only), except the arena views of contiguous_memory and the host shards that
+    offload_optimizer reduces into (stages 2-3; stage 3's persistent units are stage 0's)."""
+    release = config.release_grads
+    if release is None:
+        release = device_type == "cuda"
+    out = []
+    for lay in spec.layouts:
+        stage = 0 if persistent(config, lay) else config.stage
+        host_shard = config.offload_optimizer and stage >= 2
+        out.append(bool(release) and not config.contiguous_memory and not host_shard)
+    return out
 
 
 def traffic_of_step(counter, step: int) -> dict[str, tuple]:

@@ -10,8 +10,9 @@ builds the model and the engine and runs the single-process reference on the sam
   injected   g_j come from a GradientDraw (verify/inject.py) and go into the engine through
              ZeroEngine.inject_gradients on the rank that owns micro-batch j.
 The reference side comes from the model and the cell alone (verify/expect.py): its units
-(config.units on the model's parameters), groups (config.group_of), configuration and
-micro-batches; the engine's units and groups are compared with them, never used.
+(config.units on the model's parameters), groups (verify.expect.GROUPINGS, stated there, not
+the config's group_of), configuration and micro-batches; the engine's units and groups are
+compared with them, never used.
 After every step each rank compares, naming the step, the quantity and both values:
   reported  the step's loss (the mean of the reference side's own micro-batch losses, or of the
             injected ones, within loss_bound), the global norm, the skip decision, the loss
@@ -37,7 +38,6 @@ import hashlib
 import math
 import random
 import time
-import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -59,9 +59,11 @@ from .compare import bitwise_equal, max_abs_diff, max_ulp, to_numpy
 from .expect import (
     expected_extents,
     expected_memory,
+    expected_released,
     expected_traffic,
     first_difference,
     frozen_layouts,
+    group_mismatch,
     ran_units,
     reference_spec,
     reference_step_config,
@@ -69,6 +71,7 @@ from .expect import (
 )
 from .inject import to_torch
 from .lockstep import check_fast_step, gradient_errors
+from .report import cell_name, guarded
 
 __all__ = ["expected_extents"]  # re-exported: it lived here before verify/expect.py
 
@@ -538,12 +541,10 @@ def check_structure(run: CellRun, v: Verdict) -> bool:
     if ours != theirs:
         v.fail(f"units: engine {ours}, reference {theirs}")
         return False
-    if dict(eng.group_index) != dict(spec.group_of):
-        bad = sorted(k for k in spec.group_of if eng.group_index.get(k) != spec.group_of[k])
-        v.fail(
-            f"parameter groups: engine puts {bad[0]!r} in group {eng.group_index.get(bad[0])}, "
-            f"the config's group_of in {spec.group_of[bad[0]]}"
-        )
+    # spec.group_of is verify.expect's GROUPINGS, stated apart from the config's group_of
+    why = group_mismatch(dict(eng.group_index), dict(spec.group_of))
+    if why:
+        v.fail(why)
     return True
 
 
@@ -609,6 +610,13 @@ def check_memory(run: CellRun, v: Verdict) -> None:
     want = expected_memory(run.ref_cfg, run.spec, run.eng.world_size, run.frozen)
     v.memory_bytes = {"engine": memory, "expected": want}
     v.note("memory", first_difference("resident bytes", memory, want))
+    released = set(run.eng.released_grads())
+    got = [u.name in released for u in run.eng.units]
+    expected = expected_released(run.ref_cfg, run.spec, run.device.type)
+    if got != expected:
+        i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+        v.note("memory", f"unit {i}'s gradient buffer released: engine {got[i]}, expected "
+                         f"{expected[i]} (release_grads between steps)")  # fmt: skip
     if run.ref_model is not None:  # frozen parameters: the cast start values, never updated
         why = frozen_unchanged(
             run.eng, run.eng.module, frozen_working(run.ref_model, run.cell.precision)
@@ -663,37 +671,42 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
 
 def each_cell(run_one, rank: int, n: int, cells) -> list[dict]:
     """run_one(rank, n, cell) for every cell of a section (parity, model parallelism) on this
-    rank; a cell that raises is reported as its failure ({"error": its first line}) and the
-    next one runs."""
-    out = []
-    for cell in cells:
-        try:
-            out.append(run_one(rank, n, cell))
-        except Exception as exc:  # noqa: BLE001 - reported as the cell's failure
-            out.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
-    return out
+    rank; a cell that raises is reported as its failure ({"name", "passed": False, "error"}:
+    verify.report.guarded) and the next one runs."""
+    return [guarded(cell_name(c), lambda c=c: run_one(rank, n, c)) for c in cells]
 
 
 def run_cells(rank: int, world_size: int, cells: list[Cell]) -> list[dict]:
     """Every cell of one world size, in one pass over the same process group.
 
-    An exception in a cell is that cell's failure (reported with its last line), not the
-    batch's: a broken engine must show up as a failing row. An exception on some ranks only
-    can leave the others waiting in a collective; the pool's timeout names them then.
+    An exception in a cell is that cell's failure (verify.report.guarded: a verdict that failed
+    with "raised <Type>: <message>", and its `error`), not the batch's: a broken engine must
+    show up as a failing row. An exception on some ranks only can leave the others waiting in a
+    collective; the pool's timeout names them then.
     """
     torch.set_num_threads(1)
-    out = []
-    for c in cells:
-        try:
-            with injected_delays(c.delays, c.seed, rank) as delayed:
-                out.append(run_cell(rank, world_size, c))
-            out[-1]["delayed_launches"] = delayed[0]
-        except Exception as exc:  # reported as the cell's failure
-            last = traceback.format_exception_only(exc)[-1].strip()
-            v = Verdict(rank)
-            v.fail(f"raised {last}")
-            out.append(v.as_dict(c.mode))
-    return out
+    return [
+        guarded(
+            cell_name(c),
+            lambda c=c: run_delayed(rank, world_size, c),
+            failed=lambda error, c=c: raised_verdict(rank, c, error),
+        )
+        for c in cells
+    ]
+
+
+def run_delayed(rank: int, world_size: int, cell: Cell) -> dict:
+    """run_cell under the cell's injected delays; the verdict counts the delayed launches."""
+    with injected_delays(cell.delays, cell.seed, rank) as delayed:
+        out = run_cell(rank, world_size, cell)
+    return {**out, "delayed_launches": delayed[0]}
+
+
+def raised_verdict(rank: int, cell: Cell, error: str) -> dict:
+    """This rank's verdict on a cell that raised `error`."""
+    v = Verdict(rank)
+    v.fail(f"raised {error}")
+    return v.as_dict(cell.mode)
 
 
 def reference_trajectory(cell: Cell) -> list:

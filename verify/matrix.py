@@ -44,6 +44,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 
+from . import interactions
 from .cell import Cell
 from .covering import covering_array
 from .inject import GradientDraw
@@ -288,7 +289,11 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     # counted collectives are compared every step: any stage-3 cell with a sharded unit
     "extra_all_gather_stage3": lambda c: c.stage == 3 and c.model != "params-even",
     # groups differ in their hyper-parameters (GROUPS), and every model has biases
-    "decay_on_biases": lambda c: _optimizer_steps(c) >= 1,
+    "decay_on_biases": lambda c: _optimizer_steps(c) >= 1 and c.groups == "two",
+    # the groups are compared with verify/expect.py's table when the engine is built, before
+    # any step; every verify model has a parameter of group 1 (a bias or a vector); cells of
+    # one group (no group_of) never call the predicate
+    "decay_rule_vectors": lambda c: c.groups == "two",
     # min(1, coef) matters only on a step that does not clip
     "uncapped_clip": lambda c: clips_on_some_steps(c),
     # below 1/M the engine must check R itself; needs an overflow in R only
@@ -391,6 +396,7 @@ OBSERVABLE.update({
         not c.injected and c.model in ("mlp", "mlp-uneven") and c.precision == "fp32"
     ),
 })  # fmt: skip
+OBSERVABLE.update(interactions.OBSERVABLE)  # the feature pairs' bugs
 
 
 BRANCH_PREDICATES: dict[str, Callable[[Cell], bool]] = {
@@ -437,9 +443,10 @@ def _ids(idx: list[int], most: int = 12) -> str:
     return f"{len(idx):>4}  {shown}{' …' if len(idx) > most else ''}"
 
 
-def coverage(cells: list[Cell]) -> list[str]:
-    """Lines of `verify --list`: per field value and per branch, which cells (#index in the
-    plan) cover it; a branch no cell covers says so."""
+def coverage(cells: list[Cell], plans: dict | None = None) -> list[str]:
+    """Lines of `verify --list`: per field value, per branch and per planted bug, which cells
+    (#index in the plan) cover it, a branch no cell covers saying so; then per feature pair
+    (verify/interactions.py) the items of `plans` (resume, mp, watchdog, gpu) or cells."""
     out = ["per field value (cells, first indices):"]
     for f in LISTED_FIELDS:
         values: dict = {}
@@ -455,7 +462,7 @@ def coverage(cells: list[Cell]) -> list[str]:
     for name, pred in OBSERVABLE.items():
         idx = [i for i, c in enumerate(cells) if pred(c)]
         out.append(f"  {name:<46} {_ids(idx) if idx else '   0  NOT COVERED'}")
-    return out
+    return out + interactions.lines({"cells": cells, **(plans or {})})
 
 
 def invariance_runs(*, full: bool) -> list[dict]:
@@ -536,14 +543,14 @@ BRANCH_PREDICATES.update(
         ),
     }
 )
-LISTED_FIELDS += ("meta", "init")
+LISTED_FIELDS += ("meta", "init", "groups")
 
 
 def quick() -> tuple[list[Cell], list[dict]]:
     """The CI preset: (cells, invariance runs)."""
     cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3] + zero_r_cells()
     extra = list(BRANCHES) + list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED)
-    extra += list(FROZEN)
+    extra += list(FROZEN) + list(interactions.CELLS)
     return cells + extra, invariance_runs(full=False)
 
 
@@ -601,4 +608,4 @@ def complete() -> tuple[list[Cell], list[dict]]:
     out += slice_cells(mode="fast", sizes="even") + gpt_cells
     out += extras() + list(TEETH) + zero_r_cells((2, 3, 4)) + list(BRANCHES)
     out += list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED) + list(FROZEN)
-    return out, invariance_runs(full=True)
+    return out + list(interactions.CELLS), invariance_runs(full=True)

@@ -12,6 +12,9 @@ output gradient; every MP rank runs its slice of that operator on the same input
     per element, but a matrix product of another width may order them otherwise: at N_m = 2
     they are bitwise the slices here, at N_m = 4 some are not; the row reports how many), the
     embedding's values equal.
+The N_m = 1 GPT does not keep its own start values (zero biases, unit LayerNorm scales): every
+parameter is redrawn first (redraw), so that a bias or a scale applied the wrong number of times
+changes the results.
 A cell (LockCell) is one N_m in one mode (deterministic: fixed-order sums; fast: the backend's
 all-reduce). Plants: PLANTS. Legend: N = N_m, b·s tokens of width h, V vocabulary.
 """
@@ -23,9 +26,15 @@ from dataclasses import asdict, dataclass
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 BATCH = 2
 CHECKS = ("col_fwd", "col_dx", "row_fwd", "row_dx", "dw", "db", "xent_loss", "xent_grad")
-PLANTS = ("no_sum", "mean")
+PLANTS = ("no_sum", "mean", "bias_every_rank")
 """Engine bugs the section must catch: the g / f all-reduce left out (each rank keeps its
-partial); the sum scaled by 1/N_m."""
+partial); the sum scaled by 1/N_m; the row-parallel bias added before g's sum, on each of the
+N_m ranks (N_m·b: invisible while biases are zero, see redraw)."""
+INIT_SEED = 17
+INIT_SCALE = 0.2
+"""redraw's values: N(0, INIT_SCALE²) from INIT_SEED for every parameter. 0.2 makes a bias as
+large as the sums it is added to (a linear over 32 inputs of size about 1 gives about 0.2·√32),
+so N_m·b is far outside any rounding bound, while the logits stay far from saturation."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,16 +55,36 @@ class LockCell:
 
 
 def _plant(which: str | None):
-    """Replace zero.mp.tp_comm.reduce_sum for a plant; returns the undo (pool workers
-    outlive a cell: the next one must run the real code)."""
+    """Replace zero.mp.tp_comm.reduce_sum or zero.mp.layers.row_linear for a plant; returns
+    the undo (pool workers outlive a cell: the next one must run the real code)."""
+    import torch.nn.functional as F
+
+    import zero.mp.layers as layers
     import zero.mp.tp_comm as mpc
 
-    real = mpc.reduce_sum
+    real, real_row = mpc.reduce_sum, layers.row_linear
     if which == "no_sum":
         mpc.reduce_sum = lambda x, *, ctx, phase: x.clone()
     elif which == "mean":
         mpc.reduce_sum = lambda x, *, ctx, phase: real(x, ctx=ctx, phase=phase) / ctx.size
-    return lambda: setattr(mpc, "reduce_sum", real)
+    elif which == "bias_every_rank":
+        layers.row_linear = lambda x, w, b, mp: mpc.reduce_from_mp(F.linear(x, w, b), mp)
+
+    def undo():
+        mpc.reduce_sum, layers.row_linear = real, real_row
+
+    return undo
+
+
+def redraw(model) -> None:
+    """Every parameter of `model` (the tied head once; biases and LayerNorms' scales and shifts
+    included) redrawn N(0, INIT_SCALE²) from INIT_SEED, the same values on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(INIT_SEED)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(INIT_SCALE * torch.randn(p.shape, generator=g))
 
 
 def _capture(full, idx, tgt):
@@ -176,6 +205,7 @@ def _run(cell: LockCell) -> dict:
 
     cfg = GPTConfig(**CFG)
     full = GPT(cfg, seed=3)
+    redraw(full)
     mp = MPContext.of(
         mesh_groups(1, cell.mp).mp_group, counter=CommCounter(), deterministic=cell.deterministic
     )

@@ -26,12 +26,11 @@ import torch
 
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
-from zero.loop import default_loss
-from zero.optim import update as zero_optim
 
-from .anchors import REF_NORM_DEPTH, STATES, U64, U, norm_rel_error, ratio
+from .anchors import REF_NORM_DEPTH, STATES, U64, U, norm_rel_error, peer_optimizer, ratio
 from .bounds import gamma, optimizer_step_error
 from .cell import GROUPS, MODELS
+from .expect import decay_groups, group_mismatch
 from .harness import each_cell, loss_bound, state_digest
 
 CHECKS = ("loss", "norm", "master", *STATES, "buffers")
@@ -207,6 +206,12 @@ class ParityCell:
 # -- the plain side -----------------------------------------------------------------------------
 
 
+def family_loss(output):
+    """The loss of a family's forward, read the same way for both sides: the second element of
+    the project's (logits, loss) tuples, a Hugging Face output's `.loss`."""
+    return output[1] if isinstance(output, tuple) else output.loss
+
+
 @dataclass
 class PlainStep:
     """What one plain step computed, and the magnitudes its bounds need (plain-side values)."""
@@ -219,6 +224,7 @@ class PlainStep:
     master: dict[str, np.ndarray]
     opt: dict[str, dict[str, np.ndarray]]
     buffers: dict[str, np.ndarray]
+    groups: dict[str, int]  # the parameter groups it stepped (verify.expect.decay_groups)
 
 
 class Plain:
@@ -234,12 +240,14 @@ class Plain:
         bf16 = cell.precision == "bf16"
         self.work = copy.deepcopy(self.model).to(torch.bfloat16) if bf16 else self.model
         self.work_named = dict(self.work.named_parameters())
+        # the groups as verify states them, not by the engine's predicate (its config's input)
+        self.groups = decay_groups(self.model)
         members = [[], []]
         for name, p in self.named:
-            members[decay_matrices_only(name, p)].append(p)
+            members[self.groups[name]].append(p)
         kind = "adam" if cell.plant == "coupled_decay" else "adamw"
         groups = [(ps, hp) for ps, hp in zip(members, GROUPS["adamw"]) if ps]
-        self.opt = zero_optim.torch_optimizer(kind, groups, foreach=False)  # A4: single-tensor
+        self.opt = peer_optimizer(kind, groups)  # A4: single-tensor
         self.abs_sum: dict[str, torch.Tensor] = {}
         if not bf16:  # fp32: g_j / M as backward hands it to .grad's accumulation
             for name, p in self.named:
@@ -275,7 +283,7 @@ class Plain:
             # rank 0 runs (j mod N = 0) may update them
             kept = None if j % n == 0 else {k: b.clone() for k, b in live.items()}
             args, kwargs = self._inputs(self.batch(step, j))
-            loss = default_loss(self.work(*args, **kwargs))
+            loss = family_loss(self.work(*args, **kwargs))
             losses.append(float(loss.detach().float()))
             (loss if cell.plant == "no_mean" else loss / m).backward()
             if kept is not None:
@@ -303,6 +311,7 @@ class Plain:
                 k: {s: self.opt.state[p][s].numpy().copy() for s in STATES} for k, p in self.named
             },
             buffers={k: b.detach().float().numpy().copy() for k, b in self.work.named_buffers()},
+            groups=self.groups,
         )
 
 
@@ -353,8 +362,8 @@ def step_bounds(cell: ParityCell, before_master, before_opt, t: int, plain: Plai
         low = max(plain.norm - d_norm, 0.0) + 1e-6
         d_coef, rounding = c * d_norm / (low * low) + gamma(5, U), 2 * U
     out = {}
-    for k, hp_i in ((k, decay_matrices_only(k, before_master[k])) for k in plain.grad):
-        hp = GROUPS["adamw"][hp_i]
+    for k in plain.grad:
+        hp = GROUPS["adamw"][plain.groups[k]]
         g = plain.clipped[k]
         e_g = (coef + d_coef) * e_g0[k] + np.abs(plain.grad[k].astype(np.float64)) * d_coef
         e_g = e_g + rounding * np.abs(g.astype(np.float64))
@@ -404,6 +413,7 @@ def run_cell(rank: int, n: int, cell: ParityCell) -> dict:
     model = family.build()
     eng = ZeroEngine(model, cell.config(model))
     plain = Plain(cell) if rank == 0 else None
+    groups = "" if plain is None else group_mismatch(eng.group_index, plain.groups)
     per_rank, ratios, clipped, norms, res = cell.micro_batches // n, [], [], [], None
     for step in range(cell.steps):
         master, opt = eng.gather_state()
@@ -412,7 +422,7 @@ def run_cell(rank: int, n: int, cell: ParityCell) -> dict:
         for k in range(per_rank):
             batch = family.batch(step, k * n + rank)
             out = eng(**batch) if isinstance(batch, dict) else eng(*batch)
-            eng.backward(default_loss(out))
+            eng.backward(family_loss(out))
         res = eng.step()
         after, after_opt = eng.gather_state()
         if plain is None:
@@ -424,7 +434,8 @@ def run_cell(rank: int, n: int, cell: ParityCell) -> dict:
         clipped.append(bool(cell.clip / (p.norm + 1e-6) < 1))
         norms.append(p.norm)
     digest = state_digest(eng, res)
-    return {"ratios": ratios, "clipped": clipped, "norms": norms, "digest": digest}
+    return {"ratios": ratios, "clipped": clipped, "norms": norms, "digest": digest,
+            "groups": groups}  # fmt: skip
 
 
 def run_cells(rank: int, n: int, cells: list[ParityCell]) -> list[dict]:
@@ -441,7 +452,7 @@ def row(cell: ParityCell, per_rank: list[dict]) -> dict:
     if errors:
         return {**out, "passed": False, "first_failure": errors[0], "worst": {}, "clipped": []}
     worst = {k: max(r[k] for r in lead["ratios"]) for k in CHECKS}
-    first = next(
+    first = lead.get("groups") or next(
         (f"step {i}: {k} ratio {r[k]:.3g}" for i, r in enumerate(lead["ratios"]) for k in CHECKS
          if not r[k] <= 1),
         "",

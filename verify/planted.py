@@ -71,6 +71,8 @@ _TABLE = (
      "stage 3 (counted collectives)", "cells"),
     ("decay_on_biases", "the engine's grouping decays every parameter",
      "every cell (groups compared)", "cells"),
+    ("decay_rule_vectors", "zero.config.decay_matrices_only decays biases and norms too",
+     "every cell (groups against verify/expect.py's table)", "cells"),
     ("uncapped_clip", "clip coefficient not capped at 1 (norm below the limit)",
      "clipping on some steps only (BRANCHES)", "cells"),
     ("unchecked_reduced_overflow", "R unchecked for overflow when S < 1/M",
@@ -110,6 +112,19 @@ _TABLE = (
      "deterministic, bucket_elements set", "cells"),
     ("model_scales_input_in_place", "model code: the MLP halves its input in place",
      "the MLP's own backward in fp32", "cells"),
+    # feature pairs (verify/interactions.py): each only where the two meet
+    ("dropout_mask_per_micro_step", "dropout seeded by micro-step, not j = k·N + r",
+     "dropout × N ≥ 2 (interactions)", "cells"),
+    ("runs_cut_on_use_only", "optimizer runs not cut where t_p changes",
+     "unused × one group × one unit (interactions)", "cells"),
+    ("release_arena_views", "release_grads releases contiguous arena views",
+     "release_grads × contiguous_memory (interactions)", "cells"),
+    ("release_host_shards", "release_grads releases offload's host shards",
+     "release_grads × offload, stage 2-3 (interactions)", "cells"),
+    ("release_ignored", "release_grads=True keeps every gradient buffer",
+     "release_grads, outside arenas and host shards", "cells"),
+    ("frozen_saved_from_start", "a whole frozen buffer saved from its start on every rank",
+     "frozen × a save at stage 0-2, N ≥ 2 (interactions)", "resume"),
     ("load_scaler_fresh", "load restores everything but the loss scaler",
      "fp16 resume rows", "resume"),
     ("consolidate_swaps_moments", "consolidation swaps exp_avg and exp_avg_sq",
@@ -125,6 +140,11 @@ BUGS: dict[str, Bug] = {
 RESUME_OBSERVABLE: dict[str, Callable] = {
     # the scaler is compared after the resume; only fp16 has one
     "load_scaler_fresh": lambda case: case.precision == "fp16",
+    # frozen buffers held whole when saved (stages 0-2) on N >= 2 ranks: the loaded values
+    # are compared with the saving run's
+    "frozen_saved_from_start": lambda case: (
+        case.model == "mlp-frozen" and case.s1 <= 2 and case.n1 >= 2
+    ),
     # the consolidated states are compared with the engine's bit for bit; Adam and AdamW only
     "consolidate_swaps_moments": lambda case: case.optimizer in ("adam", "adamw"),
 }

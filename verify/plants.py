@@ -206,6 +206,18 @@ def plant_decay_on_biases(p: Patch) -> None:
     p.setattr(build, "group_index", group_index)
 
 
+def plant_decay_rule_vectors(p: Patch) -> None:
+    """The library's grouping predicate itself off by one dimension: every parameter decays.
+    verify's reference side once called the same predicate, so this moved both sides alike."""
+    from zero import config
+
+    def decay_matrices_only(name, param):
+        del name
+        return 0 if param.ndim >= 1 else 1
+
+    p.everywhere(config.decay_matrices_only, decay_matrices_only)
+
+
 def plant_uncapped_clip(p: Patch) -> None:
     from reference.step import CLIP_EPS
     from zero import engine as engine_module
@@ -518,3 +530,94 @@ def plant_consolidate_swaps_moments(p: Patch) -> None:
 
     p.setattr(consolidate_mod, "consolidate", consolidate)
     p.setattr(checkpoint, "consolidate", consolidate)
+
+
+# -- the bugs of feature pairs (verify/interactions.py): each shows only where the pair meets ------
+
+
+def plant_dropout_mask_per_micro_step(p: Patch) -> None:
+    """Dropout seeded by the micro-step alone, not the micro-batch index j = k·N + r: every rank
+    draws the same masks. At N = 1 the two are one number, so only dropout × N >= 2 shows it."""
+    from zero import engine as engine_module
+
+    real = engine_module.forward_rng
+
+    def forward_rng(seed, data_step, j, device):
+        return real(seed, data_step, j // dist.get_world_size(), device)
+
+    p.setattr(engine_module, "forward_rng", forward_rng)
+
+
+def plant_runs_cut_on_use_only(p: Patch) -> None:
+    """[Note: skipping unused parameters] with runs cut where use changes but not where the step
+    count does: a piece spanning two parameters takes the first one's t_p. With one parameter
+    per run (two alternating groups) nothing spans, so only unused × one group × one unit
+    shows it."""
+    from zero import engine as engine_module
+    from zero.partition import Run
+
+    def live_runs(runs, slots, lo, used, steps):
+        out = []
+        for run in runs:
+            pieces = []
+            for slot, use, t_p in zip(slots, used, steps, strict=True):
+                a = max(slot.offset - lo, run.start)
+                b = min(slot.offset + slot.numel - lo, run.stop)
+                if a < b and (not pieces or pieces[-1][1] != use):
+                    pieces.append((a if pieces else run.start, use, t_p + 1))
+            for i, (start, use, t_p) in enumerate(pieces):
+                stop = pieces[i + 1][0] if i + 1 < len(pieces) else run.stop
+                if use:
+                    out.append((Run(start=start, stop=stop, group=run.group), t_p))
+        return out
+
+    p.setattr(engine_module, "live_runs", live_runs)
+
+
+def plant_release_arena_views(p: Patch) -> None:
+    """release_grads lets go of contiguous_memory's arena views too (the arena check dropped)."""
+    from zero.zero_r.placement import Placement
+
+    def releasable(self, on_host: bool) -> bool:
+        return not (self.offload is not None and on_host)
+
+    p.setattr(Placement, "releasable", releasable)
+
+
+def plant_release_host_shards(p: Patch) -> None:
+    """release_grads lets go of offload_optimizer's host gradient shards too (stages 2-3)."""
+    from zero.zero_r.placement import Placement
+
+    def releasable(self, on_host: bool) -> bool:
+        return self.grad_arena is None
+
+    p.setattr(Placement, "releasable", releasable)
+
+
+def plant_release_ignored(p: Patch) -> None:
+    """release_grads asked for and silently not done: every buffer kept between steps. No bit
+    and no reported byte changes (memory_report counts a released buffer as held); only the
+    engine's released_grads() against verify.expect.expected_released shows it."""
+    from zero.zero_r.placement import Placement
+
+    p.setattr(Placement, "releasable", lambda self, on_host: False)
+
+
+def plant_frozen_saved_from_start(p: Patch) -> None:
+    """A frozen buffer held whole (stages 0-2) saved from its first L elements on every rank,
+    not from the rank's own part. At stage 3 the resident part is the own one, and at N = 1 the
+    two agree, so only frozen × a save at stages 0-2 with N >= 2 shows it."""
+    from zero.checkpoint import commit
+
+    real = commit._write_rank_files
+
+    def write(engine, step_dir, pre):
+        files = real(engine, step_dir, pre)
+        for j, u in enumerate(engine.frozen_units):
+            resident, _ = engine.working_extent(u)
+            name = f"{pre}f{j:04d}-r{engine.rank:04d}.bin"
+            own = resident[: u.part.own.stop - u.part.own.start]
+            files[name] = commit._tensor_file(step_dir / name, [("frozen", own)])
+        return files
+
+    p.setattr(commit, "_write_rank_files", write)

@@ -11,16 +11,19 @@ full configuration in `config`, for fast cells each check's measured error besid
 `errors`, and `reported`, `traffic` and `memory` ({"passed", "first"}; memory also the engine's
 and the expected bytes by category): the step's reported quantities, its counted collectives and
 the resident bytes against verify/expect.py. Non-finite floats are written as strings
-(standard JSON has no inf or NaN).
+(standard JSON has no inf or NaN). A row whose work raised ([Note: a row that raised] at guarded)
+also has `name` and `error`; a whole section that raised is one such row in "errors".
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-SECTIONS = ("cells", "injected", "world_size_invariance", "resume")
+SECTIONS = ("cells", "injected", "world_size_invariance", "resume", "errors")
 
 
 def merge(cell, per_rank: list[dict]) -> dict:
@@ -68,7 +71,16 @@ def merge(cell, per_rank: list[dict]) -> dict:
         # every rank gathers the full state, so one digest means the ranks agree
         "digest": ",".join(sorted({str(r.get("digest")) for r in per_rank})),
         "config": cell.as_dict(),
+        **_raised(cell, per_rank),
     }
+
+
+def _raised(cell, per_rank: list[dict]) -> dict:
+    """{"name", "error"} of a cell that raised on some rank (its first such rank), else {}."""
+    r = next((r for r in per_rank if r.get("error")), None)
+    if r is None:
+        return {}
+    return {"name": cell_name(cell), "error": f"{r['error']} (rank {r['rank']})"}
 
 
 def _checked(per_rank: list[dict], key: str) -> dict:
@@ -91,7 +103,85 @@ def failed_rows(cells, reason: str) -> list[dict]:
         "errors": {},
         "passed": False,
     }
-    return [merge(c, [per_rank]) for c in cells]
+    return [{**merge(c, [per_rank]), "name": cell_name(c), "error": reason} for c in cells]
+
+
+# -- rows of work that raised ---------------------------------------------------------------------
+
+ERROR_CHARS = 300
+"""The longest error text a row keeps."""
+
+
+def guarded(
+    name: str,
+    work: Callable[[], Any],
+    *,
+    failed: Callable[[str], dict] | None = None,
+    wrap: Callable[[dict], Any] | None = None,
+) -> Any:
+    """[Note: a row that raised] work() for one row (a cell, a resume case, a world, a whole
+    section); when it raises an Exception, a failing row instead: failed(error) (the row in
+    its section's own shape; {} when None) with "name": name, "passed": False and "error":
+    error_text, or wrap(that row) where the work returns more than one row (a world's cells,
+    a section). KeyboardInterrupt and SystemExit (zero.ranks' Interrupted too) pass through.
+    So one broken row fails that row only: the rows after it run, and python -m verify still
+    prints its summary and writes its reports, exiting 1."""
+    try:
+        return work()
+    except Exception as exc:  # noqa: BLE001 - reported as the row's failure
+        error = error_text(exc)
+        row = {**(failed(error) if failed is not None else {}), "name": name}
+        row |= {"passed": False, "error": error}
+        return row if wrap is None else wrap(row)
+
+
+def section(report: dict, name: str, work: Callable[[], Any], *, empty: Any = None) -> Any:
+    """A whole section's work (guarded): what it returns, or when it raises, `empty` (what the
+    section holds then), its failing row named `name` appended to report["errors"]."""
+
+    def failed(row: dict) -> Any:
+        report.setdefault("errors", []).append(row)
+        return empty
+
+    return guarded(name, work, wrap=failed)
+
+
+def error_text(exc: BaseException) -> str:
+    """'<ExceptionType>: <the first line of its message>'; for a rank's exception reported by
+    a pool or spawn (zero.ranks.launch.RankError) the rank's own exception and the rank:
+    '<ExceptionType>: <message> (rank r)'."""
+    rank, child = getattr(exc, "rank", None), getattr(exc, "child_traceback", None)
+    if isinstance(rank, int) and isinstance(child, str):
+        return f"{exception_line(child)[:ERROR_CHARS]} (rank {rank})"
+    lines = str(exc).strip().splitlines()
+    return (f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)[:ERROR_CHARS]
+
+
+def exception_line(text: str) -> str:
+    """The exception line of a formatted traceback ('<Type>: <message>', its first line, the
+    type without its module); the text's first line when it is no traceback."""
+    lines = text.strip().splitlines() or [""]
+    heads = [i for i, x in enumerate(lines) if x.startswith("Traceback (most recent call last)")]
+    if not heads:
+        return lines[0]
+    line = next((x for x in lines[heads[-1] + 1 :] if x and not x[0].isspace()), lines[-1])
+    kind, sep, rest = line.partition(":")
+    return kind.rpartition(".")[2] + sep + rest if " " not in kind else line
+
+
+_NAMED = (
+    ("family", "{}"), ("stage", "stage {}"), ("world_size", "N={}"), ("precision", "{}"),
+    ("optimizer", "{}"), ("mode", "{}"), ("model", "{}"), ("gradients", "{}"),
+    ("micro_batches", "M={}"),
+)  # fmt: skip
+
+
+def cell_name(cell) -> str:
+    """A cell's name in a failing row: its label where it has one, else its main fields."""
+    label = getattr(cell, "label", None)
+    if isinstance(label, str):
+        return label
+    return " ".join(f.format(getattr(cell, k)) for k, f in _NAMED if hasattr(cell, k))
 
 
 def sanitize(obj):
@@ -177,6 +267,20 @@ def _cell_table(rows: list[dict]) -> list[str]:
     return _md_table(header, body)
 
 
+def _raised_table(report: dict) -> list[str]:
+    """Every row of the report whose work raised (guarded): section, name, error."""
+    raised = [
+        [key, r.get("name", ""), r["error"]]
+        for key, rows in report.items()
+        if isinstance(rows, list)
+        for r in rows
+        if isinstance(r, dict) and r.get("error")
+    ]
+    if not raised:
+        return []
+    return ["", "## Rows that raised", ""] + _md_table(["section", "row", "error"], raised)
+
+
 def markdown(report: dict) -> str:
     """The whole report as Markdown: a summary, then one table per section."""
     lines = ["# Verification report", ""]
@@ -198,6 +302,7 @@ def markdown(report: dict) -> str:
             f"- ranks: backend {prov.get('backend', '?')}, device {prov['device']}{gpu}, "
             f"{prov.get('launcher', '?')} launch"
         )
+    lines += _raised_table(report)
     for name, title in (("cells", "Cells (backward)"), ("injected", "Injected gradients")):
         if report.get(name):
             lines += ["", f"## {title}", ""] + _cell_table(report[name])
@@ -237,7 +342,8 @@ def markdown(report: dict) -> str:
     if report.get("resume"):
         lines += ["", "## Checkpoint resume and resharding", ""]
         rows = report["resume"]
-        keys = [k for k in rows[0] if k not in ("config", "passed")]
+        every = dict.fromkeys(k for r in rows for k in r)  # a failing row has fewer or more
+        keys = [k for k in every if k not in ("config", "passed")]
         lines += _md_table(
             [*keys, "passed"], [[r.get(k, "") for k in keys] + [r["passed"]] for r in rows]
         )

@@ -58,6 +58,14 @@ class ResumeCase:
     """Every engine of the case (before, after, uninterrupted) with offload_optimizer: the
     saved master and states come from host memory and load back into it."""
 
+    @property
+    def label(self) -> str:
+        """The row's name: where it saves and loads, and what it trains."""
+        return (
+            f"N={self.n1} stage {self.s1} -> N={self.n2} stage {self.s2} {self.precision} "
+            f"{self.optimizer} {self.model}{' offload' if self.offload else ''}"
+        )
+
     def engine_config(self, stage: int, units) -> ZeroConfig:
         """The verify matrix's numerics (its groups, clipping at 1.0, chunks of 128) at a stage."""
         return ZeroConfig(
@@ -426,6 +434,11 @@ def run_case(case: ResumeCase, directory, *, timeout_s: float = 600, rank_fn=run
         first = f"losses after the resume differ: {resumed['losses']} vs {whole['losses']}"
     plain = consolidated_step(case, directory, saved["state"], resumed["first"])
     first = first or plain["first_mismatch"]
+    return case_row(case, first, plain, started)
+
+
+def case_row(case: ResumeCase, first: str, plain: dict | None, started: float) -> dict:
+    """A case's row: passed when `first` (the first mismatch, or the error it raised) is ''."""
     return {
         "from_world_size": case.n1,
         "from_stage": case.s1,
@@ -445,6 +458,20 @@ def run_case(case: ResumeCase, directory, *, timeout_s: float = 600, rank_fn=run
         "seconds": round(time.perf_counter() - started, 2),
         "config": asdict(case),
     }
+
+
+def guarded_case(case: ResumeCase, directory, *, timeout_s: float) -> dict:
+    """run_case, or the case's failing row (verify.report.guarded) when it raises: a rank
+    refusing to load, a pool that died. A rank's error breaks its pool; the next case gets a
+    fresh one (zero.ranks.local.get_pool)."""
+    from .report import guarded
+
+    started = time.perf_counter()
+    return guarded(
+        case.label,
+        lambda: run_case(case, directory, timeout_s=timeout_s),
+        failed=lambda error: case_row(case, f"raised {error}", None, started),
+    )
 
 
 def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
@@ -477,6 +504,12 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
         ResumeCase(n1=2, s1=3, n2=1, s2=0, precision="bf16", optimizer="adamw",
                    model="mlp-frozen", micro_batches=m),
     ] if {1, 2} <= set(sizes) else []  # fmt: skip
+    if {1, 2} <= set(sizes):  # optimizer offload: saved from host memory, loaded into it
+        buffers.append(ResumeCase(n1=2, s1=2, n2=1, s2=1, precision="bf16", optimizer="adam",
+                                  micro_batches=m, offload=True))  # fmt: skip
+    if {2, 4} <= set(sizes):  # frozen parameters saved whole at stage 1 (verify/interactions.py)
+        buffers.append(ResumeCase(n1=2, s1=1, n2=4, s2=3, precision="fp32", optimizer="adam",
+                                  model="mlp-frozen", micro_batches=m))  # fmt: skip
     if quick:
         return quick_cases + buffers
     grid = [
@@ -504,7 +537,7 @@ def resume_rows(
     with tempfile.TemporaryDirectory(prefix="zero-resume-") as tmp:
         base = Path(directory) if directory is not None else Path(tmp)
         return [
-            run_case(c, base / f"case-{i:03d}", timeout_s=timeout_s)
+            guarded_case(c, base / f"case-{i:03d}", timeout_s=timeout_s)
             for i, c in enumerate(resume_cases(quick, world_sizes))
         ]
 
@@ -515,7 +548,8 @@ def run_table(*, world_sizes=(1, 2, 4), timeout_s: float = 600, quick: bool = Tr
     (2, 1)) when the sizes include 1, 2 and 4."""
     rows = resume_rows(quick=quick, world_sizes=world_sizes, timeout_s=timeout_s)
     if {1, 2, 4} <= set(world_sizes):
-        from .mp_resume import mp_rows
+        from .mp_resume import failed_rows, mp_rows
+        from .report import guarded
 
-        rows += mp_rows(timeout_s=timeout_s)
+        rows += guarded("mp resume", lambda: mp_rows(timeout_s=timeout_s), wrap=failed_rows)
     return rows

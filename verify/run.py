@@ -6,7 +6,8 @@ world starts once per run; under torchrun only the launched world's cells run. A
 rank raising outside a cell, or a hang that the pool's timeout ends) fails all its cells with the
 reason, and the run goes on with the next world. `where` (a Where: backend and device) says what
 kind of pool runs them, e.g. gloo ranks sharing one GPU; None: gloo on the CPU, or torchrun's
-default world."""
+default world. Every cell, world and section runs through verify.report.guarded: what raises
+fails its rows, named, with the error ([Note: a row that raised]), and the run goes on."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ from dataclasses import dataclass
 from . import invariance
 from .cell import Cell
 from .harness import run_cells
-from .report import CONSOLE_HEADER, console_row, failed_rows, merge
+from .report import (
+    CONSOLE_HEADER,
+    cell_name,
+    console_row,
+    failed_rows,
+    guarded,
+    merge,
+    section,
+)
 
 
 @dataclass(frozen=True)
@@ -71,17 +80,37 @@ def section_rows(cells, run_cells, row, *, name, timeout_s, say, show, skip=(), 
         mine = [i for i, c in enumerate(cells) if c.world_size == n and i not in skip]
         if not mine:
             continue
-        try:
-            per_rank = pool(n, run_cells, [cells[i] for i in mine], timeout_s)
-        except Exception as exc:  # a world that died fails its cells
-            per_rank = [[{"error": f"world N={n} failed: {str(exc).splitlines()[0]}"}] * len(mine)]
+        per_rank = guarded(
+            f"{name} N={n}",
+            lambda n=n, mine=mine: pool(n, run_cells, [cells[i] for i in mine], timeout_s),
+            wrap=lambda failed, n=n, mine=mine: [  # a world that died fails its cells
+                [{"error": f"world N={n} failed: {failed['error']}", "rank": None}] * len(mine)
+            ],
+        )
         if per_rank is None:
             say(f"({name} at N={n} skipped: this torchrun world has another size)")
             continue
         for k, i in enumerate(mine):
-            rows[i] = row(cells[i], [r[k] for r in per_rank])
+            ranks = [r[k] for r in per_rank]
+            rows[i] = guarded(
+                cell_name(cells[i]),
+                lambda i=i, ranks=ranks: section_row(cells[i], row, ranks),
+                failed=lambda error, i=i: row(cells[i], [{"error": error}]),
+            )
             show(rows[i])
     return rows
+
+
+def section_row(cell, row, ranks: list[dict]) -> dict:
+    """row(cell, ranks), with the cell's name and the first error where the cell raised on a
+    rank (its rank) or its world died (rank None)."""
+    out = row(cell, ranks)
+    k, first = next(((k, r) for k, r in enumerate(ranks) if r.get("error")), (None, None))
+    if first is None:
+        return out
+    rank = first.get("rank", k)
+    where = "" if rank is None else f" (rank {rank})"
+    return {**out, "name": cell_name(cell), "error": first["error"] + where}
 
 
 def run_world(
@@ -103,36 +132,62 @@ def run_matrix(
 ) -> dict:
     """Run cells (batched per world size) and the invariance runs on ranks of `where`'s kind;
     returns the report dict (verify/report.py) with "cells", "injected",
-    "world_size_invariance" and "timing"."""
-    report = {"cells": [], "injected": [], "world_size_invariance": []}
+    "world_size_invariance", "errors" (the invariance table's failing row if it raised as a
+    whole) and "timing"."""
+    report = {"cells": [], "injected": [], "world_size_invariance": [], "errors": []}
     timing, started = {}, time.time()
     if cells:
         say(CONSOLE_HEADER)
     for n in sorted({c.world_size for c in cells}):
         mine = [c for c in cells if c.world_size == n]
         t0 = time.time()
-        try:
-            per_rank = run_world(n, mine, timeout_s, where)
-        except Exception as exc:  # a world that died fails all its cells
-            rows = failed_rows(mine, f"world N={n} failed: {str(exc).splitlines()[0]}")
-        else:
-            if not per_rank:
-                say(f"(world size {n} skipped: this torchrun world has another size)")
-                continue
-            rows = [merge(c, [r[i] for r in per_rank]) for i, c in enumerate(mine)]
+        rows = world_rows(n, mine, timeout_s, where)
+        if rows is None:
+            say(f"(world size {n} skipped: this torchrun world has another size)")
+            continue
         timing[f"cells_n{n}_s"] = round(time.time() - t0, 1)
         for cell, row in zip(mine, rows, strict=True):
             report["injected" if cell.injected else "cells"].append(row)
             say(console_row(row))
     if runs:
         t0 = time.time()
-        report["world_size_invariance"] = invariance_table(
-            list(runs), timeout_s=timeout_s, say=say, sizes=invariance_sizes, where=where
+        report["world_size_invariance"] = section(
+            report,
+            "world_size_invariance",
+            lambda: invariance_table(
+                list(runs), timeout_s=timeout_s, say=say, sizes=invariance_sizes, where=where
+            ),
+            empty=[],
         )
         timing["invariance_s"] = round(time.time() - t0, 1)
     timing["total_s"] = round(time.time() - started, 1)
     report["timing"] = timing
     return report
+
+
+def world_rows(n: int, cells: list[Cell], timeout_s: float, where: Where | None):
+    """The rows of world size n's cells (None if this torchrun world has another size): one
+    pool call, then one row per cell from every rank's verdict. A world that dies fails all
+    its cells with the reason; a row that cannot be made fails that cell (guarded)."""
+    return guarded(
+        f"world N={n}",
+        lambda: merged_rows(cells, run_world(n, cells, timeout_s, where)),
+        wrap=lambda failed: failed_rows(cells, f"world N={n} failed: {failed['error']}"),
+    )
+
+
+def merged_rows(cells: list[Cell], per_rank: list[list[dict]]) -> list[dict] | None:
+    """One row per cell from every rank's verdicts (None when no rank ran: another world)."""
+    if not per_rank:
+        return None
+    return [
+        guarded(
+            cell_name(c),
+            lambda i=i, c=c: merge(c, [r[i] for r in per_rank]),
+            failed=lambda error, c=c: failed_rows([c], error)[0],
+        )
+        for i, c in enumerate(cells)
+    ]
 
 
 def invariance_table(
@@ -154,14 +209,15 @@ def invariance_table(
     sizes = [n for n in every if sizes is None or n in sizes]
     if not sizes:
         return []
-    per_n = {}
+    per_n, died = {}, {}
     for n in sizes:
-        try:
-            per_n[n] = pool_run(n, invariance.run_digests, runs, timeout_s, where)
-        except Exception as exc:  # reported as failing rows
-            say(f"invariance at N={n} failed: {str(exc).splitlines()[0]}")
-            per_n[n] = [[["failed"] * invariance.run_config(r)["steps"] for r in runs]]
-    rows = invariance.table(runs, per_n)
+        per_n[n] = guarded(
+            f"world_size_invariance N={n}",
+            lambda n=n: pool_run(n, invariance.run_digests, runs, timeout_s, where),
+            wrap=lambda failed, n=n: failed_digests(runs, n, failed, died, say),
+        )
+        died.setdefault(n, {})
+    rows = [{**r, **died[r["world_size"]]} for r in invariance.table(runs, per_n)]
     say(f"world-size invariance (full-state digests after every step, against N={sizes[0]}):")
     for r in rows:
         if r["passed"]:
@@ -175,3 +231,11 @@ def invariance_table(
             f"steps={r['steps']} digest {r['digest'][:12]}  {mark}"
         )
     return rows
+
+
+def failed_digests(runs: list[dict], n: int, failed: dict, died: dict, say) -> list:
+    """World size n's digests when it died (`failed`: guarded's row): "failed" for every step,
+    so that its rows fail; died[n] gets the name and the error those rows carry."""
+    died[n] = {"name": failed["name"], "error": f"world N={n} failed: {failed['error']}"}
+    say(f"invariance at N={n} failed: {failed['error']}")
+    return [[["failed"] * invariance.run_config(r)["steps"] for r in runs]]

@@ -62,6 +62,7 @@ class Introspect(Protocol):
     def partial_peak(self, u: FlatUnit) -> int: ...
     def unit_specs(self) -> list[list[tuple[str, tuple[int, ...]]]]: ...
     def memory_split(self) -> dict[str, dict[str, int]]: ...
+    def released_grads(self) -> list[str]: ...
 
 
 class Introspection:
@@ -98,6 +99,11 @@ class Introspection:
     def memory_split(self) -> dict[str, dict[str, int]]:
         """memory_report's categories split by placement: {"device": {...}, "host": {...}}."""
         return memory_split(self)
+
+    def released_grads(self) -> list[str]:
+        """The units whose gradient buffer is released now ([Note: gradients live within a
+        step], zero/unit.py): between steps, those ZeroConfig.release_grads lets go."""
+        return [u.name for u in self.units if u.grad_released]
 
     def unit_specs(self) -> list[list[tuple[str, tuple[int, ...]]]]:
         """The units as the reference describes them: [[(param name, shape)], ...]."""

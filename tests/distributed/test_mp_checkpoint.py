@@ -113,6 +113,24 @@ def test_a_join_in_the_wrong_order_is_caught(saved):
     assert not bits_equal(loaded, state)
 
 
+def test_a_plain_checkpoint_cut_wrong_on_load_is_caught_by_its_row_alone(saved, tmp_path):
+    """verify's "plain 2 -> 1x2" row (verify/interactions.py: MP × a plain checkpoint) with the
+    loader cutting QKV as plain rows: the loaded state differs from the plain run's. The (2, 2)
+    checkpoint at (1, 2), the same N_m, is read directly and still loads with the saved bits."""
+    from verify.mp_resume import PLAIN_STAGE, save_plain
+
+    root, state, *_ = saved
+    plant = (("plant", "qkv_cut_as_rows"),)
+    loaded, *_ = get_pool(2).run(load_and_continue, 1, 2, 0, "fp32", str(root), plant)[0]
+    assert bits_equal(loaded, state)
+    plain_root = tmp_path / "plain"
+    plain = get_pool(2).run(save_plain, PLAIN_STAGE, "fp32", str(plain_root))[0]
+    loaded, *_ = get_pool(2).run(load_and_continue, 1, 2, 0, "fp32", str(plain_root))[0]
+    assert bits_equal(loaded, plain)
+    loaded, *_ = get_pool(2).run(load_and_continue, 1, 2, 0, "fp32", str(plain_root), plant)[0]
+    assert not bits_equal(loaded, plain)
+
+
 def _consolidated_state(root, tmp_path) -> tuple[dict, object]:
     """`python -m zero.checkpoint consolidate` (its main, in this process), loaded with
     strict=True into the plain GPT; returns (whole state as _whole gives it, the model)."""

@@ -5,7 +5,7 @@ difference of one rounding changes every later rounding, so whole models have no
 bound): each MP rank runs its slice of every split operator on the N_m = 1 model's real input
 and output gradient. Outputs and input gradients must lie within verify/mp_bounds.py's derived
 bound, weight gradients must be the exact slices (bitwise), and a planted error (a missing sum,
-a sum scaled by 1/N_m) must fail.
+a sum scaled by 1/N_m, a row-parallel bias added on every rank) must fail.
 """
 
 import pytest
@@ -46,6 +46,16 @@ def test_a_planted_error_fails_the_bound(plant):
     (r,) = run_section([LockCell(mp=2, plant=plant)], say=lambda *a: None)
     assert not r["passed"]
     assert r["ratios"]["row_fwd"] > 10 and r["ratios"]["col_dx"] > 10, r["ratios"]
+
+
+@pytest.mark.dist
+def test_a_bias_added_on_every_rank_fails_the_forward_bound():
+    """The row-parallel bias added before g's sum, on each MP rank (N_m·b): only the
+    row-parallel forward moves, by (N_m - 1)·|b|, far outside its bound on the redrawn values
+    (mp_lockstep.redraw; on the GPT's own zero biases the same plant passed)."""
+    (r,) = run_section([LockCell(mp=2, plant="bias_every_rank")], say=lambda *a: None)
+    assert not r["passed"] and r["ratios"]["row_fwd"] > 10, r["ratios"]
+    assert all(v <= 1 for k, v in r["ratios"].items() if k != "row_fwd"), r["ratios"]
 
 
 @pytest.mark.dist

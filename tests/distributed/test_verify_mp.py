@@ -1,7 +1,9 @@
 """verify's model-parallel section (verify/mp_cells.py): its quick cells pass with clipping
 active on every step, one digest per MP index over N_d, stages and P_a on/off; and planted
 engine bugs fail their cells: the replicated parameters counted in the norm on every MP rank,
-and P_a's gather assembling the MP ranks' parts in the wrong order."""
+P_a's gather assembling the MP ranks' parts in the wrong order, and every row-parallel output
+scaled by 1.0001 on every MP rank (the TP layers wrong but self-consistent: the reference
+gradients come from the plain GPT, not zero/mp, so the engine no longer moves with them)."""
 
 import pytest
 
@@ -41,6 +43,8 @@ def test_quick_mp_section_passes():
     [
         (MPCell(dp=1, mp=2, stage=1, steps=1, plant="double"), "global norm"),
         (MPCell(dp=2, mp=2, stage=3, steps=1, p_a="on", plant="p_a_order"), ""),
+        (MPCell(dp=1, mp=2, stage=0, steps=1, plant="tp_scale"), "step 0: loss"),
+        (MPCell(dp=2, mp=1, stage=3, steps=1, plant="tp_scale"), "step 0: loss"),
     ],
 )
 def test_planted_bug_fails_the_cell(cell, why):
