@@ -28,7 +28,7 @@ from zero.common.results import make_record, write_atomic, write_json
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
 from zero.loop import train_steps
-from zero.optim import update as zero_optim
+from zero.optim import plain as zero_plain
 from zero.ranks.local import spawn
 from zero.workloads.data import VOCAB_SIZE, load_corpus
 
@@ -80,7 +80,7 @@ def plain_losses(args, corpus) -> list[float]:
     members: list[list] = [[], []]
     for name, p in model.named_parameters():
         members[decay_matrices_only(name, p)].append(p)
-    opt = zero_optim.torch_optimizer("adamw", list(zip(members, GROUPS)), foreach=False)
+    opt = zero_plain.torch_optimizer("adamw", list(zip(members, GROUPS)), foreach=False)
     microbatch, m, out = batch_fn(corpus, args), args.micro_batches, []
     for step in range(args.steps):
         opt.zero_grad(set_to_none=True)

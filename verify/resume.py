@@ -179,7 +179,7 @@ def consolidated_step(case: ResumeCase, directory, saved: dict, after: dict) -> 
     from reference.step import TrainState
     from zero.checkpoint import consolidate
     from zero.config import TORCH_DTYPES
-    from zero.optim.update import torch_optimizer
+    from zero.optim.plain import torch_optimizer
 
     from .bounds import optimizer_step_error
     from .expect import reference_spec, reference_step_config
@@ -380,7 +380,7 @@ def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
     the first difference."""
     from zero.checkpoint import consolidate_to, resolve
     from zero.checkpoint import verify as verify_checkpoint
-    from zero.optim.update import TORCH_OPTIMIZERS
+    from zero.optim.plain import TORCH_OPTIMIZERS
 
     steps = sorted(d.name for d in directory.iterdir() if d.name.startswith("step-"))
     if len(steps) != min(KEEP_LAST, case.steps_before) or resolve(directory).name != steps[-1]:

@@ -41,7 +41,7 @@ from zero.checkpoint import CheckpointError
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
 from zero.loop import train_steps
-from zero.optim.update import torch_optimizer
+from zero.optim.plain import torch_optimizer
 from zero.ranks.launch import RankError
 from zero.ranks.local import get_pool, spawn
 from zero.workloads.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches
@@ -78,9 +78,9 @@ def test_the_consolidating_row_sees_a_torch_step_outside_its_bound(kind, monkeyp
     """Part 3 of the row can fail: torch.optim stepping with a learning rate one part in 10^3
     too large lies outside the one-step bound of the engine's step (the row passes unpatched
     above). The rate is changed at the step: load_state_dict restores the saved one."""
-    import zero.optim.update
+    import zero.optim.plain
 
-    original = zero.optim.update.torch_optimizer
+    original = zero.optim.plain.torch_optimizer
 
     def off(k, groups, **options):
         opt = original(k, groups, **options)
@@ -94,7 +94,7 @@ def test_the_consolidating_row_sees_a_torch_step_outside_its_bound(kind, monkeyp
         opt.step = late_step
         return opt
 
-    monkeypatch.setattr(zero.optim.update, "torch_optimizer", off)
+    monkeypatch.setattr(zero.optim.plain, "torch_optimizer", off)
     row = run_case(ResumeCase(n1=1, s1=0, n2=2, s2=1, optimizer=kind), tmp_path)
     plain = row["consolidated"]
     assert plain["state_bitwise"] and plain["next_step_bitwise"]

@@ -5,6 +5,8 @@ kept by a test here, and each test shown to report a planted violation.
 - zero/engine.py at most 400 lines, its __init__ at most 40: construction as named steps;
 - no file in zero/ over 500 lines;
 - zero/'s top level at most 20 entries: the core, and a folder per role;
+- stage 1 read in context (STAGE1_CONTEXT) at most 1,700 lines: the paper's idea before the
+  machinery;
 - no import cycle inside any package, imports inside functions included.
 
 The README's limit (200 lines) is kept by tests/unit/test_docs.py. A file that must exceed its
@@ -29,6 +31,13 @@ ENGINE_INIT_MAX_LINES = 40
 ZERO_FILE_MAX_LINES = 500
 ZERO_TOP_LEVEL_MAX = 20
 EXCEPTIONS: dict[str, str] = {}  # repository path -> why it may exceed its limit
+STAGE1_CONTEXT = (
+    "zero/stages/stage1.py", "zero/stages/base.py", "zero/unit.py", "zero/partition.py",
+    "zero/collectives.py", "zero/engine.py", "zero/optim/update.py", "zero/config.py",
+)  # fmt: skip
+"""Stage 1 in context, its direct path: the stage, its base, the unit and its partition, the
+collectives it calls, the engine that runs it, the update and the config it reads."""
+STAGE1_CONTEXT_MAX_LINES = 1700
 PACKAGES = (
     "reference",
     "zero",
@@ -119,6 +128,23 @@ def cycles(root: Path) -> dict[str, list[str]]:
 
 def test_files_stay_within_their_limits():
     assert size_problems(ROOT) == []
+
+
+def context_lines(root: Path, files=STAGE1_CONTEXT) -> int:
+    """Lines a reader reads to follow stage 1 through the code it calls."""
+    return sum(lines(root / f) for f in files)
+
+
+def test_stage_1_reads_in_context_within_its_limit():
+    n = context_lines(ROOT)
+    assert n <= STAGE1_CONTEXT_MAX_LINES, f"stage 1 in context: {n} lines"
+
+
+def test_a_planted_long_context_is_counted(tree):
+    for f in STAGE1_CONTEXT:
+        (tree / f).parent.mkdir(parents=True, exist_ok=True)
+        (tree / f).write_text("x = 1\n" * (STAGE1_CONTEXT_MAX_LINES // len(STAGE1_CONTEXT) + 1))
+    assert context_lines(tree) > STAGE1_CONTEXT_MAX_LINES
 
 
 def test_zero_top_level_is_short():

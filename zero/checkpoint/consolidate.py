@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..optim.update import TORCH_OPTIMIZERS, torch_kwargs
+from ..optim.plain import TORCH_OPTIMIZERS, torch_kwargs
 from .format import CheckpointError, _fsync_dir, _write_durably, read_manifest, resolve, saved_steps
 from .mpformat import views, whole_params
 from .mpjoin import Source

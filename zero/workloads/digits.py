@@ -32,7 +32,7 @@ from ..common.results import make_record, write_json
 from ..config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from ..engine import ZeroEngine
 from ..loop import train_steps
-from ..optim.update import TORCH_OPTIMIZERS
+from ..optim.plain import TORCH_OPTIMIZERS
 from ..ranks.launch import check_timeout
 from ..ranks.local import spawn
 from .resnet import ResNet, ResNetConfig

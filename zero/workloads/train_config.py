@@ -12,7 +12,7 @@ from reference.optim import Hyper
 
 from ..common import cli
 from ..config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
-from ..optim.update import TORCH_OPTIMIZERS
+from ..optim.plain import TORCH_OPTIMIZERS
 from ..ranks.launch import check_timeout
 from .data import VOCAB_SIZE
 from .models import GPTConfig
