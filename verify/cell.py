@@ -9,6 +9,7 @@ decayed, biases and norms not). verify/harness.py runs a cell; verify/matrix.py 
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict, dataclass
 
 import torch
@@ -149,6 +150,9 @@ class Cell:
     checkpoints are kept in host memory)."""
     offload: bool = False
     """ZeRO-Offload: master, optimizer states and the gradient shard in host memory."""
+    disk: bool = False
+    """With `offload`, ZeRO-Infinity's disk tier: master and optimizer states in files under the
+    temporary directory (ZeroConfig.offload_dir; zero/zero_r/disk.py)."""
     contiguous: bool = False
     """ZeRO-R's M_D: gradient buffers (and, with `checkpointing`, the checkpoints) in
     pre-allocated contiguous arenas (ZeroConfig.contiguous_memory)."""
@@ -191,6 +195,8 @@ class Cell:
             raise ValueError(f"init={self.init!r}: 'auto', or 'own' with meta=True")
         if self.units == "auto" and self.model != "gpt":
             raise ValueError(f"units='auto' with model={self.model!r}: only the GPT's blocks")
+        if self.disk and not self.offload:
+            raise ValueError("disk=True: the disk tier holds offloaded states; needs offload=True")
         if self.groups not in ("one", "two"):
             raise ValueError(f"groups={self.groups!r}: allowed are 'one', 'two'")
         if (self.gradients == "drawn") != (self.draw is not None):
@@ -234,6 +240,7 @@ class Cell:
             activation_checkpointing=self.checkpointing,
             offload_activations=self.checkpointing and self.offload,
             offload_optimizer=self.offload,
+            offload_dir=tempfile.gettempdir() if self.disk else None,
             contiguous_memory=self.contiguous,
             bucket_elements=self.bucket_elements,
             release_grads=self.release_grads,

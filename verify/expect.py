@@ -377,6 +377,22 @@ def expected_offload_copies(config, spec, n: int, *, skipped: bool) -> list[tupl
     return sorted(out)
 
 
+def expected_disk_traffic(config, spec, n: int, *, skipped: bool) -> dict[str, int]:
+    """The disk tier's counted bytes of one step as {"op:u<index>": float32 elements}: per
+    unit, its master and optimizer states over the master's extent (as in
+    expected_offload_copies) read once before its update and written once after; nothing in
+    a skipped step, whose update does not run. Empty without offload_dir."""
+    if config.offload_dir is None or skipped:
+        return {}
+    out = {}
+    for i, lay in enumerate(spec.layouts):
+        stage = 0 if persistent(config, lay) else config.stage
+        extent = lay.padded_numel(n) if stage == 0 else lay.shard_numel(n)
+        for op in ("disk_read", "disk_write"):
+            out[f"{op}:u{i}"] = (1 + optimizer_states(config)) * extent
+    return out
+
+
 def arena_span(numel: int, precision: str, align: int = 256) -> int:
     """Bytes one checkpoint of numel elements takes in a CheckpointArena: its bytes rounded up
     to the arenas' 256-byte alignment (docs/design.md §2's layout alignment)."""
@@ -390,9 +406,10 @@ def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
     separate master (it is a view of the working copy). offload_optimizer adds a host buffer
     for the gradient extent the update reads (stages 0-1: the master's extent, beside the
     device buffer; stages 2-3: the reduced shard itself moves to the host, and fast mode keeps
-    its running sum on the device too) and, in mixed precision, an upload staging buffer of the
-    master's extent in the compute dtype. frozen (frozen_layouts(...)) adds the category
-    "frozen": each padded buffer in the compute dtype, /N at stage 3 (not persistent)."""
+    its running sum on the device too) and, in mixed precision, two upload staging buffers of
+    the largest extent in the compute dtype (the ring zero/zero_r/offload.py reuses). frozen
+    (frozen_layouts(...)) adds the category "frozen": each padded buffer in the compute dtype,
+    /N at stage 3 (not persistent)."""
     cb = DTYPE_BYTES[config.precision]
     gb = DTYPE_BYTES[config.reduce_dtype or "fp32"]
     fp32 = config.precision == "fp32"
@@ -423,9 +440,9 @@ def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
                 total["grads"] += extent * gb
             elif det is False:
                 total["grads"] += extent * gb
-            staging += 0 if fp32 else extent * cb
-    if offload and not fp32:
-        total["staging"] = staging
+            staging = max(staging, 0 if fp32 else extent * cb)
+    if offload and not fp32:  # two slots of the largest extent (bounded upload staging)
+        total["staging"] = 2 * staging
     if frozen:
         total["frozen"] = sum(
             int(

@@ -57,6 +57,7 @@ from zero.ranks import launch
 from .cell import DELAY_S, MODELS, Cell
 from .compare import bitwise_equal, max_abs_diff, max_ulp, to_numpy
 from .expect import (
+    expected_disk_traffic,
     expected_extents,
     expected_memory,
     expected_released,
@@ -590,6 +591,9 @@ def check_traffic(run: CellRun, step: int, info, grads, before_ran, v: Verdict):
         before=before_ran,
     )
     v.note("traffic", first_difference(f"step {step}: traffic", traffic, want))
+    disk = {f"{r.op}:u{r.unit}": r.elements for r in counter.of_step(counter.step - 1, "disk")}
+    want = expected_disk_traffic(run.ref_cfg, run.spec, n, skipped=info.skipped)
+    v.note("traffic", first_difference(f"step {step}: disk", disk, want))
     return [r[-1] for r in ran]
 
 

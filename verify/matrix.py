@@ -236,6 +236,16 @@ UNUSED = tuple(
             seed=6104),
 )  # fmt: skip
 
+# ZeRO-Infinity's disk tier (zero/zero_r/disk.py): master and states in files, at every stage,
+# and in fast mode at stage 2 (the running sum on the host beside files)
+DISK = tuple(
+    _branch(stage=s, precision=p, optimizer=o, mode=mode, offload=True, disk=True, seed=8000 + s)
+    for s, p, o, mode in ((0, "bf16", "adamw", "deterministic"),
+                          (1, "fp32", "adam", "deterministic"),
+                          (2, "fp16", "sgd", "deterministic"),
+                          (3, "bf16", "adamw", "deterministic"), (2, "bf16", "adamw", "fast"))
+)  # fmt: skip
+
 # Frozen parameters (docs/design.md §2): the MLP's middle layer frozen, at stage 3 (its own
 # sharded buffer, gathered in forward and backward) and at stage 1 in fast mode.
 FROZEN = tuple(
@@ -397,6 +407,8 @@ OBSERVABLE.update({
     ),
 })  # fmt: skip
 OBSERVABLE.update(interactions.OBSERVABLE)  # the feature pairs' bugs
+# the states read back from the files are compared after every step: the second shows it
+OBSERVABLE["disk_mapped_private"] = lambda c: c.disk and _det(c) and _optimizer_steps(c) >= 2
 
 
 BRANCH_PREDICATES: dict[str, Callable[[Cell], bool]] = {
@@ -538,19 +550,20 @@ BRANCH_PREDICATES.update(
         "meta model with its own initialisation (init='own')": lambda c: c.init == "own",
         "buffers (BatchNorm), broadcast before forward": lambda c: c.model == "mlp-bn",
         "frozen parameters (requires_grad=False)": lambda c: c.model == "mlp-frozen",
+        "the disk tier (offload_dir)": lambda c: c.disk,
         "fast mode + offload, stage >= 2 (host running sum)": lambda c: (
             c.mode == "fast" and c.offload and c.stage >= 2 and c.accumulation > 1
         ),
     }
 )
-LISTED_FIELDS += ("meta", "init", "groups")
+LISTED_FIELDS += ("meta", "init", "groups", "disk")
 
 
 def quick() -> tuple[list[Cell], list[dict]]:
     """The CI preset: (cells, invariance runs)."""
     cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3] + zero_r_cells()
     extra = list(BRANCHES) + list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED)
-    extra += list(FROZEN) + list(interactions.CELLS)
+    extra += list(FROZEN) + list(interactions.CELLS) + list(DISK)
     return cells + extra, invariance_runs(full=False)
 
 
@@ -608,4 +621,4 @@ def complete() -> tuple[list[Cell], list[dict]]:
     out += slice_cells(mode="fast", sizes="even") + gpt_cells
     out += extras() + list(TEETH) + zero_r_cells((2, 3, 4)) + list(BRANCHES)
     out += list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED) + list(FROZEN)
-    return out + list(interactions.CELLS), invariance_runs(full=True)
+    return out + list(interactions.CELLS) + list(DISK), invariance_runs(full=True)

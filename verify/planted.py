@@ -125,6 +125,8 @@ _TABLE = (
      "release_grads, outside arenas and host shards", "cells"),
     ("frozen_saved_from_start", "a whole frozen buffer saved from its start on every rank",
      "frozen × a save at stage 0-2, N ≥ 2 (interactions)", "resume"),
+    ("disk_mapped_private", "the disk tier's state files mapped copy-on-write",
+     "the disk tier, two optimizer steps", "cells"),
     ("load_scaler_fresh", "load restores everything but the loss scaler",
      "fp16 resume rows", "resume"),
     ("consolidate_swaps_moments", "consolidation swaps exp_avg and exp_avg_sq",

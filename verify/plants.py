@@ -621,3 +621,18 @@ def plant_frozen_saved_from_start(p: Patch) -> None:
         return files
 
     p.setattr(commit, "_write_rank_files", write)
+
+
+def plant_disk_mapped_private(p: Patch) -> None:
+    """The disk tier maps its state files privately (copy-on-write): each update lands in
+    private pages that the write-back drops, so the next step reads the file's old values."""
+    import mmap
+
+    from zero.zero_r import disk
+
+    real = mmap.mmap
+
+    def private(fd, length, *args, **kw):
+        return real(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+    p.setattr(disk.mmap, "mmap", private)

@@ -57,6 +57,9 @@ class ResumeCase:
     offload: bool = False
     """Every engine of the case (before, after, uninterrupted) with offload_optimizer: the
     saved master and states come from host memory and load back into it."""
+    disk: bool = False
+    """With offload, the disk tier (ZeroConfig.offload_dir): saved from state files, loaded
+    into them."""
 
     @property
     def label(self) -> str:
@@ -64,6 +67,7 @@ class ResumeCase:
         return (
             f"N={self.n1} stage {self.s1} -> N={self.n2} stage {self.s2} {self.precision} "
             f"{self.optimizer} {self.model}{' offload' if self.offload else ''}"
+            f"{' disk' if self.disk else ''}"
         )
 
     def engine_config(self, stage: int, units) -> ZeroConfig:
@@ -80,6 +84,7 @@ class ResumeCase:
             units=tuple(units),
             chunk=128,
             offload_optimizer=self.offload,
+            offload_dir=tempfile.gettempdir() if self.disk else None,
         )
 
 
@@ -507,6 +512,9 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
     if {1, 2} <= set(sizes):  # optimizer offload: saved from host memory, loaded into it
         buffers.append(ResumeCase(n1=2, s1=2, n2=1, s2=1, precision="bf16", optimizer="adam",
                                   micro_batches=m, offload=True))  # fmt: skip
+    if {1, 2} <= set(sizes):  # the disk tier: saved from state files, resharded into them
+        buffers.append(ResumeCase(n1=2, s1=3, n2=1, s2=1, precision="bf16", optimizer="adamw",
+                                  micro_batches=m, offload=True, disk=True))  # fmt: skip
     if {2, 4} <= set(sizes):  # frozen parameters saved whole at stage 1 (verify/interactions.py)
         buffers.append(ResumeCase(n1=2, s1=1, n2=4, s2=3, precision="fp32", optimizer="adam",
                                   model="mlp-frozen", micro_batches=m))  # fmt: skip

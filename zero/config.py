@@ -98,6 +98,12 @@ class ZeroConfig:
     shard live in host memory (pinned on CUDA) and the optimizer runs on the CPU; gradients go
     down and the updated working parameters come back up in the compute dtype
     (zero/zero_r/offload.py). Bits unchanged; host<->device bytes are counted as kind='offload'."""
+    offload_dir: str | None = None
+    """ZeRO-Infinity's disk tier, with offload_optimizer: an existing directory in which the fp32
+    master and the optimizer states live in files (one per unit and state, memory-mapped), read
+    and written back unit by unit around its update, so that host memory holds a few units'
+    states, not all (zero/zero_r/disk.py). Bits unchanged; disk bytes are counted as kind='disk'.
+    None: the states live in host memory."""
     bucket_elements: int | None = None
     """ZeRO-R's constant-size buffers C_B: the most elements any fused reduction buffer holds. A
     unit's gradient reduce-scatter is then done in pieces of at most this many elements (the
@@ -191,6 +197,10 @@ class ZeroConfig:
             or self.dropout_seed < 0
         ):
             raise ValueError(f"dropout_seed={self.dropout_seed!r}: must be None or an integer >= 0")
+        if self.offload_dir is not None:  # the disk tier's own checks (zero/zero_r/disk.py)
+            from .zero_r.disk import check_offload_dir
+
+            check_offload_dir(self.offload_dir, self.offload_optimizer)
         if self.partition_activations and not self.activation_checkpointing:
             raise ValueError(
                 "partition_activations=True: P_a partitions the checkpointed unit inputs; "

@@ -357,17 +357,18 @@ class ZeroEngine(Introspection, nn.Module):
                 live = live_runs(runs, u.part.layout.slots, lo, use, u.steps)
                 u.steps = [t + x for t, x in zip(u.steps, use, strict=True)]
                 shards.append(Shard(u.master, gu, u.opt, live))
-            for batch in update_batches(shards):
-                with self.phase("update.optimizer"):
-                    step_shards(
-                        self.config.optimizer,
-                        self.config.groups,
-                        [shards[i] for i in batch],
-                        deterministic=self.config.deterministic,
-                    )
-                with self.phase("update.refresh"):
-                    for i in batch:  # may launch its all-gather and return
-                        self.stage_of(self.units[i]).refresh_working(self.units[i])
+            for batch in update_batches(shards):  # the disk tier streams each batch's states
+                with self.placement.streamed([self.units[i] for i in batch]):
+                    with self.phase("update.optimizer"):
+                        step_shards(
+                            self.config.optimizer,
+                            self.config.groups,
+                            [shards[i] for i in batch],
+                            deterministic=self.config.deterministic,
+                        )
+                    with self.phase("update.refresh"):
+                        for i in batch:  # may launch its all-gather and return
+                            self.stage_of(self.units[i]).refresh_working(self.units[i])
             with self.phase("update.finish"):
                 for stage in self.stages.values():
                     stage.finish_step()

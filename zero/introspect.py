@@ -94,7 +94,7 @@ class Introspection:
         """Resident bytes by category, each storage counted once, wherever they live
         ([Note: counting storages]; memory_split() tells device from host)."""
         split = self.memory_split()
-        return {k: split["device"][k] + split["host"][k] for k in split["device"]}
+        return {k: sum(at.get(k, 0) for at in split.values()) for k in split["device"]}
 
     def memory_split(self) -> dict[str, dict[str, int]]:
         """memory_report's categories split by placement: {"device": {...}, "host": {...}}."""
@@ -148,23 +148,25 @@ def resident(engine) -> dict[str, list[torch.Tensor]]:
         out["frozen"] = [engine.working_extent(u)[0] for u in frozen]
     if engine.placement.offload is not None:
         grads += [t for u in units for t in (u.host_grad, u.host_stage) if t is not None]
-        staging = [u.staging for u in units if u.staging is not None]
-        if staging:
-            out["staging"] = staging
+        if engine.placement.offload.slots:  # [Note: bounded upload staging]
+            out["staging"] = list(engine.placement.offload.slots)
     return out
 
 
 def memory_split(engine) -> dict[str, dict[str, int]]:
-    """Resident bytes by category and placement, {"device": {...}, "host": {...}}
-    ([Note: counting storages])."""
+    """Resident bytes by category and placement, {"device": {...}, "host": {...}}, and with
+    the disk tier "disk": {...}, its state files ([Note: counting storages])."""
     seen: set[int] = set()
-    is_host = engine.placement.is_host
+    placement = engine.placement
 
-    def owned(tensors, host: bool) -> int:
+    def where(t: torch.Tensor) -> str:
+        return "disk" if placement.is_disk(t) else "host" if placement.is_host(t) else "device"
+
+    def owned(tensors, at: str) -> int:
         total = 0
         for t in tensors:
             s = t.untyped_storage()
-            if is_host(t) == host and s.data_ptr() not in seen:
+            if where(t) == at and s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
                 total += s.nbytes()
         return total
@@ -174,17 +176,21 @@ def memory_split(engine) -> dict[str, dict[str, int]]:
         for u in engine.units
     )
     tensors = resident(engine)
-    device = {k: owned(v, False) for k, v in tensors.items()}
-    host = {k: owned(v, True) for k, v in tensors.items()}
+    device = {k: owned(v, "device") for k, v in tensors.items()}
+    host = {k: owned(v, "host") for k, v in tensors.items()}
+    disk = {k: owned(v, "disk") for k, v in tensors.items()}
     # a buffer released between steps counts with the bytes it holds within one: reports
     # are of the step's model states ([Note: gradients live within a step] in zero/unit.py)
     device["grads"] += extra + sum(u.grad_nbytes for u in engine.units if u.grad_released)
     device["comm_buffers"], host["comm_buffers"] = engine.accounting.transient_peak, 0
     order = ["params", "frozen", "grads", "master", "optimizer", "comm_buffers", "staging"]
-    return {
+    out = {
         "device": {k: device[k] for k in order if k in device},
         "host": {k: host[k] for k in order if k in host},
     }
+    if any(disk.values()):  # the disk tier's state files (zero/zero_r/disk.py)
+        out["disk"] = {k: disk.get(k, 0) for k in out["host"]}
+    return out
 
 
 # -- Full model states by parameter name: gathered on every rank, or set from full arrays. ---------

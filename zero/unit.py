@@ -72,7 +72,6 @@ class FlatUnit:
         # offload_optimizer only (zero/zero_r/offload.py), host memory, None otherwise:
         self.host_grad: torch.Tensor | None = None  # 1D, reduction dtype, the master's extent
         self.host_stage: torch.Tensor | None = None  # 1D, reduction dtype, L: fast-mode addend
-        self.staging: torch.Tensor | None = None  # 1D, compute dtype, the master's extent
         self.stream = StreamingTree()  # deterministic mode: B_k partial sums of this step
         self.pending = None  # fast mode: the reduction launched after the last micro-batch
         self.ready = 0  # parameters whose gradient arrived in the current backward

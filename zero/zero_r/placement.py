@@ -12,10 +12,13 @@ them). Without offload every copy is a plain device copy, so the stages have no 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from ..unit import FlatUnit
 from .contiguous import Arena, grad_arenas
+from .disk import DiskOffload
 from .offload import HostOffload
 
 
@@ -40,13 +43,13 @@ class Placement:
         """The policy config asks for: host offload (offload_optimizer) and gradient arenas
         (contiguous_memory), sized from the partitions and each unit's stage class."""
         offload = None
-        if config.offload_optimizer:  # ZeRO-Offload (zero/zero_r/offload.py)
-            offload = HostOffload(
-                device=device,
-                counter=counter,
-                grad_dtype=config.grad_dtype,
-                compute_dtype=config.compute_dtype,
-            )
+        if config.offload_optimizer:  # ZeRO-Offload (zero/zero_r/offload.py), to disk (disk.py)
+            host = dict(device=device, counter=counter, grad_dtype=config.grad_dtype,
+                        compute_dtype=config.compute_dtype)  # fmt: skip
+            if config.offload_dir is None:
+                offload = HostOffload(**host)
+            else:
+                offload = DiskOffload(directory=config.offload_dir, **host)
         arenas = None, None
         if config.contiguous_memory:  # M_D (zero/zero_r/contiguous.py)
             arenas = grad_arenas(
@@ -123,6 +126,14 @@ class Placement:
         ]
         self.offload.synchronize()
         return held
+
+    def streamed(self, units: list[FlatUnit]):
+        """Context around the update of `units`: the disk tier reads and writes their states
+        (zero/zero_r/disk.py); nothing for the other placements."""
+        return nullcontext() if self.offload is None else self.offload.streamed(units)
+
+    def is_disk(self, t: torch.Tensor) -> bool:
+        return self.offload is not None and self.offload.is_disk(t)
 
     def synchronize(self) -> None:
         """Before the CPU writes what a queued copy may still read (offload only)."""
