@@ -81,7 +81,15 @@ def _io() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
-def run_one(layers: int, width: int, tier: str, steps: int, device: str, directory: str) -> dict:
+def run_one(
+    layers: int,
+    width: int,
+    tier: str,
+    steps: int,
+    device: str,
+    directory: str,
+    reduce_dtype: str | None = None,
+) -> dict:
     """One model trained `steps` steps in this process; its record."""
     import torch
     import torch.distributed as dist
@@ -101,7 +109,8 @@ def run_one(layers: int, width: int, tier: str, steps: int, device: str, directo
     model = GPT(cfg, device="meta")
     psi = sum(p.numel() for p in model.parameters())
     zcfg = ZeroConfig(
-        stage=3, precision="bf16", micro_batches=1, units=tuple(model.unit_names()), chunk=4096,
+        stage=3, precision="bf16", reduce_dtype=reduce_dtype, micro_batches=1,
+        units=tuple(model.unit_names()), chunk=4096,
         offload_optimizer=tier != "none", offload_dir=directory if tier == "disk" else None,
     )  # fmt: skip
     t0 = time.perf_counter()
@@ -137,6 +146,7 @@ def run_one(layers: int, width: int, tier: str, steps: int, device: str, directo
     release_free_memory()
     out = {
         "layers": layers, "width": width, "params": psi, "tier": tier, "device": device,
+        "reduce_dtype": reduce_dtype or "fp32",
         "construct_s": round(built, 2), "construct_s_per_billion": round(built / psi * 1e9, 1),
         "step_s": [round(t, 2) for t in times],
         "rss_built_bytes": rss_built, "rss_built_per_param": round(rss_built / psi, 2),
@@ -154,7 +164,8 @@ def run_one(layers: int, width: int, tier: str, steps: int, device: str, directo
 def attempt(layers, width, tier, args) -> dict:
     """run_one in a fresh process (a run killed for memory is a record, not our death)."""
     cmd = [sys.executable, "-m", "measure.largest", "--one", str(layers), str(width), tier,
-           "--steps", str(args.steps), "--device", args.device, "--dir", args.dir]  # fmt: skip
+           "--steps", str(args.steps), "--device", args.device, "--dir", args.dir,
+           *(["--reduce-dtype", args.reduce_dtype] if args.reduce_dtype else [])]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode == 0:
         return json.loads(done.stdout.strip().splitlines()[-1])
@@ -189,12 +200,19 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dir", default=".", help="the disk tier's directory (and the probe's)")
     p.add_argument("--probe-gib", type=float, default=1.0)
+    p.add_argument(
+        "--reduce-dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="the gradients' dtype (bf16 halves the host gradient: 2 bytes/param)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
         layers, width, tier = int(args.one[0]), int(args.one[1]), args.one[2]
-        print(json.dumps(run_one(layers, width, tier, args.steps, args.device, args.dir)))
+        rec = run_one(layers, width, tier, args.steps, args.device, args.dir, args.reduce_dtype)
+        print(json.dumps(rec))
         return 0
     if args.shape is None and args.host_gib is None:
         p.error("--host-gib or --shape: a budget to search under, or one model to train")

@@ -142,11 +142,33 @@ def tree_total(x: np.ndarray) -> np.float64:
     return np.float64(acc)
 
 
+class ScaledGrads:
+    """[Note: one unit's fp32 gradient at a time] The unscaled gradient g_u = fp32(R_u)·c of
+    each unit (and, once `coef` is set, clipped: g_u·coef), made when it is read and not kept:
+    the exchange reads each once for its norm partials, the update once more for its unit. A
+    list of them would hold 4 bytes per parameter of this rank's extent at once (with
+    offload_optimizer, in host memory: with the moments and master, past the host's floor); a
+    unit's is made by the same two multiplications each time, so the bits are the list's."""
+
+    def __init__(self, held: list[torch.Tensor], c: torch.Tensor):
+        self.held, self.c, self.coef = held, c, None
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self.held)))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        x = self.held[i].float() * self.c
+        return x if self.coef is None else x.mul_(self.coef)
+
+
 def step_exchange(engine, held, g, inv: np.float32):
     """The engine's step: `exchange` in its DP group, then, with model parallelism, the [Note:
     MP control exchange] (zero/mp/step.py). Returns (overflow, bad, loss, norm, used)."""
     mp, args = engine.mp, (engine.config.chunk, engine.device, engine.group, engine.counter)
-    keep = None if mp is None else mp.keep(engine.units, [x.device for x in g])
+    keep = None if mp is None else mp.keep(engine.units, [x.device for x in held])
     overflow, bad, loss, partials, used = exchange(
         engine.units, engine._losses, held, g, inv, *args, keep=keep
     )

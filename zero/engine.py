@@ -331,7 +331,7 @@ class ZeroEngine(Introspection, nn.Module):
         scale = 1.0 if self.scaler is None else self.scaler.scale
         inv = f32(1.0 / (scale * self.config.micro_batches))
         c = torch.tensor(inv)  # [Note: host scalars] (zero/collectives.py)
-        g = [h.float() * c for h in held]
+        g = control.ScaledGrads(held, c)  # g_u = fp32(R_u)·c, made per unit when read
         with self.phase("update.control"):  # [Note: one control exchange] (zero/control.py)
             overflow, bad, loss, norm, used = control.step_exchange(self, held, g, inv)
         self._losses = []  # consumed by the exchange
@@ -346,24 +346,23 @@ class ZeroEngine(Introspection, nn.Module):
             if self.keep_reduced:  # R as this rank holds it, valid until the next backward
                 self.last_reduced = held  # (it keeps the released gradient buffers alive)
             coef = clip_coefficient(norm, self.config.clip_norm)
-            if coef is not None:
-                c = torch.tensor(coef)  # [Note: host scalars]
-                for x in g:
-                    x.mul_(c)
+            g.coef = None if coef is None else torch.tensor(coef)  # [Note: host scalars]
             self.t += 1
-            shards = []
-            for u, gu, runs, use in zip(self.units, g, self.runs, used, strict=True):
+            live = []
+            for u, runs, use in zip(self.units, self.runs, used, strict=True):
                 lo = self.master_extent(u).start
-                live = live_runs(runs, u.part.layout.slots, lo, use, u.steps)
+                live.append(live_runs(runs, u.part.layout.slots, lo, use, u.steps))
                 u.steps = [t + x for t, x in zip(u.steps, use, strict=True)]
-                shards.append(Shard(u.master, gu, u.opt, live))
-            for batch in update_batches(shards):  # the disk tier streams each batch's states
+            for batch in update_batches(self.units):  # the disk tier streams each batch's states
                 with self.placement.streamed([self.units[i] for i in batch]):
                     with self.phase("update.optimizer"):
                         step_shards(
                             self.config.optimizer,
                             self.config.groups,
-                            [shards[i] for i in batch],
+                            [
+                                Shard(self.units[i].master, g[i], self.units[i].opt, live[i])
+                                for i in batch
+                            ],  # fmt: skip
                             deterministic=self.config.deterministic,
                         )
                     with self.phase("update.refresh"):

@@ -280,7 +280,7 @@ def update_batches(shards: list[Shard]) -> list[list[int]]:
     lose nothing by waiting in the queue, and fast mode launches once); on a host (the CPU, or
     offload's host shards) one unit at a time, so that each unit's refresh (its all-gather,
     its copy to the device) runs while the next unit's update computes."""
-    on_device = [sh.master.device.type == "cuda" for sh in shards]
+    on_device = [sh.master.device.type == "cuda" for sh in shards]  # shards, or units
     if shards and all(on_device):
         return [list(range(len(shards)))]
     return [[i] for i in range(len(shards))]

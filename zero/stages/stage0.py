@@ -57,7 +57,7 @@ class Stage0:
         u.master = self.own_master(u)
         groups = {self.ctx.group_index[n] for n, _ in u.params}
         names = {x for g in groups for x in state_names(self.cfg.optimizer, self.cfg.groups[g])}
-        u.opt = {x: torch.zeros_like(u.master) for x in sorted(names)}
+        u.opt = self.placement.new_states(u.master, sorted(names))
         release = self.cfg.releases_grads(u.working.device)
         if release and self.placement.releasable(self.grad_on_host(u.part)):
             # [Note: gradients live within a step]: its first use in a step allocates it

@@ -110,7 +110,8 @@ class HostOffload:
         """u.master (its values kept) and u.opt (zeros) in host memory (the disk tier:
         zero/zero_r/disk.py, in files)."""
         u.master = self.copy(u.master)
-        u.opt = {k: self.empty(v.numel(), v.dtype) for k, v in u.opt.items()}  # zeros at start
+        n = u.master.numel()  # the states are placeholders (Placement.new_states)
+        u.opt = {k: self.empty(n, torch.float32) for k in u.opt}  # zeros at start
 
     def is_disk(self, t: torch.Tensor) -> bool:
         return False

@@ -80,6 +80,13 @@ class Placement:
         assert view is not None, "the gradient arena was sized from these same partitions"
         return view
 
+    def new_states(self, master: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+        """The optimizer states, zeros like the master; with offload_optimizer empty
+        placeholders, which place() replaces by the host's (or the disk tier's) own."""
+        if self.offload is not None:
+            return {x: master.new_empty(0) for x in names}
+        return {x: torch.zeros_like(master) for x in names}
+
     def releasable(self, on_host: bool) -> bool:
         """Whether u.grad may be released between steps ([Note: gradients live within a step]):
         not as a view of the gradient arena, whose long life is its point, nor as
