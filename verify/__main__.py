@@ -27,9 +27,11 @@ fed in by verify/inject.py), "world_size_invariance" (verify/invariance.py) and,
 --parity add "parity" and "parity_invariance" (the engine against plain PyTorch on several model
 families, verify/parity.py); the presets and --mp add "mp" and "mp_invariance" (ZeRO inside the DP
 group of each tensor-parallel slice against reference/mp.py, verify/mp_cells.py; --no-mp leaves it
-out of a preset). On a GPU (--device cuda) the cells and the invariance table run there; the parity,
-model-parallel, watchdog and resume sections compute on the CPU and each says in one line that it is
-skipped. The report names the backend and the device (provenance.backend, provenance.device). """
+out of a preset). The presets end with "watchdog" (verify/watchdog_cells.py) and "refusals" (bad
+input and damaged checkpoints refused by name, verify/refusals.py). On a GPU (--device cuda) the
+cells and the invariance table run there; the parity, model-parallel, watchdog, refusals and resume
+sections compute on the CPU and each says in one line that it is skipped. The report names the
+backend and the device (provenance.backend, provenance.device). """
 
 from __future__ import annotations
 
@@ -434,6 +436,20 @@ def watchdog_section(args, say) -> list[dict] | None:
     return [row for cell in cells for row in watchdog_cell(cell, args.timeout, say)]
 
 
+def refusals_section(args, say) -> list[dict] | None:
+    """The refusals section (verify/refusals.py) with --quick and --complete: each row's bad
+    input or damaged checkpoint must raise its named error saying its named text (with --list
+    its count line, and None)."""
+    preset = (args.quick or args.complete) and not (args.parity or mp_alone(args))
+    if not preset or cpu_only(args, "refusals", say):
+        return None
+    from . import refusals
+
+    if args.list:
+        return say(refusals.count_line())
+    return refusals.run_section(timeout_s=args.timeout, say=say, world_sizes=args.world_sizes)
+
+
 def watchdog_cell(cell, timeout_s: float, say) -> list[dict]:
     """One watchdog cell's row; a failing row naming it when its world raised (guarded)."""
     from . import watchdog_cells
@@ -546,6 +562,7 @@ def main(argv=None) -> int:
             say(line)
         parity_section(args, say)
         mp_section(args, say)
+        refusals_section(args, say)
         return 0
     if args.device == "cuda":  # deterministic cuBLAS (docs/design.md §2), before any rank starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -584,6 +601,13 @@ def main(argv=None) -> int:
     if watch is not None:  # the watchdog section (verify/watchdog_cells.py)
         report["watchdog"] = watch
         say(f"watchdog: {sum(r['passed'] for r in watch)}/{len(watch)} cells passed")
+    t0 = time.time()
+    refused = section(report, "refusals", lambda: refusals_section(args, say))
+    if refused is not None:  # the refusals section (verify/refusals.py)
+        report["refusals"] = refused
+        report["timing"]["refusals_s"] = round(time.time() - t0, 1)
+        say(f"refusals: {sum(r['passed'] for r in refused)}/{len(refused)} rows passed, "
+            f"{report['timing']['refusals_s']} s")  # fmt: skip
     launcher = "torchrun" if torchrun else "local"
     report["provenance"] = {
         **provenance(), "backend": args.backend, "device": args.device, "launcher": launcher
@@ -612,6 +636,7 @@ def main(argv=None) -> int:
             "mp_invariance",
             "mp_operators",
             "watchdog",
+            "refusals",
         )  # fmt: skip
         for r in report.get(name) or []
     ]

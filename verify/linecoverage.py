@@ -78,13 +78,13 @@ DEFAULT_ARGS = ("--quick", "--resume")
 """The run the figure is measured on: the CI preset plus the resume/reshard table (checkpoints
 are library code; --resume adds about 20 s)."""
 
-THRESHOLD = 87.0
+THRESHOLD = 90.0
 """Percent of the library's statements that the default run must execute: a floor against
-regressions, set at the measured figure less half a point. It was 90.0 until the collective
-watchdog, the heartbeats and the clean shutdown were added (2026-11-24): their code runs when
-ranks fail, which verify's healthy ranks do not (each such line is listed as error-path, and
-python -m verify.faults runs them), so the figure fell from 90.3% to 87.5% while every new line
-stayed listed."""
+regressions. The collective watchdog, the heartbeats and the clean shutdown (2026-11-24) brought
+the figure from 90.3% to 87.5% (their code runs when ranks fail) and the floor was lowered to
+87; it is back at 90 since verify's refusals section (verify/refusals.py) runs the library's
+refusals of bad input and damaged checkpoints, each checked for its exception and its message,
+instead of listing them as error paths. A floor is raised by adding cells, never lowered to pass."""
 
 
 def library_files() -> list[Path]:

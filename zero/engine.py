@@ -91,9 +91,9 @@ class ZeroEngine(Introspection, nn.Module):
 
     def _validate(self, module, config: ZeroConfig, group, mp) -> None:
         """The config spelled out (units="auto" resolved) and checked against this world."""
-        if config.partition_activations and mp is None:
+        self.module, self.config = module, build.resolve_units(module, config)  # types first
+        if self.config.partition_activations and mp is None:
             raise ValueError("partition_activations=True: P_a needs model parallelism (mp=)")
-        self.module, self.config = module, build.resolve_units(module, config)
         self.group = group if group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         build.check_config(self.config, self.world_size)
