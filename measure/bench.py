@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import time
 import traceback
@@ -656,15 +657,50 @@ def parse(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
     )  # fmt: skip
 
 
+def read_results(path: str) -> list[dict]:
+    """The records of a results file of `python -m measure.bench --json`; a ValueError naming
+    the file and what is wrong with it (unreadable, not UTF-8 JSON, not such a file)."""
+    allowed = "allowed are results files of python -m measure.bench --json"
+    if not os.path.isfile(path):
+        raise ValueError(f"from_json={path!r}: no such file; {allowed}")
+    try:
+        data = read_json(path)
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"from_json={path!r}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+            f"{exc.start}); {allowed}"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"from_json={path!r}: not JSON ({exc}); {allowed}") from None
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise ValueError(f"from_json={path!r}: cannot be read ({why}); {allowed}") from None
+    records = data.get("records") if isinstance(data, dict) else None
+    if not isinstance(records, list):
+        raise ValueError(f"from_json={path!r}: has no list of 'records'; {allowed}")
+    for i, r in enumerate(records):
+        if not (
+            isinstance(r, dict)
+            and isinstance(r.get("config"), dict)
+            and isinstance(r.get("result"), dict)
+            and {"system", "world_size"} <= set(r["config"])
+            and "status" in r["result"]
+        ):
+            raise ValueError(
+                f"from_json={path!r}: records[{i}] is not a step-time record (config.system, "
+                f"config.world_size, result.status); {allowed}"
+            )
+    return records
+
+
 def main(argv=None) -> int:
     cfg, args = parse(argv)
-    for path in args.from_json or ():
-        if not os.path.isfile(path):
-            raise ValueError(f"from_json={path!r}: no such file; allowed are results files")
+    # every file read before anything is printed or written: one line naming a bad one
+    runs = [read_results(path) for path in args.from_json or ()]
     if args.json is not None:
         cli.check_writable("json", args.json, file=True)  # before the timing, not after it
     if args.from_json:
-        records = merge_records([read_json(p)["records"] for p in args.from_json])
+        records = merge_records(runs)
         add_ratios(records)  # the ratios follow from the timings; recomputed, never trusted
         if args.json is not None:
             write_json(args.json, {"section": KIND, "records": records})

@@ -18,7 +18,9 @@ Legend: Ψ parameters of the model, N = N_d world size, K = 12 (mixed-precision 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -67,6 +69,23 @@ def _gpt(params: float, *, seq: int, vocab_size: int, shape: dict | None = None)
     return cfg, gpt_num_params(cfg)  # arithmetic: a 1e15 model is never built to be counted
 
 
+BLOCK_TENSORS, ROOT_TENSORS = 12, 5
+"""Parameter tensors of a GPT block (two layer norms, attention and MLP, weights and biases) and
+at most of its root unit (the embeddings, the last layer norm, an untied head): each starts at an
+aligned offset, so each adds at most ALIGN - 1 elements of gap to its unit's flat buffer."""
+
+
+def padded_unit_numel(numel: int, tensors: int, *, chunk: int, world_size: int) -> int:
+    """An upper bound of the flat buffer N·L of a unit of `numel` parameters in `tensors`
+    tensors (reference/layout.py): offsets aligned to ALIGN, the extent rounded up to whole
+    chunks C, then to N·L with L a multiple of C. At a large N this is N·C, whatever the unit:
+    every rank holds at least one chunk of every unit, and a gathered unit is N of them."""
+    from reference.layout import ALIGN
+
+    chunks = max(1, math.ceil((numel + tensors * (ALIGN - 1)) / chunk))
+    return world_size * math.ceil(chunks / world_size) * chunk
+
+
 def estimate_peak_bytes(
     *,
     params: float,
@@ -75,22 +94,156 @@ def estimate_peak_bytes(
     seq: int = 64,
     vocab_size: int = 50257,
     shape: dict | None = None,
+    options: dict | None = None,
 ) -> dict:
-    """The analytic model states of one rank and an upper estimate of its peak, in bytes.
+    """The analytic model states of one rank (the paper's formula on Ψ: model_states) and an
+    upper estimate of its peak, in bytes.
 
-    Peak = model states (zero.common.memory, the paper's configuration)
-    + TRANSIENT_BYTES_PER_UNIT_ELEMENT × the largest unit ([Note: transient bound])
-    + RUNTIME_BYTES. Pure arithmetic on a meta model: nothing is allocated.
+    Peak = model states of the padded units (zero.common.memory, the paper's configuration)
+    + TRANSIENT_BYTES_PER_UNIT_ELEMENT × the largest padded unit ([Note: transient bound])
+    + RUNTIME_BYTES. Pure arithmetic on the model's shape: nothing is allocated. The padding
+    counts: each unit is padded to N·L elements (padded_unit_numel), which at a large world
+    size is N·C for every unit, far above its parameters (2M parameters at N = 10^6 are
+    padded to 12·10^9 elements, and a rank gathers 4·10^9 of them at once). `options` (further
+    ZeroConfig fields) may set the chunk C.
     """
     from zero.common.memory import model_state_breakdown
+    from zero.config import ZeroConfig
 
+    chunk = (options or {}).get("chunk", ZeroConfig.__dataclass_fields__["chunk"].default)
     cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size, shape=shape)
     h = cfg.n_embd
     block = 12 * h * h + 13 * h
     root = count - cfg.n_layer * block
+    pad = dict(chunk=chunk, world_size=world_size)
+    padded_block = padded_unit_numel(block, BLOCK_TENSORS, **pad)
+    padded_root = padded_unit_numel(root, ROOT_TENSORS, **pad)
+    padded = cfg.n_layer * padded_block + padded_root
     states = model_state_breakdown(num_params=count, world_size=world_size, stage=stage).total
-    peak = states + TRANSIENT_BYTES_PER_UNIT_ELEMENT * max(block, root) + RUNTIME_BYTES
-    return {"num_params": count, "model_states": states, "peak": peak}
+    held = model_state_breakdown(num_params=padded, world_size=world_size, stage=stage).total
+    largest = max(padded_block, padded_root)
+    peak = held + TRANSIENT_BYTES_PER_UNIT_ELEMENT * largest + RUNTIME_BYTES
+    return {
+        "num_params": count,
+        "model_states": states,
+        "padded_params": padded,
+        "padded_model_states": held,
+        "largest_unit": largest,
+        "chunk": chunk,
+        "peak": peak,
+    }
+
+
+def refuse_unless_fits(est: dict, *, params: float, world_size: int, device: str) -> None:
+    """A ValueError naming params (and world_size, where the padding of N ranks is what does not
+    fit) unless a rank of estimate `est` fits here now (fits_here)."""
+    ok, reason = fits_here(est, device=device)
+    if ok:
+        return
+    count, padded = est["num_params"], est["padded_params"]
+    if padded > 2 * count:  # the world's padding, not the model, is what is large
+        raise ValueError(
+            f"params={params:g}, world_size={world_size}: {reason} ({count:,} parameters, "
+            f"padded to {padded:,} elements: every unit is at least N·C = {world_size:,} × "
+            f"{est['chunk']} elements, the largest {est['largest_unit']:,}); allowed are ranks "
+            "that fit (a smaller world_size), or pass --force"
+        )
+    raise ValueError(
+        f"params={params:g}: {reason} ({count:,} parameters); allowed are ranks that fit, or "
+        "pass --force"
+    )
+
+
+FIXED_OPTIONS = ("stage", "precision", "reduce_dtype", "optimizer", "micro_batches", "units",
+                 "nonfinite", "groups", "group_of", "scaler")  # fmt: skip
+"""ZeroConfig fields a simulated rank sets itself (the paper's configuration: bf16, Adam; the
+stage its own option; units the model's blocks) or that JSON cannot give: not in `options`."""
+
+
+def _shown(value) -> str:
+    """A value as the command line gave it (JSON), else its repr."""
+    try:
+        return json.dumps(list(value) if isinstance(value, tuple) else value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def zero_config(*, stage: int, world_size: int, options: dict | None, units=()):
+    """The ZeroConfig of a simulated rank: the paper's configuration and `options`."""
+    from zero.config import ZeroConfig
+
+    return ZeroConfig(
+        stage=stage,
+        precision="bf16",
+        reduce_dtype="bf16",
+        optimizer="adam",
+        micro_batches=world_size,
+        units=units,
+        nonfinite="skip",
+        # the gradient buffers exist from construction on every device, so that the resident
+        # set after construction is the paper's model states (release_grads would allocate them
+        # in the first step only, on CUDA by default)
+        **{"release_grads": False, **(options or {})},
+    )
+
+
+def check_options(options, *, stage: int, world_size: int, mp: int) -> None:
+    """`options` is None or a dict of further ZeroConfig fields that make a valid config of
+    this rank (checked before anything is built); else a ValueError naming options."""
+    if options is None:
+        return
+    from zero import build
+    from zero.config import ZeroConfig
+
+    allowed = [f for f in ZeroConfig.__dataclass_fields__ if f not in FIXED_OPTIONS]
+    head = f"options={_shown(options)}"
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"{head}: not a JSON object; allowed is an object of further ZeroConfig fields, "
+            f"of {', '.join(allowed)}"
+        )
+    for key in options:
+        if key not in allowed:
+            why = (
+                f"{key!r} is set by the simulated rank" + (f" (--{key})" if key == "stage" else "")
+                if key in FIXED_OPTIONS
+                else f"{key!r} is not a ZeroConfig field"
+            )
+            raise ValueError(f"{head}: {why}; allowed keys are {', '.join(allowed)}")
+    try:
+        zcfg = zero_config(stage=stage, world_size=world_size, options=options)
+        build.check_config(zcfg, world_size)
+    except ValueError as exc:
+        raise ValueError(f"{head}: {' '.join(str(exc).split())}") from None
+    if zcfg.partition_activations and mp == 1:
+        raise ValueError(f"{head}: partition_activations=True needs model parallelism (mp > 1)")
+
+
+DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
+def check_device(device) -> None:
+    """'cpu', or 'cuda[:i]' where this process has CUDA device i; else a ValueError naming
+    device (checked before anything is built: torch would fail in its first CUDA call)."""
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
+        raise ValueError(f"device={device!r}: allowed are 'cpu' and 'cuda[:i]'")
+    if device == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
+        raise ValueError(
+            f"device={device!r}: this process has no CUDA device (torch {torch.__version__}, "
+            f"built {built}); allowed here is 'cpu'"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise ValueError(
+            f"device={device!r}: this process has {count} CUDA device(s); allowed are 'cpu' "
+            f"and 'cuda:0' .. 'cuda:{count - 1}'"
+        )
 
 
 def _meta_model(cfg, *, world_size: int, mp: int, deterministic: bool = True):
@@ -190,8 +343,8 @@ class SimulateConfig:
             raise ValueError(
                 f"shape={self.shape!r}: allowed is {{'n_layer', 'n_embd', 'n_head'}}, integers >= 1"
             )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device={self.device!r}: allowed are 'cpu' and 'cuda[:i]'")
+        check_device(self.device)
+        check_options(self.options, stage=self.stage, world_size=self.world_size, mp=self.mp)
 
 
 def simulate_rank(
@@ -221,6 +374,8 @@ def simulate_rank(
     built. Samples: after construction (peak: construction) and after each step (peak: that
     step, the peak reset before it).
     """
+    check_device(device)  # before the process group and the model: one line naming it
+    check_options(options, stage=stage, world_size=world_size, mp=mp)
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -231,7 +386,6 @@ def simulate_rank(
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size * mp)
     from zero.common.memory import model_state_breakdown
-    from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
 
     cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size, shape=shape)
@@ -242,18 +396,8 @@ def simulate_rank(
     model, group, ctx = _meta_model(cfg, world_size=world_size, mp=mp, deterministic=det)
     held = sum(p.numel() for p in model.parameters())  # Ψ_m: this rank's slice (Ψ at N_m = 1)
     probe = MemoryProbe(device=device)
-    zcfg = ZeroConfig(
-        stage=stage,
-        precision="bf16",
-        reduce_dtype="bf16",
-        optimizer="adam",
-        micro_batches=world_size,
-        units=tuple(model.unit_names()),
-        nonfinite="skip",
-        # the gradient buffers exist from construction on every device, so that the resident
-        # set after construction is the paper's model states (release_grads would allocate them
-        # in the first step only, on CUDA by default)
-        **{"release_grads": False, **(options or {})},
+    zcfg = zero_config(
+        stage=stage, world_size=world_size, options=options, units=tuple(model.unit_names())
     )
     t0 = time.perf_counter()
     engine = ZeroEngine(model, zcfg, group=group, device=device, init_seed=None, mp=ctx)
@@ -352,6 +496,11 @@ def measure_rank(
     temporary JSON file.
     """
     device = kwargs.get("device", "cpu")
+    check_device(device)  # fits_here asks the device
+    check_options(
+        kwargs.get("options"), stage=kwargs["stage"], world_size=kwargs["world_size"],
+        mp=kwargs.get("mp", 1),
+    )  # fmt: skip
     if check_fits:
         est = estimate_peak_bytes(
             params=kwargs["params"],
@@ -359,6 +508,8 @@ def measure_rank(
             stage=kwargs["stage"],
             seq=kwargs.get("seq", 64),
             vocab_size=kwargs.get("vocab_size", 50257),
+            shape=kwargs.get("shape"),
+            options=kwargs.get("options"),
         )
         ok, reason = fits_here(est, device=device)
         if not ok:
@@ -404,14 +555,9 @@ def main(argv=None) -> int:
     if not a.force:  # before anything is built: a 1e15 model would take minutes, then fail
         est = estimate_peak_bytes(
             params=cfg.params, world_size=cfg.world_size, stage=cfg.stage, seq=cfg.seq,
-            vocab_size=cfg.vocab_size, shape=cfg.shape,
+            vocab_size=cfg.vocab_size, shape=cfg.shape, options=cfg.options,
         )  # fmt: skip
-        ok, reason = fits_here(est, device=cfg.device)
-        if not ok:
-            raise ValueError(
-                f"params={cfg.params:g}: {reason} ({est['num_params']:,} parameters); "
-                "allowed are ranks that fit, or pass --force"
-            )
+        refuse_unless_fits(est, params=cfg.params, world_size=cfg.world_size, device=cfg.device)
     out = simulate_rank(**asdict(cfg))
     if not a.quiet:
         gb = 1e9

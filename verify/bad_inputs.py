@@ -16,11 +16,39 @@ from measure.bench import BenchConfig
 from measure.fake_rank import SimulateConfig
 from reference.optim import Hyper
 from reference.precision import ScalerConfig
+from zero import build
 from zero.config import ZeroConfig
 from zero.workloads.digits import DigitsConfig
 from zero.workloads.train import TrainConfig
 
 INF, NAN = math.inf, math.nan
+
+
+class GroupOf:
+    """A group_of for the rows: returns `value`, or raises it when it is an exception; shown
+    by what it does (a row's id)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, name, param):
+        if isinstance(self.value, BaseException):
+            raise self.value
+        return self.value
+
+    def __repr__(self) -> str:
+        what = "raises" if isinstance(self.value, BaseException) else "returns"
+        return f"GroupOf({what} {self.value!r})"
+
+
+def group_index(*, group_of) -> dict:
+    """What ZeroEngine does with config.group_of on construction, before it allocates anything
+    (zero.build.group_index), for a two-layer model: no process group needed."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    named = [("", list(model.named_parameters()))]
+    return build.group_index(ZeroConfig(group_of=group_of, groups=(Hyper(), Hyper())), named)
 
 
 def api_rows() -> list[tuple]:
@@ -42,17 +70,20 @@ def api_rows() -> list[tuple]:
     bad(ScalerConfig, "backoff", 1.0, 0.0, NAN)
     bad(ScalerConfig, "growth", 1.0, INF, NAN)
     bad(ScalerConfig, "growth_interval", 0, 1.5, True)
-    bad(ZeroConfig, "stage", 4, -1, True, "2")
+    bad(ZeroConfig, "stage", 4, -1, True, "2", 2.0)  # 2.0 was accepted (2.0 in (0, 1, 2, 3))
     bad(ZeroConfig, "precision", "fp8", None)
     bad(ZeroConfig, "reduce_dtype", "fp64")
     bad(ZeroConfig, "optimizer", "lion")
-    bad(ZeroConfig, "groups", (None,), (), "adam", (Hyper(), 3))
+    bad(ZeroConfig, "groups", (None,), (), "adam", (Hyper(), 3), [Hyper()])
     bad(ZeroConfig, "group_of", 3)
+    # was a bare TypeError ('<=' between int and str), and the function's own ZeroDivisionError
+    bad(group_index, "group_of", GroupOf("0"), GroupOf(2), GroupOf(True), GroupOf(1.0))
+    bad(group_index, "group_of", GroupOf(ZeroDivisionError("division by zero")))
     bad(ZeroConfig, "micro_batches", 0, -2, 1.5)
     bad(ZeroConfig, "clip_norm", INF, NAN, 0.0, -1.0)
     bad(ZeroConfig, "scaler", None)
     bad(ZeroConfig, "nonfinite", "ignore")
-    bad(ZeroConfig, "units", "everything", ("a", "a"), ("",))
+    bad(ZeroConfig, "units", "everything", ("a", "a"), ("",), ["a"], (1,), 3, None)
     bad(ZeroConfig, "persist_below", -1, 1.5)
     bad(ZeroConfig, "chunk", 2**40, 100, 0, 64, True)
     bad(ZeroConfig, "bucket_elements", 0, True, 2.5)
@@ -94,7 +125,12 @@ def api_rows() -> list[tuple]:
     bad(SimulateConfig, "seq", 0)
     bad(SimulateConfig, "batch", 0)
     bad(SimulateConfig, "vocab_size", 0)
-    bad(SimulateConfig, "device", "tpu")
+    bad(SimulateConfig, "device", "tpu", "cudax", "cuda:99")  # no machine here has 100 GPUs
+    # a list was an AttributeError, a key the rank sets or an unknown one a TypeError, all after
+    # the process group and the model were built
+    bad(SimulateConfig, "options", [1, 2], "x", {"stage": 2}, {"bogus": True}, {"chunk": 3})
+    p_a = {"partition_activations": True, "activation_checkpointing": True}  # needs mp > 1
+    bad(SimulateConfig, "options", p_a, {"bucket_elements": 8, "chunk": 128})  # 8 < N = 64
     bad(SimulateConfig, "shape", {"n_layer": 0, "n_embd": 64, "n_head": 1}, {"layers": 2})
     bad(BenchConfig, "lr", INF, NAN, 0.0)
     bad(BenchConfig, "weight_decay", INF, -1.0)
@@ -175,6 +211,14 @@ def cli_rows() -> list[tuple]:
     bad(s, "rank", "--rank", "64")
     bad(s, "stage", "--stage", "4")
     bad(s, "device", "--device", "tpu")
+    bad(s, "device", "--device", "cuda:99")  # was torch's traceback from its first CUDA call
+    bad(s, "options", "--options", "[1, 2]")  # was an AttributeError after the model was built
+    bad(s, "options", "--options", '{"stage": 2}')  # was a TypeError (stage given twice)
+    bad(s, "options", "--options", '{"bogus": true}')  # was a TypeError
+    bad(s, "options", "--options", '{"chunk": 3}')
+    # the padding of N ranks: 2M parameters at N = 10^7 are padded to 1.2·10^11 elements (the
+    # check counted 2M, and the rank then failed to allocate a gathered unit of 4·10^10)
+    bad(s, "world_size", "--params", "2e6", "--vocab-size", "256", "--world-size", "10000000")
     bad(s, "shape", "--shape", '{"n_layer": 0, "n_embd": 8, "n_head": 1}')
     bad(s, "json", "--json", "{file}/r.json", "--params", "1e6", "--world-size", "1")
     b = "measure.bench"
@@ -185,27 +229,42 @@ def cli_rows() -> list[tuple]:
     bad(b, "systems", "--systems", "megatron")
     bad(b, "json", "--json", "{file}/b.json")
     bad(b, "from_json", "--from-json", "{missing}")
+    bad(b, "from_json", "--from-json", "{binary}")  # was "'utf-8' codec ...", no file named
+    bad(b, "from_json", "--from-json", "{text}")  # not JSON
+    bad(b, "from_json", "--from-json", "{file}")  # not JSON either
+    bad(b, "from_json", "--from-json", "{records}")  # JSON without step-time records
     bad("paper_figures", "out", "--out", "{file}/sub")
     bad("paper_figures", "profile", "--profile", "huge")
     return rows
 
 
 def one_line_naming(text: str, field: str) -> bool:
-    """The refusal is one line, without a traceback, naming the field (as `field=`, `field[`
-    or its option `--field`)."""
+    """The refusal is one line, without a traceback, naming the field (as `field=`, `field[`,
+    `field(` for a function's call, e.g. group_of('weight')='0', or its option `--field`)."""
     text = text.strip()
-    names = (f"{field}=", f"{field}[", f"--{field.replace('_', '-')}")
+    names = (f"{field}=", f"{field}[", f"{field}(", f"--{field.replace('_', '-')}")
     return "\n" not in text and "Traceback" not in text and any(n in text for n in names)
 
 
 def paths(tmp: Path) -> dict[str, str]:
     """The paths the command-line rows name: a file (so FILE/sub cannot be a folder), a missing
-    path, and a small text whose three 64 KiB pieces are all held out at --val-fraction 0.99."""
+    path, a small text whose three 64 KiB pieces are all held out at --val-fraction 0.99, a
+    binary file (not UTF-8) and a JSON file whose records are not step-time records."""
     file = tmp / "a_file"
     file.write_text("not a folder")
     text = tmp / "small.txt"
     text.write_bytes(b"print('hello')\n" * 13_000)
-    return {"file": str(file), "missing": str(tmp / "missing"), "text": str(text)}
+    binary = tmp / "binary.json"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    records = tmp / "records.json"
+    records.write_text('{"records": [{"config": {}, "result": {}}]}')
+    return {
+        "file": str(file),
+        "missing": str(tmp / "missing"),
+        "text": str(text),
+        "binary": str(binary),
+        "records": str(records),
+    }
 
 
 def fill(argv: list[str], where: dict[str, str]) -> list[str]:

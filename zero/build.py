@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from dataclasses import fields
 
 import torch
@@ -191,12 +192,33 @@ def rebind(module: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
 
 
 def group_index(config: ZeroConfig, named) -> dict[str, int]:
-    """Parameter name -> its optimizer parameter group (config.group_of, else 0)."""
+    """Parameter name -> its optimizer parameter group (config.group_of, else 0). A group_of
+    that raises, or returns anything but an int index into config.groups, is refused by name:
+    a ValueError naming the parameter and the value (the exception it raised chained)."""
     fn, k = config.group_of, len(config.groups)
-    out = {pn: (fn(pn, p) if fn else 0) for _, ps in named for pn, p in ps}
-    for pn, g in out.items():
-        if not 0 <= g < k:
-            raise ValueError(f"group_of({pn!r})={g}: allowed are 0..{k - 1}")
+    out = {}
+    for _, ps in named:
+        for pn, p in ps:
+            if fn is None:
+                out[pn] = 0
+                continue
+            try:
+                g = fn(pn, p)
+            except Exception as exc:  # the user's function: its error, with where it happened
+                why = " ".join(str(exc).split())
+                raise ValueError(
+                    f"group_of({pn!r}) raised {type(exc).__name__}: {why}; allowed is a function "
+                    f"of (name, parameter) returning 0..{k - 1} (an int index into groups)"
+                ) from exc
+            try:  # an int, or an integer type that says it is one (numpy's); not a bool
+                index = None if isinstance(g, bool) else operator.index(g)
+            except TypeError:
+                index = None
+            if index is None or not 0 <= index < k:
+                raise ValueError(
+                    f"group_of({pn!r})={g!r}: allowed are 0..{k - 1} (an int index into groups)"
+                )
+            out[pn] = index
     return out
 
 

@@ -151,8 +151,8 @@ class ZeroConfig:
     name a stopped or dead rank when a collective fails."""
 
     def __post_init__(self):
-        if self.stage not in STAGES:
-            raise ValueError(f"stage={self.stage!r}: allowed are {STAGES}")
+        if type(self.stage) is not int or self.stage not in STAGES:  # 2.0 == 2 and True == 1
+            raise ValueError(f"stage={self.stage!r}: allowed are the integers {STAGES}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic={self.deterministic!r}: must be True or False")
         if self.watchdog not in WATCHDOG_MODES:
@@ -191,12 +191,9 @@ class ZeroConfig:
             raise ValueError(
                 f"release_grads={self.release_grads!r}: must be None (by device), True or False"
             )
-        if self.dropout_seed is not None and (
-            isinstance(self.dropout_seed, bool)
-            or not isinstance(self.dropout_seed, int)
-            or self.dropout_seed < 0
-        ):
-            raise ValueError(f"dropout_seed={self.dropout_seed!r}: must be None or an integer >= 0")
+        seed = self.dropout_seed
+        if seed is not None and (type(seed) is not int or seed < 0):  # not a bool, not 1.0
+            raise ValueError(f"dropout_seed={seed!r}: must be None or an integer >= 0")
         if self.offload_dir is not None:  # the disk tier's own checks (zero/zero_r/disk.py)
             from .zero_r.disk import check_offload_dir
 
@@ -225,8 +222,12 @@ class ZeroConfig:
                     f"units={self.units!r}: a tuple of submodule names, or 'auto' "
                     "(zero.build.auto(model))"
                 )
+        elif not isinstance(self.units, tuple) or not all(isinstance(u, str) for u in self.units):
+            raise ValueError(f"units={self.units!r}: allowed are a tuple of names (str), or 'auto'")
         elif len(set(self.units)) != len(self.units) or "" in self.units:
             raise ValueError(f"units={self.units!r}: names must be distinct and non-empty")
+        if not isinstance(self.groups, tuple):  # a frozen config holds tuples (StepConfig: lists)
+            raise ValueError(f"groups={self.groups!r}: allowed is a tuple of reference.optim.Hyper")
         self.step_config(1)  # the reference validates the numerical fields
 
     def step_config(self, world_size: int) -> StepConfig:

@@ -217,7 +217,10 @@ def _say_whom_to_blame(exc: BaseException, prog: str) -> None:
         try:
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+            from ..ranks.launch import record_blamed
+
             ErrorHandler().record_exception(exc)
+            record_blamed(exc)  # and the blamed ranks' own files: torchrun names them first
         except Exception:
             pass  # the summary then shows the exit code only; the message is on stderr
 

@@ -29,13 +29,18 @@ seconds per world (docs/machine_notes.md, starting ranks). Two costs come with i
 
 Failure (docs/design.md §3, "not left to hang"): a rank that raises makes the parent raise
 ``RankError`` with that rank's traceback; a launcher environment that is incomplete or stale is
-refused (``LaunchEnvError``) before joining.
+refused (``LaunchEnvError``) before joining. Under torchrun, a rank that stops (SIGSTOP) writes
+nothing, so a peer whose watchdog blames it writes its error file for it ([Note: error file of a
+silent rank]).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -216,6 +221,7 @@ def init_from_env(
     global _RANK_DEVICE
     check_timeout(timeout_s)
     backend, where = choose_where(backend, device, torchrun=True)
+    _record_blame_at_exit()
     if not dist.is_initialized():
         check_launch_env(os.environ)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -259,3 +265,113 @@ def leave_world(*, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
         return False
     dist.destroy_process_group()
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun's error files
+#
+# [Note: error file of a silent rank] torchrun's summary ("Root Cause (first observed failure)")
+# names the failed rank whose error file (TORCHELASTIC_ERROR_FILE, written by torch's
+# ErrorHandler, which zero.common.cli.run calls for an error the watchdog explained) has the
+# earliest timestamp; a rank without one gets the time torchrun reaped it. A dead rank is
+# reaped first, and diverging ranks each write their own; but a stopped rank writes nothing
+# and is reaped (SIGKILL) only after its peers failed, so the summary named a peer, rank 0,
+# although the watchdog blamed the stopped one. So a rank that fails with a CollectiveError
+# writes the error file of each blamed rank on its node that has none yet: the watchdog's
+# report, timestamped a second before its own (the blamed rank stopped before the peer's
+# collective timed out, so it did fail first). torchrun reads that file only if the blamed
+# rank ends failed (it kills a stopped one); a blamed rank that writes its own replaces it.
+
+
+def blamed_error_files(exc: BaseException, env=None, *, now: float | None = None) -> dict:
+    """{path: torchrun error-file data} for the ranks a CollectiveError in `exc` (or in its
+    causes) blames, other than this rank, that run on this node; {} outside torchrun, without
+    a CollectiveError, or when the layout of the error files is not torchrun's
+    (<attempt dir>/<local rank>/error.json). Pure: nothing is read or written."""
+    env = os.environ if env is None else env
+    blame = _collective_error(exc)
+    own = env.get("TORCHELASTIC_ERROR_FILE", "")
+    if blame is None or not own:
+        return {}
+    try:
+        rank, local = int(env["RANK"]), int(env["LOCAL_RANK"])
+        local_world = int(env["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return {}
+    folder, name = os.path.split(own)
+    attempt, me = os.path.split(folder)
+    if name != "error.json" or me != str(local):
+        return {}
+    report = str(blame).strip()
+    first = report.splitlines()[0] if report else watchdog.BLAME
+    stamp = int(time.time() if now is None else now) - 1
+    out = {}
+    for r in blame.blamed:
+        peer = r - (rank - local)  # torchrun numbers a node's ranks consecutively
+        if r == rank or not 0 <= peer < local_world:
+            continue
+        note = (
+            f"rank {r} wrote no error file of its own (a stopped or silent rank); rank {rank}'s "
+            "watchdog recorded this for it"
+        )
+        out[os.path.join(attempt, str(peer), "error.json")] = {
+            "message": {
+                "message": f"{type(blame).__name__}: {first}",
+                "extraInfo": {"py_callstack": f"{note}:\n{report}\n", "timestamp": str(stamp)},
+            }
+        }
+    return out
+
+
+def record_blamed(exc: BaseException, env=None) -> list[str]:
+    """Write blamed_error_files(exc) where no error file exists yet (a blamed rank's own, or
+    another peer's, is kept); timestamped before this rank's own error file where that has
+    been written. Returns the paths written. Never raises: the error being reported matters
+    more than this note about it."""
+    env = os.environ if env is None else env
+    written = []
+    try:
+        now = time.time()
+        own = env.get("TORCHELASTIC_ERROR_FILE", "")
+        if own and os.path.isfile(own):
+            with open(own) as f:
+                data = json.load(f)
+            now = min(now, float(data["message"]["extraInfo"]["timestamp"]))
+        files = blamed_error_files(exc, env, now=now)
+    except Exception:
+        return written
+    for path, data in files.items():
+        try:
+            with open(path, "x") as f:  # exclusive: the first writer wins, none is replaced
+                json.dump(data, f)
+            written.append(path)
+        except OSError:
+            continue
+    return written
+
+
+def _collective_error(exc: BaseException | None):
+    """The first watchdog.CollectiveError in exc, its causes and contexts (None if none)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, watchdog.CollectiveError) and exc.blamed:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _record_blame_at_exit() -> None:
+    """Under torchrun, an error that ends the process (after zero.common.cli.run has written
+    this rank's error file) also writes the blamed ranks' (record_blamed); installed once."""
+    if getattr(sys.excepthook, "_zero_blame", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if value is not None:
+            record_blamed(value)
+        previous(kind, value, tb)
+
+    hook._zero_blame = True
+    sys.excepthook = hook
