@@ -24,15 +24,25 @@
 #            a simulated rank and its control measured with the CUDA allocator (--dry-run: on
 #            the CPU)
 # Then the bench's table (from its JSON) and, last, a summary: part | exit code | seconds | log.
+#
+#   OUT=gpu_out tools/gpu_check.sh --offload  # instead: the largest models with host offload
+#   largest25  python3 -m measure.largest --shape 32 2560 --tiers memory --device cuda: the 2.5B
+#              GPT (stage 3, bf16, N = 1) with ZeRO-Offload: host RSS per parameter, GPU peak,
+#              seconds per step, construction seconds per billion (at most 180 s)
+#   largest7b  the same at --shape 36 4096: 7.3B parameters on one GPU (at most 300 s)
+#   (--dry-run --offload: the same parts on the CPU at --shape 4 512 and 6 512)
 # torchrun is run as `$PYTHON -m torch.distributed.run`, so that it uses the same interpreter.
 set -u
 
 DRY=0
+OFFLOAD=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h | --help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "tools/gpu_check.sh: unknown argument: $arg (allowed: --dry-run)" >&2; exit 2 ;;
+        --offload) OFFLOAD=1 ;;
+        -h | --help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "tools/gpu_check.sh: unknown argument: $arg (allowed: --dry-run, --offload)" >&2
+           exit 2 ;;
     esac
 done
 
@@ -70,6 +80,23 @@ skip() { # skip NAME WHY
 }
 
 part env 10 bash -c "$PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available())'; (nvidia-smi || echo 'no nvidia-smi'); nproc; free -g"
+
+if [ $OFFLOAD -eq 1 ]; then  # the largest models with host offload, then the summary
+    if [ $DRY -eq 1 ]; then
+        LARGE=(--tiers memory --device cpu --steps 2 --dir "$OUT"); S25=(4 512); S7=(6 512)
+    else
+        LARGE=(--tiers memory --device cuda --steps 2 --dir "$OUT"); S25=(32 2560); S7=(36 4096)
+    fi
+    part largest25 180 "$PY" -m measure.largest --shape "${S25[@]}" "${LARGE[@]}" --json "$OUT/largest25.json"
+    part largest7b 300 "$PY" -m measure.largest --shape "${S7[@]}" "${LARGE[@]}" --json "$OUT/largest7b.json"
+    echo
+    for f in "$OUT"/largest25.json "$OUT"/largest7b.json; do
+        [ -f "$f" ] && "$PY" -c "import json,sys; r=json.load(open(sys.argv[1]))['memory'][0]; print({k: r.get(k) for k in ('params', 'failed', 'construct_s_per_billion', 'step_s', 'rss_built_per_param', 'peak_rss_per_param', 'split_per_param', 'gpu_peak_bytes')})" "$f"
+    done
+    { echo "| part | exit code | seconds | log file |"; echo "|---|---|---|---|"
+      printf '%s\n' "${ROWS[@]}"; } | tee "$OUT/summary.md"
+    exit 0
+fi
 
 if [ $DRY -eq 1 ]; then
     skip gpu "--dry-run has no GPU"

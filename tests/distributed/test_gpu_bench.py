@@ -187,3 +187,25 @@ def test_the_gpu_check_dry_run_runs_every_part(tmp_path):
     assert [r["config"]["system"] for r in records] == SYSTEMS
     assert all(r["config"]["device"] == "cpu" for r in records)
     assert "| zero-s3-det |" in done.stdout and (out / "summary.md").is_file()
+
+
+def test_the_offload_check_dry_run_trains_both_models(tmp_path):
+    """tools/gpu_check.sh --dry-run --offload: measure.largest's two parts on the CPU (small
+    shapes), each a record with its parameters, RSS per parameter and host bytes per
+    parameter at the floor (16 + the bounded staging: under 17 for these widths)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", "tools/gpu_check.sh", "--dry-run", "--offload"], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.rstrip().splitlines()
+    rows = lines[lines.index("| part | exit code | seconds | log file |") + 2 :]
+    assert [r.split("|")[1].strip() for r in rows] == ["env", "largest25", "largest7b"]
+    assert all(r.split("|")[2].strip() == "0" for r in rows)
+    for name, layers in (("largest25", 4), ("largest7b", 6)):
+        (rec,) = json.loads((out / f"{name}.json").read_text())["memory"]
+        assert rec["layers"] == layers and "failed" not in rec
+        assert 16 <= rec["split_per_param"]["host"] < 17
+        assert len(rec["step_s"]) == 2
