@@ -31,7 +31,7 @@ from zero.checkpoint import format as fmt
 from zero.loop import train_steps
 from zero.ranks.launch import RankError
 from zero.ranks.local import get_pool, spawn
-from zero.workloads.train import main
+from zero.workloads.train import RunFault, main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -123,6 +123,96 @@ def test_resume_if_present_starts_afresh_only_on_an_empty_directory(tmp_path, te
     assert exc.value.code == 2 and "resume_if_present=True is not allowed" in err, err
 
 
+# -- a fault is one line; a resume that changes the run is refused by name (issue 38) ---------
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.dist
+def test_a_diverged_run_is_one_line_and_leaves_nothing(tmp_path, text, capsys):
+    """--lr 1e300: the loss diverges at step 2, before any checkpoint: exit 1, one line naming
+    the step and the cause (the traceback with --debug), and no history claiming a run, no OUT."""
+    from zero.common import cli
+    from zero.workloads.train import cli_main
+
+    out = tmp_path / "run"
+    args = [*FAST, "--data", str(text), "--nproc", "1", "--out", str(out), "--steps", "3",
+            "--lr", "1e300", "--ckpt-every", "0"]  # fmt: skip
+    for debug in (False, True):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exc:
+            cli.run(cli_main, "python -m zero.workloads.train", args + ["--debug"] * debug)
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert exc.value.code == 1 and last.startswith("python -m zero.workloads.train: error: ")
+        assert "step 2 of 3: non-finite gradient" in last and "no checkpoint was made" in last
+        assert ("Traceback" in err) == debug, err
+        assert not out.exists()
+
+
+@pytest.mark.dist
+def test_a_resume_that_changes_the_run_is_refused_by_name_unless_allowed(trained, text, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    before = tree(out)
+    with pytest.raises(ValueError, match=r"^resume=True: .*: --seed: saved 0, now 1; --lr: saved "
+                       r"0.002, now 0.001; .*--allow-changed-run"):  # fmt: skip
+        train(out, text, "--steps", "3", "--resume", "--seed", "1", "--lr", "1e-3")
+    assert tree(out) == before  # refused before any work
+    log = train(out, text, "--steps", "3", "--resume", "--seed", "1", "--allow-changed-run")
+    want = [{"step": 2, "field": "seed", "saved": 0, "now": 1}]
+    assert log["config"]["run_changes"] == want
+    assert (
+        checkpoint.read_manifest(checkpoint.resolve(out / "ckpt"))["extra"]["run_changes"] == want
+    )
+    log = train(out, text, "--steps", "4", "--resume", "--seed", "1")  # the run is seed 1 now
+    assert log["config"]["run_changes"] == want and log["result"]["data_step"] == 4
+
+
+@pytest.mark.dist
+def test_a_damaged_rng_file_is_named_by_resume_verify_and_consolidate(trained, text, tmp_path):
+    """r0000.bin (rank 0's RNG state and the buffers) was never read by consolidate: now every
+    reader checks every file; --resume refuses in one line (exit 2), nothing run or removed."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    root = out / "ckpt"
+    flip(checkpoint.resolve(root) / "r0000.bin")
+    before = tree(out)
+    pattern = r"checksum mismatch in .*step-00000002/r0000\.bin"
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.verify(root)
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.consolidate(root)
+    assert checkpoint.main(["consolidate", str(root), str(tmp_path / "m.pt")]) == 1
+    with pytest.raises(ValueError, match=rf"^resume from .*: .*{pattern}.*nothing was run"):
+        train(out, text, "--steps", "3", "--resume")
+    assert tree(out) == before and not (tmp_path / "m.pt").exists()
+
+
+@pytest.mark.dist
+def test_consolidate_refuses_a_bad_out_before_the_work(trained, tmp_path, capsys):
+    """OUT a directory, in a missing folder: exit 2, one line naming OUT, found before reading
+    the checkpoint (whose shard is damaged here: reading it would be exit 1), and no temp file
+    in OUT's parent or anywhere."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    root = out / "ckpt"
+    flip(sorted(checkpoint.resolve(root).glob("u*-r*.bin"))[0])
+    target = tmp_path / "target"
+    target.mkdir()
+    for bad in (target, tmp_path / "nope" / "m.pt"):
+        capsys.readouterr()
+        assert checkpoint.main(["consolidate", str(root), str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"error: out={str(bad)!r}" in err, err
+    assert list(target.iterdir()) == [] and not list(tmp_path.glob(".*"))
+    assert checkpoint.main(["consolidate", str(root), str(tmp_path / "m.pt")]) == 1  # the shard
+
+
 # -- one run per output directory ----------------------------------------------------------------
 
 
@@ -167,9 +257,16 @@ def test_a_second_run_on_the_same_out_is_refused_before_any_work(tmp_path, text)
 
 
 @pytest.mark.dist
-def test_a_held_or_stale_lock_is_named_and_a_finished_run_releases_it(tmp_path, text):
+def test_a_held_lock_refuses_a_stale_one_is_cleared_and_a_finished_run_releases_it(
+    tmp_path, text, capsys
+):
+    """A live holder refuses, naming its pid; the lock of a holder killed without its cleanup
+    (a pid that runs no more on this host) is reported in one line, cleared, and the run goes
+    on; the run releases its own lock at exit."""
     out = tmp_path / "run"
     held = lock.acquire(out)  # this process: alive
+    record = json.loads(held.read_text())
+    assert {"pid", "host", "started", "proc_start", "boot_id"} <= set(record), record
     with pytest.raises(ValueError, match=rf"pid {os.getpid()} on .*; wait for it to end"):
         train(out, text, "--steps", "1")
     assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # no work was done
@@ -177,10 +274,10 @@ def test_a_held_or_stale_lock_is_named_and_a_finished_run_releases_it(tmp_path, 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (out / "run.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
-    with pytest.raises(ValueError, match=rf"stale lock: pid {dead.pid} .*remove .*run\.lock"):
-        train(out, text, "--steps", "1")
-    (out / "run.lock").unlink()
+    capsys.readouterr()
     train(out, text, "--steps", "1")
+    err = [x for x in capsys.readouterr().err.splitlines() if "stale lock" in x]
+    assert len(err) == 1 and f"pid {dead.pid} on {socket.gethostname()}" in err[0], err
     assert not (out / "run.lock").exists()
     (tmp_path / "a-file").write_text("x")
     # refused before any work, naming the field (zero.common.cli's writability check runs first)
@@ -269,11 +366,14 @@ def test_zero_train_on_a_full_disk_then_resume_in_place(tmp_path, text, monkeypa
         fmt, "_write_all", full_disk(1, lambda c: first_done.exists() and not is_manifest(c))
     )
     args = ["--nproc", "2", "--steps", "3", "--ckpt-every", "1"]
-    with pytest.raises(RankError, match="No space left on device"):
+    with pytest.raises(RunFault, match=r"^step 2 of 3: .*No space left on device: '.*step-0+2"):
         main([*FAST, "--data", str(text), "--out", str(out), *args])
     monkeypatch.undo()
     left = sorted(p.name for p in (out / "ckpt").iterdir())  # history: zero/workloads/history.py
     assert left == ["history.jsonl", "latest", "step-00000001"]
+    # the history is cut back to what the checkpoint left records: its mark
+    mark = checkpoint.read_manifest(out / "ckpt" / "step-00000001")["extra"]["history_log"]
+    assert (out / "ckpt" / "history.jsonl").stat().st_size == mark["bytes"]
     assert not (out / "run.lock").exists()
     resumed = main([*FAST, "--data", str(text), "--out", str(out), *args, "--resume"])
     whole = main([*FAST, "--data", str(text), "--out", str(tmp_path / "whole"), *args])

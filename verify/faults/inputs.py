@@ -10,13 +10,19 @@
 - Leaks: a long run of the driver (verify/faults/driver.py) reports every rank's resident set
   after every step; past the warm-up the growth must stay within LEAK_SLACK_KIB_PER_STEP (see
   there). The same check on a run with a planted leak must fail (the check has teeth).
+- Memory in evaluation: `python -m zero.workloads.train` evaluating after every step (rank 0
+  plots the loss curve each time); rank 0's anonymous resident memory after each of EVALS
+  evaluations must have a slope within EVAL_SLACK_KIB (see there). In the release tier the same
+  run with the figure's memory kept (the code before the fix) must exceed it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 from verify import bad_inputs
 
@@ -166,6 +172,87 @@ def leak_case(ctx: Ctx, *, stage: int = 2, teeth: bool = True) -> Result:
     return Result("survived", detail + f" (allowed {LEAK_SLACK_KIB_PER_STEP})")
 
 
+EVALS = 50
+"""Evaluations fitted: the run evaluates after every one of EVALS + 1 steps, and the first
+evaluation (matplotlib imported, its font cache and first figure: a one-time ~28 MiB) is left
+out."""
+EVAL_SLACK_KIB = 128
+"""The allowed slope of rank 0's anonymous RSS per evaluation: glibc's default mmap threshold
+(M_MMAP_THRESHOLD, 128 KiB: 32 pages of 4 KiB), not a measured value. A block at least that big
+is mapped on its own, so one kept per evaluation shows in RSS in full wherever the heap puts
+other blocks; the figure kept per evaluation was 1.3 MB (its Agg canvas; [Note: memory of a
+plot] in zero/workloads/history.py). What an evaluation legitimately adds (the history's
+entries, the plot's text caches while they fill) is a few KiB: ~6 measured on the tiny GPT."""
+
+
+def _anon_kib() -> int:
+    """RssAnon of this process (KiB): the heap and anonymous maps, not the shared libraries'
+    pages, which come and go with the page cache."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    return 0
+
+
+def eval_rss_main(argv: list[str]) -> None:
+    """`python -m verify.faults.inputs OUT DATA [planted]`: zero.workloads.train in this process,
+    one rank, an evaluation after every step; rank 0 writes its RssAnon after each evaluation's
+    plot to OUT.rss and this prints them: `rss [KiB, ...]`. `planted`: the figure's memory is
+    kept (history._release does nothing), as before the fix."""
+    import zero.workloads.history as history
+    from zero.workloads import train
+
+    out, data = argv[0], argv[1]
+    samples = Path(out + ".rss")
+    plot = train.plot_losses
+
+    def sampled(*args, **kw):
+        plot(*args, **kw)
+        with open(samples, "a") as f:
+            f.write(f"{_anon_kib()}\n")
+
+    train.plot_losses = sampled
+    if argv[2:] == ["planted"]:
+        history._release = lambda: None
+    train.main(["--model", "tiny", "--nproc", "1", "--steps", str(EVALS + 1), "--eval-every", "1",
+                "--eval-batches", "1", "--ckpt-every", "0", "--log-every", "1000", "--data", data,
+                "--out", out])  # fmt: skip
+    print("rss " + json.dumps([int(x) for x in samples.read_text().split()]))
+
+
+def eval_slope(ctx: Ctx, planted: bool) -> tuple[float | None, str]:
+    argv = [PY, "-m", "verify.faults.inputs", str(ctx.dir / ("planted" if planted else "run")),
+            str(ctx.shared.data)] + (["planted"] if planted else [])  # fmt: skip
+    job = ctx.job(argv, tag="planted" if planted else "evals")
+    if job.wait(ctx) is None:
+        return None, "the evaluating run did not end within the deadline"
+    ctx.settle(job)
+    lines = [x for x in job.text().splitlines() if x.startswith("rss ")]
+    if job.proc.returncode != 0 or not lines:
+        return None, f"the evaluating run failed: {job.text()[-300:]}"
+    samples = json.loads(lines[0][4:])[1 : EVALS + 1]  # after evaluations 2 .. EVALS + 1
+    if len(samples) != EVALS:
+        return None, f"{len(samples)} samples of rank 0's memory, not {EVALS}"
+    return slope_kib(samples, 0), ""
+
+
+def eval_memory_case(ctx: Ctx, *, teeth: bool) -> Result:
+    slope, why = eval_slope(ctx, planted=False)
+    if slope is None:
+        return Result("hang" if "deadline" in why else "unclear", why)
+    if slope > EVAL_SLACK_KIB:
+        return Result("silent_wrong", f"rank 0 grows {slope:.1f} KiB per evaluation over "
+                      f"{EVALS} evaluations (allowed {EVAL_SLACK_KIB})")  # fmt: skip
+    detail = f"{EVALS} evaluations: rank 0's RssAnon slope {slope:.1f} KiB/evaluation"
+    if teeth:
+        kept, why = eval_slope(ctx, planted=True)
+        if kept is None or kept <= EVAL_SLACK_KIB:
+            return Result("unclear", f"{detail}; the figure kept per evaluation was not caught: "
+                          f"{kept if kept is not None else why}")  # fmt: skip
+        detail += f"; the figure kept per evaluation caught ({kept:.0f} KiB/evaluation)"
+    return Result("survived", detail + f" (allowed {EVAL_SLACK_KIB})")
+
+
 def cases(release: bool) -> list[Case]:
     out = [
         Case("stale_launcher_env", "environment", "RANK/WORLD_SIZE/MASTER_* without torchrun",
@@ -174,8 +261,16 @@ def cases(release: bool) -> list[Case]:
              "each a one-line error naming the field (API: ValueError; CLI: exit 2)",
              900 if release else 180, partial(bad_input_case, fast=not release), fast=True),
     ]  # fmt: skip
+    out.append(Case("eval_memory_flat", "leaks", f"{EVALS} evaluations, rank 0's memory after each",
+                    f"RssAnon slope <= {EVAL_SLACK_KIB} KiB/evaluation"
+                    + ("; the figure kept per evaluation caught" if release else ""),
+                    240, partial(eval_memory_case, teeth=release), fast=True))  # fmt: skip
     if release:
         out.append(Case("long_run_rss", "leaks", f"{LEAK_STEPS} steps at stage 2, RSS per step",
                         f"RSS slope <= {LEAK_SLACK_KIB_PER_STEP} KiB/step after step {WARMUP}; "
                         "a planted leak caught", 900, leak_case))  # fmt: skip
     return out
+
+
+if __name__ == "__main__":
+    eval_rss_main(sys.argv[1:])

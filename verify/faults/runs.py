@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .core import PY, REPO, Ctx, Job, torchrun_argv
+from .core import PY, REPO, Case, Ctx, Job, Result, one_line_error, torchrun_argv
 
 STEPS = 12
 """Steps of every training case: a checkpoint before the random point, and a few seconds of
@@ -104,3 +104,128 @@ def resume(ctx: Ctx, shared: Shared, out: Path, flag="--resume", *, tag="resume"
     """`--resume` (or `--resume-if-present`) in place from OUT/ckpt/latest, to the same total
     steps."""
     return ctx.job(shared.argv(out, flag, **kw), tag=tag)
+
+
+def rolled_back(ctx: Ctx) -> tuple[str, Path]:
+    """(the undisturbed run's final sha256, a copy of its OUT in the case's directory with the
+    last checkpoint removed and `latest` on the one before): a resume then has one step to run
+    and must end in the undisturbed run's bits."""
+    sha, base = ctx.shared.baseline(ctx)
+    out = ctx.dir / "run"
+    shutil.copytree(base, out, symlinks=True)
+    root = out / "ckpt"
+    shutil.rmtree(root / f"step-{STEPS:08d}")
+    (root / "latest").write_text(f"step-{STEPS - 1:08d}\n")
+    return sha, out
+
+
+def tree(root: Path) -> dict:
+    """size and mtime of every path under root: what 'nothing changed' compares."""
+    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+# -- faults of a run: a diverged loss, a timeout too short, a resume that changes the run ------
+
+
+def _refusal(job, status: int, *needles: str) -> str | None:
+    """None if `job` exited `status` with one error line holding every needle, else why not."""
+    line = one_line_error(job.text())
+    if job.proc.returncode != status or line is None:
+        tail = job.text().strip().splitlines()[-1:] or [""]
+        return f"exit {job.proc.returncode}, not {status} with one line: {tail[0][:160]}"
+    missing = [n for n in needles if n not in line]
+    return f"the line does not name {missing}: {line[:160]}" if missing else None
+
+
+def diverged_case(ctx: Ctx) -> Result:
+    """--lr 1e300, no checkpoint before the loss diverges: one line naming the step and the
+    cause, exit 1, and nothing left behind (no history claiming a run, no OUT)."""
+    out = ctx.dir / "run"
+    job = ctx.job(ctx.shared.argv(out, "--lr", "1e300", "--ckpt-every", "0"), tag="lr")
+    if job.wait(ctx) is None:
+        return Result("hang", "the diverging run did not end")
+    ctx.settle(job)
+    if job.proc.returncode == 0:
+        return Result("silent_wrong", "--lr 1e300 finished without an error")
+    why = _refusal(job, 1, "step 2 of", "non-finite gradient", "--lr 1e+300")
+    if why is not None:
+        return Result("unclear", f"--lr 1e300: {why}")
+    if out.exists():
+        left = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+        return Result("unclear", f"--lr 1e300: the failed run left {left}")
+    line = one_line_error(job.text())
+    return Result("refused", f"exit 1, one line ({line.split(': error: ')[1][:70]}...); "
+                  "nothing left in --out")  # fmt: skip
+
+
+def timeout_case(ctx: Ctx) -> Result:
+    """--timeout 0.001: refused before any work (the first collective could not complete)."""
+    out = ctx.dir / "run"
+    job = ctx.job(ctx.shared.argv(out, "--timeout", "0.001"), tag="timeout")
+    if job.wait(ctx) is None:
+        return Result("hang", "the run with --timeout 0.001 did not end")
+    ctx.settle(job)
+    if job.proc.returncode == 0:
+        return Result("silent_wrong", "--timeout 0.001 was accepted")
+    why = _refusal(job, 2, "timeout_s=0.001", "at least 1 s")
+    if why is not None:
+        return Result("unclear", f"--timeout 0.001: {why}")
+    if out.exists():
+        return Result("unclear", "--timeout 0.001: refused, but after making --out")
+    return Result("refused", "exit 2 before any work, one line naming timeout_s and the 1 s "
+                  "minimum")  # fmt: skip
+
+
+def changed_run_case(ctx: Ctx) -> Result:
+    """--resume with another --seed: refused naming the field and both values, nothing
+    changed; with --allow-changed-run it runs, and the log and the checkpoint record it."""
+    from zero.checkpoint import read_manifest, resolve
+
+    _, out = rolled_back(ctx)
+    root = out / "ckpt"
+    before = tree(root)
+    refused = ctx.job(ctx.shared.argv(out, "--resume", "--seed", "1"), tag="seed1")
+    if refused.wait(ctx) is None:
+        return Result("hang", "--resume --seed 1 did not end")
+    ctx.settle(refused)
+    if refused.proc.returncode == 0:
+        return Result("silent_wrong", "--resume --seed 1 trained on with the other seed")
+    why = _refusal(refused, 2, "--seed: saved 0, now 1", "--allow-changed-run")
+    if why is not None:
+        return Result("unclear", f"--resume --seed 1: {why}")
+    if tree(root) != before:
+        return Result("unclear", "--resume --seed 1 was refused, but changed OUT/ckpt")
+    argv = ctx.shared.argv(out, "--resume", "--seed", "1", "--allow-changed-run")
+    allowed = ctx.job(argv, tag="allowed")
+    if allowed.wait(ctx) is None:
+        return Result("hang", "--resume --seed 1 --allow-changed-run did not end")
+    ctx.settle(allowed)
+    lost, why = bytes_lost(root)
+    if allowed.proc.returncode != 0:
+        return Result("unclear", f"--allow-changed-run failed: {allowed.text()[-300:]}", lost)
+    want = [{"step": STEPS - 1, "field": "seed", "saved": 0, "now": 1}]
+    logged = json.loads((out / "train_log.json").read_text())["config"].get("run_changes")
+    saved = read_manifest(resolve(root))["extra"].get("run_changes")
+    if logged != want or saved != want:
+        return Result("unclear", f"the change is not recorded: log {logged}, checkpoint {saved}",
+                      lost)  # fmt: skip
+    detail = "refused, exit 2, one line naming '--seed: saved 0, now 1'; with --allow-changed-run "
+    detail += "it ran, recorded in "
+    detail += "train_log.json and the checkpoint" + (f"; {why}" if why else "")
+    return Result("refused", detail, lost)
+
+
+def cases(release: bool) -> list[Case]:
+    """The faults of a run itself (listed with the checkpoint cases, verify/faults/storage.py)."""
+    del release  # every one is quick: all in the fast subset
+    return [
+        Case("lr_diverges", "runs", "--lr 1e300: a non-finite gradient at step 2",
+             "exit 1, one line naming the step and the cause; nothing left in --out",
+             120, diverged_case, fast=True),
+        Case("timeout_too_short", "runs", "--timeout 0.001, below the first collective",
+             "exit 2 before any work, one line naming timeout_s and the minimum",
+             60, timeout_case, fast=True),
+        Case("changed_seed", "runs", "--resume with another --seed",
+             "refused naming --seed and both values, nothing changed; --allow-changed-run runs "
+             "and records it", 240, changed_run_case, fast=True),
+    ]  # fmt: skip

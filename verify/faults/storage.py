@@ -15,16 +15,20 @@ Two jobs on one --out: the second must be refused in one line, the first finish 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import resource
 import shutil
 import signal
+import socket
 import time
 from functools import partial
 from pathlib import Path
 
+from . import runs
 from .core import PY, Case, Ctx, Result, one_line_error
-from .runs import LONG_STEPS, STEPS, bytes_lost, committed, final_sha, resume
+from .runs import LONG_STEPS, STEPS, bytes_lost, committed, final_sha, resume, rolled_back
 from .signals import steps_done
 
 
@@ -127,6 +131,8 @@ def disk_full_case(ctx: Ctx) -> Result:
     if not re.search(rf"File too large: '{re.escape(str(root))}/step-\S+'", text):
         tail = text.strip().splitlines()[-1:] or [""]
         return Result("unclear", f"the error names no file or cause: {tail[0]}", lost)
+    if one_line_error(text) is None:
+        return Result("unclear", "the full disk is named, but not in one line", lost)
     if partial or temps:
         return Result("unclear", f"partial files left: {partial + temps}", lost)
     again = resume(ctx, ctx.shared, out, tag="resume")
@@ -137,7 +143,7 @@ def disk_full_case(ctx: Ctx) -> Result:
         return Result("unclear", f"resume in place failed: {again.text()[-300:]}", lost)
     if final_sha(out) != sha:
         return Result("silent_wrong", "resumed in place, but not bitwise", lost)
-    return Result("survived", "EFBIG named, no partial files, resumed in place bitwise"
+    return Result("survived", "EFBIG named in one line, no partial files, resumed in place bitwise"
                   + (f"; {why}" if why else ""), lost)  # fmt: skip
 
 
@@ -165,6 +171,191 @@ def two_jobs_case(ctx: Ctx) -> Result:
                   "finished bitwise" + (f"; {why}" if why else ""), lost)  # fmt: skip
 
 
+# -- what a killed job leaves: a stale run.lock, temp files ------------------------------------
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped): one that runs no more here."""
+    import subprocess
+
+    done = subprocess.Popen([PY, "-c", "pass"])
+    done.wait()
+    return done.pid
+
+
+def _lock(out: Path, pid: int, host: str) -> None:
+    (out / "run.lock").write_text(json.dumps({"pid": pid, "host": host, "started": "then"}))
+
+
+def stale_lock_case(ctx: Ctx) -> Result:
+    """run.lock of a holder killed with its whole job (SIGKILL, an OOM kill): --resume reports it
+    in one line, clears it and finishes bitwise; a lock of a live process, or of another host,
+    still refuses in one line naming the holder."""
+    sha, out = rolled_back(ctx)
+    refusals = []
+    for tag, pid, host in (("live", os.getpid(), socket.gethostname()),
+                           ("elsewhere", 1, "another-host.invalid")):  # fmt: skip
+        _lock(out, pid, host)
+        job = resume(ctx, ctx.shared, out, tag=tag)
+        if job.wait(ctx) is None:
+            return Result("hang", f"--resume with a {tag} lock did not end")
+        ctx.settle(job)
+        line = one_line_error(job.text())
+        if job.proc.returncode == 0:
+            return Result("silent_wrong", f"--resume ran past the lock of a {tag} holder")
+        if job.proc.returncode != 2 or line is None or f"pid {pid} on {host}" not in line:
+            return Result("unclear", f"{tag} lock: not one line naming pid {pid} on {host}: "
+                          f"{job.text()[-200:]}")  # fmt: skip
+        refusals.append(tag)
+    dead = _dead_pid()
+    _lock(out, dead, socket.gethostname())
+    job = resume(ctx, ctx.shared, out, tag="stale")
+    if job.wait(ctx) is None:
+        return Result("hang", "--resume with a stale lock did not end")
+    ctx.settle(job)
+    lost, why = bytes_lost(out / "ckpt")
+    said = [x for x in job.text().splitlines() if "stale lock" in x]
+    if job.proc.returncode != 0:
+        return Result("unclear", f"--resume with a stale lock failed: {job.text()[-300:]}", lost)
+    if len(said) != 1 or f"pid {dead} on {socket.gethostname()}" not in said[0]:
+        return Result("unclear", f"the stale lock was not reported in one line: {said}", lost)
+    if (out / "run.lock").exists() or final_sha(out) != sha:
+        return Result("silent_wrong", "resumed, but not bitwise or the lock left behind", lost)
+    return Result("survived", f"stale lock of pid {dead} reported and cleared, resumed bitwise; "
+                  f"{' and '.join(refusals)} holders refused" + (f"; {why}" if why else ""),
+                  lost)  # fmt: skip
+
+
+TEMPS = ("ckpt/.latest.a1b2c3d4.tmp", "ckpt/step-{s}/.manifest.json.k9x8w7v6.tmp",
+         "ckpt/step-{s}/.u0000-r0001.bin.q1w2e3r4.tmp", ".train_log.json.z0y9x8w7.tmp")  # fmt: skip
+"""0-byte temp files as a SIGTERM or SIGKILL between mkstemp and the rename leaves them."""
+NOT_OURS = ("ckpt/.notes.tmp", ".model.pt.tmp")
+"""Files that are not this run's temp files (another tool's): a resume must keep them."""
+
+
+def temp_leftover_case(ctx: Ctx) -> Result:
+    """Temp files of a killed writer in OUT and OUT/ckpt: no such file outlives --resume; files
+    that are not the run's own temp files are kept."""
+    sha, out = rolled_back(ctx)
+    planted = [out / t.format(s=f"{STEPS - 1:08d}") for t in TEMPS]
+    for f in planted + [out / n for n in NOT_OURS]:
+        f.write_bytes(b"")
+    job = resume(ctx, ctx.shared, out)
+    if job.wait(ctx) is None:
+        return Result("hang", "--resume with leftover temp files did not end")
+    ctx.settle(job)
+    lost, why = bytes_lost(out / "ckpt")
+    if job.proc.returncode != 0:
+        return Result("unclear", f"--resume failed: {job.text()[-300:]}", lost)
+    left = [str(f.relative_to(out)) for f in planted if os.path.lexists(f)]
+    left += [str(f.relative_to(out)) for f in out.rglob(".*.tmp")
+             if f.name not in {Path(n).name for n in NOT_OURS}]  # fmt: skip
+    kept = [n for n in NOT_OURS if (out / n).exists()]
+    if left:
+        return Result("unclear", f"temp files outlived the resume: {sorted(set(left))}", lost)
+    if kept != list(NOT_OURS):
+        return Result("unclear", f"files that are not temp files were removed: {NOT_OURS}", lost)
+    if final_sha(out) != sha:
+        return Result("silent_wrong", "resumed, but not bitwise", lost)
+    detail = f"{len(planted)} temp files removed at the resume, {len(kept)} other files kept, "
+    return Result("survived", detail + "resumed bitwise" + (f"; {why}" if why else ""), lost)
+
+
+# -- every file checked: the RNG and buffer file; consolidate's output path -------------------
+
+
+def rng_damage_case(ctx: Ctx) -> Result:
+    """A flipped byte in r0000.bin (rank 0's RNG state and the buffers), which consolidation's
+    reading of the parameters never opens: verify, consolidate and --resume name the file."""
+    _, base = ctx.shared.baseline(ctx)
+    out = ctx.dir / "run"
+    shutil.copytree(base, out, symlinks=True)
+    from zero.checkpoint import resolve
+
+    bad = resolve(out / "ckpt") / "r0000.bin"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    bad.write_bytes(bytes(data))
+    ck, model = str(out / "ckpt"), str(ctx.dir / "model.pt")
+    jobs = [
+        ctx.job([PY, "-m", "zero.checkpoint", "verify", ck], tag="verify"),
+        ctx.job([PY, "-m", "zero.checkpoint", "consolidate", ck, model], tag="consolidate"),
+    ]
+    jobs.append(resume(ctx, ctx.shared, out, steps=STEPS + 1, tag="resume"))  # fmt: skip
+    shown = []
+    for job in jobs:
+        if job.wait(ctx) is None:
+            return Result("hang", f"{job.tag} with a damaged r0000.bin did not end")
+        ctx.settle(job)
+        line = one_line_error(job.text())
+        if job.proc.returncode == 0:
+            return Result("silent_wrong", f"{job.tag} accepted a damaged r0000.bin")
+        if line is None or "r0000.bin" not in line:
+            tail = job.text().strip().splitlines()[-1:] or [""]
+            return Result("unclear", f"{job.tag}: not one line naming r0000.bin: {tail[0][:160]}")
+        shown.append(f"{job.tag} (exit {job.proc.returncode})")
+    if Path(model).exists():
+        return Result("unclear", "consolidate refused, but wrote its output")
+    return Result("refused", f"{', '.join(shown)}: one line naming r0000.bin")
+
+
+def _read_only(ctx: Ctx) -> Path | None:
+    """A folder this process cannot write in: one made read-only, or (as root, whom modes do not
+    stop) /sys, read-only where the kernel's sysfs is; None if there is none."""
+    import tempfile
+
+    ro = ctx.dir / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    for d in (ro, Path("/sys")):
+        try:
+            with tempfile.TemporaryFile(dir=d):
+                pass
+        except OSError:
+            return d
+    return None
+
+
+def consolidate_out_case(ctx: Ctx) -> Result:
+    """consolidate CKPT OUT with OUT an existing directory, in a missing folder, in a read-only
+    folder: exit 2, one line naming OUT, found before the work (the checkpoint given is damaged,
+    so that reading it first would give another error), no temp file left anywhere."""
+    _, base = ctx.shared.baseline(ctx)
+    out = ctx.dir / "run"
+    shutil.copytree(base, out, symlinks=True)
+    from zero.checkpoint import resolve
+
+    shard = sorted(resolve(out / "ckpt").glob("u*-r*.bin"))[0]
+    shard.write_bytes(shard.read_bytes()[:-8])  # consolidating would fail on it, exit 1
+    target = ctx.dir / "target"
+    target.mkdir()
+    ro = _read_only(ctx)
+    bad = {"an existing directory": target, "a missing folder": ctx.dir / "nope" / "m.pt"}
+    if ro is not None:
+        bad["a read-only folder"] = ro / "m.pt"
+    shown = []
+    for what, path in bad.items():
+        job = ctx.job([PY, "-m", "zero.checkpoint", "consolidate", str(out / "ckpt"), str(path)],
+                      tag=what.split()[-1])  # fmt: skip
+        if job.wait(ctx) is None:
+            return Result("hang", f"consolidate to {what} did not end")
+        ctx.settle(job)
+        line = one_line_error(job.text())
+        if job.proc.returncode != 2 or line is None or f"out={str(path)!r}" not in line:
+            tail = job.text().strip().splitlines()[-1:] or [""]
+            return Result("unclear", f"OUT {what}: exit {job.proc.returncode}, not 2 with one "
+                          f"line naming it: {tail[0][:160]}")  # fmt: skip
+        shown.append(what)
+    temps = [str(p) for p in ctx.dir.rglob(".*.tmp")]
+    if temps or list(target.iterdir()):
+        return Result(
+            "unclear", f"consolidate left files: {temps + list(map(str, target.iterdir()))}"
+        )
+    missing = "" if ro is not None else " (no read-only folder here to try)"
+    return Result("refused", f"OUT {', '.join(shown)}: exit 2, one line naming OUT, before "
+                  f"reading the checkpoint; no temp files{missing}")  # fmt: skip
+
+
 def cases(release: bool) -> list[Case]:
     names = ["flip", "short", "symlink", "fifo", "shape", "states", "optimizer", "outside",
              "dev_zero", "no_latest"]  # fmt: skip
@@ -177,6 +368,21 @@ def cases(release: bool) -> list[Case]:
     out.append(Case("disk_full", "checkpoints", f"RLIMIT_FSIZE {FSIZE_LIMIT} B: EFBIG mid-save",
                     "error naming the file, no partial files, latest intact, resume bitwise",
                     240, disk_full_case))  # fmt: skip
+    out += [
+        Case("stale_lock", "checkpoints", "run.lock of a job killed whole (a dead pid, this host)",
+             "reported in one line and cleared, resume bitwise; live and other-host holders "
+             "refused in one line", 240, stale_lock_case, fast=True),
+        Case("temp_leftover", "checkpoints", "0-byte temp files a killed writer left",
+             "none outlives --resume, other files kept; resume bitwise", 180,
+             temp_leftover_case, fast=True),
+        Case("ckpt_rng_r0000", "checkpoints", "a flipped byte in r0000.bin (RNG, buffers)",
+             "verify, consolidate and --resume refuse in one line naming it", 180,
+             rng_damage_case, fast=True),
+        Case("consolidate_bad_out", "checkpoints", "consolidate to a directory, a missing or "
+             "read-only folder", "exit 2, one line naming OUT, before the work; no temp file",
+             120, consolidate_out_case, fast=True),
+        *runs.cases(release),
+    ]  # fmt: skip
     if release:
         out.append(Case("two_jobs_one_out", "checkpoints", "a second job on a running job's --out",
                         "second refused in one line naming run.lock; first finishes bitwise",

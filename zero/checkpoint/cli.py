@@ -1,8 +1,10 @@
 """The command line: `python -m zero.checkpoint consolidate DIR OUT` and `... verify DIR`.
 
 Legend: DIR a checkpoint root (its `latest` is followed) or a step directory; OUT a file that
-torch.save writes. Exit status 0 on success, 1 with the error on stderr (CheckpointError or
-ValueError: a corrupt, incomplete or mismatched checkpoint).
+torch.save writes (through a temp file beside it). Exit status 0 on success; 2 with one line on
+stderr for an OUT that cannot be written (a directory, a missing or read-only folder), checked
+before any work; 1 with the error on stderr (CheckpointError or ValueError: a corrupt, incomplete
+or mismatched checkpoint, naming the file). Both commands read every file the manifest lists.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .consolidate import consolidate_to
+from .consolidate import check_out, consolidate_to
 from .format import CheckpointError, resolve, verify
 
 
@@ -26,6 +28,12 @@ def main(argv=None) -> int:
     v = sub.add_parser("verify", help="check the manifest and every file's sha256")
     v.add_argument("directory")
     args = p.parse_args(argv)
+    if args.command == "consolidate":
+        try:  # before the work: a bad OUT would otherwise be found after reading every shard
+            check_out(args.out)
+        except ValueError as exc:
+            print(f"{p.prog}: error: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.command == "consolidate":
             out = consolidate_to(args.directory, args.out)

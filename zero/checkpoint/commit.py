@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -280,6 +281,38 @@ def _owner(d: Path) -> str | None:
         return json.loads(read_regular(d / OWNER, limit=POINTER_LIMIT))["run_id"]
     except (OSError, CheckpointError, ValueError, KeyError, TypeError):
         return None
+
+
+TEMP_FILE = re.compile(r"\.(latest|manifest\.json|owner\.json|[\w.-]+\.bin)\.[a-z0-9_]{8}\.tmp")
+"""The temp files _write_durably makes in a checkpoint root (for `latest`) and in a step directory
+(the manifest, owner.json, shard and RNG files): `.NAME.` + mkstemp's 8 characters + `.tmp`."""
+
+
+def remove_temps(root) -> list[Path]:
+    """Remove the temp files of dead writers under a checkpoint root (the root and its step
+    directories); returns them. Call only while holding the root exclusively.
+
+    [Note: leftover temp files] A writer removes its own temp file on any exception, but one killed
+    between mkstemp and the rename (SIGKILL, or a signal before its cleanup runs) leaves it behind,
+    and no later save would notice. Whether the writer of a temp file still lives cannot be told
+    from the file, so the rule is about the caller: python -m zero.workloads.train calls this
+    holding OUT/run.lock (zero/checkpoint/lock.py), before its ranks start; every writer of
+    OUT/ckpt is a rank of the lock's holder, so every such file there is a dead writer's. save()
+    never calls it: another process may be saving into the same root at that moment."""
+    root, gone = Path(root), []
+    dirs = [root, *_step_dirs(root)] if root.is_dir() and not root.is_symlink() else []
+    for d in dirs:
+        for f in d.iterdir():
+            in_root = f.name.startswith(f".{LATEST}.")  # `latest` lives in the root only
+            plain = f.is_symlink() or f.is_file()
+            if TEMP_FILE.fullmatch(f.name) and in_root == (d == root) and plain:
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+                    gone.append(f)
+    if gone:
+        for d in {f.parent for f in gone}:
+            _fsync_dir(d)
+    return gone
 
 
 def _remove(d: Path) -> None:

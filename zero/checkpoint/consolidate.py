@@ -11,12 +11,21 @@ checkpoint, gather_state() + zero.mp.join_states bit for bit.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from ..optim.plain import TORCH_OPTIMIZERS, torch_kwargs
-from .format import CheckpointError, _fsync_dir, _write_durably, read_manifest, resolve, saved_steps
+from .format import (
+    CheckpointError,
+    _fsync_dir,
+    _write_durably,
+    check_files,
+    read_manifest,
+    resolve,
+    saved_steps,
+)
 from .mpformat import views, whole_params
 from .mpjoin import Source
 from .validate import Invalid, check_gaps
@@ -101,6 +110,9 @@ def consolidate(directory) -> dict:
             if entry:
                 state[i] = entry
             i += 1
+    # every file the parameters did not need (the RNG and buffer files r*.bin, say) is checked
+    # too: a damaged file is refused, never passed over because this reader does not use it
+    check_files(step_dir, m, skip=set().union(*(r.cache for r in source.readers)))
     meta = {
         k: m[k]
         for k in ("format_version", "name", "t", "data_step", "scaler", "world_size", "stage")
@@ -115,11 +127,39 @@ def consolidate(directory) -> dict:
     }
 
 
+def check_out(out) -> Path:
+    """Refuse, before any work, an output path consolidate_to cannot write: ValueError naming
+    `out`, one line. Allowed is a new or existing file (replaced atomically) in an existing,
+    writable folder; its temp file goes beside it, in that folder."""
+    import tempfile
+
+    given, out = str(out), Path(out)
+    allowed = "allowed is a file path in an existing, writable folder"
+    if out.is_dir():
+        raise ValueError(f"out={given!r}: is a directory; {allowed}")
+    if given.endswith(os.sep) or out.name in ("", ".", ".."):
+        raise ValueError(f"out={given!r}: names no file; {allowed}")
+    folder = out.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise ValueError(f"out={str(out)!r}: its folder {str(folder)!r} {what}; {allowed}")
+    try:  # as the temp file will be made: in that folder (root may write where others may not)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise ValueError(
+            f"out={str(out)!r}: cannot write in {str(folder)!r} ({why}); {allowed}"
+        ) from None
+    return out
+
+
 def consolidate_to(directory, out) -> Path:
-    """consolidate(directory), written to `out` with torch.save (temp file, fsync, rename)."""
+    """consolidate(directory), written to `out` with torch.save (temp file beside `out`, fsync,
+    rename); `out` is checked first (check_out)."""
     import io
 
-    out = Path(out)
+    out = check_out(out)
     buf = io.BytesIO()
     torch.save(consolidate(directory), buf)
     _write_durably(out, [buf.getbuffer()])

@@ -449,8 +449,16 @@ def verify(directory) -> dict:
                 raise CheckpointError(str(exc)) from None
             done.update(spec["files"])
             reader.drop()
+    check_files(step_dir, m, skip=done)
+    return m
+
+
+def check_files(step_dir, m: dict, *, skip=()) -> None:
+    """Read every file the manifest lists but those in `skip` (already checked), each against
+    its size and sha256, one at a time: the RNG and buffer files (r*.bin) and frozen shards
+    included, which a reader of the parameters alone never opens. Raises CheckpointError naming
+    the first bad file."""
     reader = _Reader(step_dir, m)
-    for name in sorted(set(m["files"]) - done):
+    for name in sorted(set(m["files"]) - set(skip)):
         reader.file(name)
         reader.drop()
-    return m

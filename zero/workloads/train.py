@@ -12,7 +12,18 @@ the loss history to OUT/ckpt/history.jsonl (zero/workloads/history.py).
 (the default) the result is bitwise that of an uninterrupted run, at any stage and world size.
 Without a valid checkpoint there, `--resume` is refused (nothing runs, nothing is removed);
 `--resume-if-present` starts afresh when OUT/ckpt is absent or empty. One run at a time per
-OUT: OUT/run.lock (zero/checkpoint/lock.py) refuses a second one before it does any work.
+OUT: OUT/run.lock (zero/checkpoint/lock.py) refuses a second one before it does any work, and a
+stale lock (its holder killed) is cleared; temp files a killed run left are removed then too
+([Note: leftover temp files] in zero/checkpoint/commit.py). A checkpoint records the run's
+identity (train_config.RUN_IDENTITY: seed, data, model, M, precision, ...), and a resume that
+changes any of it is refused by name unless --allow-changed-run.
+
+Faults give one line, `python -m zero.workloads.train: error: ...`: a diverged loss or a full
+disk mid-run (exit 1, naming the step, the cause, the file, and the checkpoint left), a
+checkpoint --resume cannot load (exit 2, naming the file). `--debug` shows the full traceback
+above it. A failed run leaves what its last checkpoint recorded: OUT/ckpt/history.jsonl is cut
+back to that checkpoint's mark, and a fresh run that committed none leaves no history file at all
+(nor an OUT it created, if empty).
 
 Launching (the loop is the same in every case; only the process group differs):
   * one process:
@@ -33,11 +44,13 @@ tokens per sequence; a step consumes M·B·T tokens.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
 import os
+import re
 import sys
 import time
+import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -45,22 +58,50 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint
-from ..checkpoint import lock
+from ..checkpoint import CheckpointError, lock
 from ..common import cli
-from ..common.results import make_record, write_atomic, write_json
+from ..common.results import make_record, write_json
 from ..engine import StepResult, ZeroEngine
 from ..loop import train_steps
-from ..ranks.launch import init_from_env, leave_world, under_torchrun
+from ..ranks.launch import RankError, init_from_env, leave_world, under_torchrun
 from ..ranks.local import spawn
 from ..ranks.watchdog import guard
 from .data import Corpus, load_corpus
 from .history import FILE as HISTORY_FILE
-from .history import HistoryLog
+from .history import HistoryLog, Progress, after_failure, plot_losses
 from .models import GPT
-from .train_config import MODELS, TrainConfig, parse
+from .train_config import (
+    MODELS,
+    TrainConfig,
+    check_identity,
+    claim,
+    parse,
+    resume_point,
+    run_changes,
+    run_identity,
+)
 
 KIND = "train.run"
 """The results-record kind of a training run's log."""
+PROG = "python -m zero.workloads.train"
+
+
+class RunFault(RuntimeError):
+    """A fault mid-run (a diverged loss, a full disk) in one line naming the step, the cause and
+    the checkpoint left; exit status 1. `detail`: the full traceback (--debug shows it)."""
+
+    def __init__(self, line: str, detail: str = ""):
+        super().__init__(cli.error_line(line))
+        self.detail = detail
+
+
+class ResumeRefused(ValueError):
+    """The checkpoint --resume loads is refused (a damaged file, another model) in one line
+    naming the file; a ValueError, so exit status 2 as for other bad input."""
+
+    def __init__(self, line: str, detail: str = ""):
+        super().__init__(cli.error_line(line))
+        self.detail = detail
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,115 +167,41 @@ def master_sha256(engine: ZeroEngine) -> str:
     ).hexdigest()
 
 
-class _Progress:
-    """Rank 0's display: a tqdm bar when tqdm is installed (it is optional), else plain lines."""
-
-    def __init__(self, *, total: int, initial: int, show: bool, every: int):
-        self.show, self.every, self.bar = show, every, None
-        if show:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
-                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-
-    def step(self, step: int, fields: dict[str, str]) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(fields, refresh=False)
-            self.bar.update(1)
-        elif self.show and (step + 1) % self.every == 0:
-            self.say(f"step {step + 1}: " + ", ".join(f"{k} {v}" for k, v in fields.items()))
-
-    def say(self, text: str) -> None:
-        if self.show:
-            (self.bar.write if self.bar is not None else print)(text)
-            sys.stdout.flush()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def plot_losses(history: dict, path: Path, *, title: str) -> None:
-    """The loss curve (train per step, validation at each evaluation) as a PNG, atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4))
-    ax = fig.add_subplot()
-    ax.plot(
-        [h["step"] for h in history["train"]],
-        [h["loss"] for h in history["train"]],
-        lw=0.8,
-        label="train (mean over the step's micro-batches)",
-    )
-    ax.plot(
-        [h["step"] for h in history["val"]],
-        [h["loss"] for h in history["val"]],
-        "o-",
-        label="validation",
-    )
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.set_title(title)
-    ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    write_atomic(path, buf.getvalue())
-
-
-def resume_point(cfg: TrainConfig) -> Path | None:
-    """The step directory the run continues from, None for a fresh start. With --resume (or
-    --resume-if-present and a non-empty OUT/ckpt) a checkpoint that is missing, incomplete or
-    invalid is a ValueError naming the directory and what is wrong: never a silent restart."""
-    ckpt = Path(cfg.out) / "ckpt"
-    if not cfg.resume and not cfg.resume_if_present:
-        return None
-    # the loss history (zero/workloads/history.py) is no checkpoint: rank 0 may have started it
-    # already
-    saved = [p for p in ckpt.iterdir() if p.name != HISTORY_FILE] if ckpt.is_dir() else []
-    if cfg.resume_if_present and not saved:
-        return None
-    field = "resume" if cfg.resume else "resume_if_present"
-    try:
-        step_dir = checkpoint.resolve(ckpt)
-        checkpoint.read_manifest(step_dir)
-    except checkpoint.CheckpointError as exc:
-        raise ValueError(
-            f"{field}=True: no valid checkpoint to continue from in {ckpt} ({exc}); nothing was "
-            "run or removed (without --resume a run starts afresh and keeps these files)"
-        ) from None
-    return step_dir
-
-
-def _claim(cfg: TrainConfig) -> Path:
-    """Before any work: lock OUT, check what --resume would load. Returns the lock's path."""
-    held = lock.acquire(cfg.out)
-    latest = Path(cfg.out) / "ckpt" / "latest"
-    try:
-        resuming = resume_point(cfg) is not None
-        if os.path.lexists(latest) and (latest.is_symlink() or not latest.is_file()):
-            raise ValueError(  # else the run would fail at its first checkpoint, work lost
-                f"out={cfg.out!r}: {latest} is not a regular file, so no checkpoint could be "
-                "committed there; remove it, or give another --out"
-            )
-        if not resuming and latest.exists():
-            print(
-                f"note: {Path(cfg.out) / 'ckpt'} holds an earlier run's checkpoints; they are "
-                "kept (a run prunes only its own), and `latest` will name this run's",
-                file=sys.stderr,
-            )
-    except BaseException:
-        lock.release(held)
-        raise
-    return held
-
-
 def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, device=None):
-    """One rank's whole run; rank 0 returns the log record (the others None)."""
+    """One rank's whole run; rank 0 returns the log record (the others None). A fault loading
+    the checkpoint raises ResumeRefused, one mid-run RunFault: one line each (_fault)."""
+    at: dict = {"step": None, "saved": None}  # the step running, the last checkpoint (_run's)
+    try:
+        return _run(rank, world_size, cfg, corpus, device, at)
+    except (FloatingPointError, OSError, CheckpointError, ValueError) as exc:
+        fault = _fault(exc, cfg, at, traceback.format_exc())
+        if fault is None:
+            raise
+        raise fault from exc
+
+
+def _fault(exc: Exception, cfg: TrainConfig, at: dict, detail: str) -> Exception | None:
+    """The one-line error of a fault `at` a point of the run, None for one that is no fault of
+    the run's (a bug keeps its traceback)."""
+    saved, n = at["saved"], at["step"]
+    if n is None:  # building the engine, loading the checkpoint
+        if saved is None or not isinstance(exc, (CheckpointError, ValueError, OSError)):
+            return None
+        return ResumeRefused(f"resume from {saved}: {exc}; nothing was run or removed", detail)
+    left = f"the last checkpoint, {saved}, is intact" if saved else "no checkpoint was made"
+    if isinstance(exc, FloatingPointError):
+        return RunFault(
+            f"step {n} of {cfg.steps}: non-finite gradient (the loss diverged) with --lr "
+            f"{cfg.lr:g}, precision {cfg.zero.precision!r}; {left}; lower --lr, or pass "
+            "--nonfinite skip to skip such steps",
+            detail,
+        )
+    if isinstance(exc, (OSError, CheckpointError)):
+        return RunFault(f"step {n} of {cfg.steps}: {exc}; {left}", detail)
+    return None
+
+
+def _run(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, device, at: dict):
     device = torch.device("cpu") if device is None else device
     gpt, batch_size = MODELS[cfg.model]
     T = gpt.block_size
@@ -246,14 +213,18 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     # append-only file; a checkpoint holds a constant-size mark of it, not the history itself
     log = HistoryLog(ckpt / HISTORY_FILE) if lead else None
     history: dict = {"train": [], "val": []}
-    step_dir = resume_point(cfg)  # checked before the ranks started (_claim)
+    step_dir = resume_point(cfg)  # checked before the ranks started (claim, check_identity)
+    saved: dict = {}
     if step_dir is not None:
+        at["saved"] = step_dir
         extra = engine.load(step_dir).extra  # the history's mark travels with the checkpoint
         if lead:
             history = log.restore(extra)
+        saved = extra if isinstance(extra, dict) else {}
     elif lead:
         log.start()
         history = log.history
+    at["step"] = engine.data_step + 1
 
     def add(split: str, entry: dict) -> None:
         if lead:
@@ -262,6 +233,9 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
             history[split].append(entry)
 
     start = engine.data_step
+    identity = run_identity(cfg, world_size, corpus.fingerprint)  # RUN_IDENTITY's values
+    changes = [*saved.get("run_changes", []), *(
+        {"step": start, **c} for c in run_changes(saved.get("run"), identity))]  # fmt: skip
     M = engine.config.micro_batches
     tokens_per_step = M * batch_size * T
     config = {
@@ -275,6 +249,7 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
         "backend": dist.get_backend(engine.group),
         "launcher": "torchrun" if under_torchrun() else "spawn",
         "corpus": corpus.fingerprint,
+        "run_changes": changes,  # --allow-changed-run: each resume's changes, at its step
     }
     if lead:
         print(
@@ -285,7 +260,7 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
             f"steps {start}..{cfg.steps}",
             flush=True,
         )
-    progress = _Progress(total=cfg.steps, initial=start, show=lead, every=cfg.log_every)
+    progress = Progress(total=cfg.steps, initial=start, show=lead, every=cfg.log_every)
     memory: list[int] = []
     clock = [time.perf_counter()]
 
@@ -312,7 +287,7 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
 
     def on_step(step: int, res: StepResult) -> None:
         seconds = time.perf_counter() - clock[0]
-        done = step + 1
+        done = at["step"] = step + 1
         add(
             "train",
             {
@@ -348,7 +323,10 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
             progress.say(f"step {done}: train loss {res.loss:.4f}, validation loss {val:.4f}")
             save_log()
         if last or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
-            engine.save(ckpt, keep_last=2, extra={"history_log": log.mark() if lead else None})
+            mark = log.mark() if lead else None
+            extra = {"history_log": mark, "run": identity, "run_changes": changes}
+            at["saved"] = engine.save(ckpt, keep_last=2, extra=extra)
+        at["step"] = min(done + 1, cfg.steps)  # after the last: its final writes
         clock[0] = time.perf_counter()
 
     if start == 0 and not history["val"]:  # where the curve starts: about ln 256 nats
@@ -369,8 +347,86 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
 # The command line
 
 
+FAULT_LINE = re.compile(r"^(?:[\w.]+\.)?(RunFault|ResumeRefused): (.*)$", re.M)
+"""The last line of a rank's traceback that carries a fault (a spawned rank sends only text)."""
+
+
+def _latest(cfg: TrainConfig) -> Path | None:
+    try:
+        return checkpoint.resolve(Path(cfg.out) / "ckpt")
+    except CheckpointError:
+        return None
+
+
+def _tidy(cfg: TrainConfig, step_dir: Path | None, before: Path | None) -> None:
+    """After a failed run, its ranks stopped: the loss history agrees with the checkpoint left
+    (history.after_failure: removed if this fresh run committed none), and OUT/ckpt goes if that
+    leaves it empty."""
+    ckpt, now = Path(cfg.out) / "ckpt", _latest(cfg)
+    with contextlib.suppress(OSError, CheckpointError):
+        extra = checkpoint.read_manifest(now)["extra"] if now is not None else None
+        after_failure(ckpt / HISTORY_FILE, extra, fresh=step_dir is None and now == before)
+        ckpt.rmdir()  # only if empty
+
+
+def _spawn(cfg: TrainConfig, step_dir: Path | None, corpus: Corpus):
+    before = _latest(cfg)
+    try:
+        return spawn(run_rank, cfg.nproc, cfg, corpus, timeout_s=cfg.timeout_s, deadline_s=None)
+    except Exception as exc:
+        found = FAULT_LINE.findall(exc.child_traceback) if isinstance(exc, RankError) else []
+        if not found or found[-1][0] != "ResumeRefused":  # that one ran nothing: nothing to tidy
+            _tidy(cfg, step_dir, before)
+        if not found:
+            raise
+        kind, line = found[-1]
+        raise (RunFault if kind == "RunFault" else ResumeRefused)(line, str(exc)) from None
+
+
+def _under_torchrun(cfg: TrainConfig):
+    rank, world, device = init_from_env(timeout_s=cfg.timeout_s)
+    if cfg.nproc not in (None, world):
+        raise ValueError(f"nproc={cfg.nproc} is not allowed: torchrun launched {world} ranks")
+    if world % cfg.mp or (cfg.micro_batches or world) % (world // cfg.mp):
+        raise ValueError(
+            f"micro_batches={cfg.micro_batches}, mp={cfg.mp} are not allowed: expected mp "
+            f"dividing the launched world size {world} and a positive multiple of N_d"
+        )
+    held, step_dir, before, corpus, left = None, None, None, None, False
+    try:
+        error = None
+        if rank == 0:  # one lock per run: the first rank's
+            try:
+                held, step_dir = claim(cfg)
+                before = _latest(cfg)
+                corpus = load_corpus(cfg.data, val_fraction=cfg.val_fraction)
+                check_identity(cfg, step_dir, corpus.fingerprint, world)
+            except ValueError as exc:
+                error = str(exc)
+        box = [error]
+        dist.broadcast_object_list(box, src=0)  # every rank stops if rank 0 was refused
+        if box[0] is not None:
+            raise ValueError(box[0])
+        if corpus is None:  # rank 0 loaded it already
+            corpus = load_corpus(cfg.data, val_fraction=cfg.val_fraction)
+        try:
+            record = run_rank(rank, world, cfg, corpus, device)
+        except Exception as exc:
+            if held is not None and not isinstance(exc, ResumeRefused):
+                _tidy(cfg, step_dir, before)
+            raise
+        left = leave_world()  # a barrier, then the group goes: no SIGABRT at exit
+        return record
+    finally:
+        if held is not None:
+            lock.release(held)
+        if not left and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def main(argv=None) -> dict | None:
-    """Run the CLI; returns rank 0's log record (None on the other torchrun ranks)."""
+    """Run the CLI; returns rank 0's log record (None on the other torchrun ranks). A fault
+    raises RunFault or ResumeRefused, one line (the traceback in .detail: shown with --debug)."""
     cfg = parse(argv)
     # before any work: an unwritable --out would otherwise be found after training
     cli.check_writable("out", cfg.out)
@@ -378,45 +434,39 @@ def main(argv=None) -> dict | None:
         raise ValueError(
             f"data={cfg.data!r}: no such file or folder; allowed is a text file or folder"
         )
-    if under_torchrun():
-        rank, world, device = init_from_env(timeout_s=cfg.timeout_s)
-        if cfg.nproc not in (None, world):
-            raise ValueError(f"nproc={cfg.nproc} is not allowed: torchrun launched {world} ranks")
-        if world % cfg.mp or (cfg.micro_batches or world) % (world // cfg.mp):
-            raise ValueError(
-                f"micro_batches={cfg.micro_batches}, mp={cfg.mp} are not allowed: expected mp "
-                f"dividing the launched world size {world} and a positive multiple of N_d"
-            )
-        held, left = None, False
-        try:
-            error = None
-            if rank == 0:  # one lock per run: the first rank's
-                try:
-                    held = _claim(cfg)
-                except ValueError as exc:
-                    error = str(exc)
-            box = [error]
-            dist.broadcast_object_list(box, src=0)  # every rank stops if rank 0 was refused
-            if box[0] is not None:
-                raise ValueError(box[0])
-            record = run_rank(
-                rank, world, cfg, load_corpus(cfg.data, val_fraction=cfg.val_fraction), device
-            )
-            left = leave_world()  # a barrier, then the group goes: no SIGABRT at exit
-            return record
-        finally:
-            if held is not None:
-                lock.release(held)
-            if not left and dist.is_initialized():
-                dist.destroy_process_group()
-    cfg = replace(cfg, nproc=cfg.nproc or 2)  # validates micro_batches against it
-    held = _claim(cfg)
+    made = not os.path.lexists(cfg.out) and os.environ.get("RANK", "0") == "0"
     try:
-        corpus = load_corpus(cfg.data, val_fraction=cfg.val_fraction)  # forked ranks share it
-        return spawn(run_rank, cfg.nproc, cfg, corpus, timeout_s=cfg.timeout_s, deadline_s=None)[0]
+        if under_torchrun():
+            return _under_torchrun(cfg)
+        cfg = replace(cfg, nproc=cfg.nproc or 2)  # validates micro_batches against it
+        held, step_dir = claim(cfg)
+        try:
+            corpus = load_corpus(cfg.data, val_fraction=cfg.val_fraction)  # the ranks share it
+            check_identity(cfg, step_dir, corpus.fingerprint, cfg.nproc)
+            return _spawn(cfg, step_dir, corpus)[0]
+        finally:
+            lock.release(held)
+    except (RunFault, ResumeRefused) as exc:
+        if cfg.debug:
+            print(exc.detail, file=sys.stderr, flush=True)
+        raise
     finally:
-        lock.release(held)
+        if made:  # an OUT this run made and left empty (a failure before any output) goes
+            with contextlib.suppress(OSError):
+                os.rmdir(cfg.out)
+
+
+def cli_main(argv=None) -> int:
+    """The command line: main, a RunFault as one line and exit status 1 (bad input and a
+    refused resume: cli.run's one line and exit status 2)."""
+    try:
+        main(argv)
+    except RunFault as exc:
+        # on a line of its own: rank 0's progress bar may have left one unfinished
+        print(f"\n{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    cli.run(main, "python -m zero.workloads.train")
+    cli.run(cli_main, "python -m zero.workloads.train")

@@ -1,20 +1,30 @@
 """The command line of `python -m zero.workloads.train`: TrainConfig (every field an option of
-the same name, through zero/common/cli.py), the model sizes it offers, and `parse`.
+the same name, through zero/common/cli.py), the model sizes it offers, and `parse`; what a run
+checks before any work (`claim`: OUT locked and tidied, the checkpoint --resume would load), and
+the run's identity a resume must keep (RUN_IDENTITY, check_identity).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, replace
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from reference.optim import Hyper
 
+from .. import checkpoint
+from ..checkpoint import lock, read_manifest
+from ..checkpoint.commit import remove_temps
 from ..common import cli
 from ..config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from ..optim.plain import TORCH_OPTIMIZERS
 from ..ranks.launch import check_timeout
 from .data import VOCAB_SIZE
+from .history import FILE as HISTORY_FILE
 from .models import GPTConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -61,6 +71,22 @@ ZERO_CHOICES = {
 """The known values of ZeroConfig's string and stage fields, as command-line choices."""
 
 
+MIN_TIMEOUT_S = 1.0
+"""The shortest --timeout accepted. Every collective waits up to this long for the slowest rank,
+and the ranks arrive apart: at the first collective (the ranks' agreement on the model, when the
+engine is built) each rank has just started, joined the group and built its model; between two
+later ones rank 0 alone writes the log, draws the loss curve and commits a checkpoint. That
+stretch measured 0.5-0.7 s for the tiny GPT on 2 CPU cores (--timeout 0.5 timed out at the last
+step's exchange, 0.7 finished; 0.001 fails the first collective itself, a send within 1 ms), so
+below 1 s not even the smallest run can finish. Larger models need more: the watchdog then names
+the collective and the rank it waited for."""
+TIMEOUT_WHY = (
+    "each collective waits this long for the slowest rank; before the first one every rank "
+    "starts and builds its model, between later ones rank 0 alone writes logs and checkpoints "
+    "(0.5-0.7 s for the tiny GPT on 2 CPU cores)"
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run of `python -m zero.workloads.train`; every field is a CLI option of the same
@@ -104,7 +130,15 @@ class TrainConfig:
     """As resume when OUT/ckpt holds anything, else a fresh start (absent or empty OUT/ckpt)."""
     timeout_s: float = 600.0
     """How long one collective may wait for the other ranks before it raises, naming the rank
-    to blame (zero/ranks/watchdog.py). It does not bound the run's length."""
+    to blame (zero/ranks/watchdog.py); at least MIN_TIMEOUT_S. It does not bound the run's
+    length."""
+    allow_changed_run: bool = False
+    """Resume even where the run's identity (RUN_IDENTITY: seed, data, model, M, precision,
+    ...) differs from the checkpoint's; the differences are printed and recorded (train_log.json
+    config.run_changes, and every later checkpoint). Without it such a resume is refused."""
+    debug: bool = False
+    """On a fault (a diverged loss, a full disk, a refused checkpoint) show the full traceback
+    above the one-line error."""
     zero: ZeroConfig = ZERO_DEFAULT
     """How the engine trains; groups, units and micro-batches are filled in per run."""
 
@@ -155,6 +189,11 @@ class TrainConfig:
             "a fraction in (0, 1)",
         )
         check_timeout(self.timeout_s)
+        need(
+            self.timeout_s >= MIN_TIMEOUT_S,
+            "timeout_s",
+            f"at least {MIN_TIMEOUT_S:g} s: {TIMEOUT_WHY}",
+        )
         need(isinstance(self.out, str) and self.out != "", "out", "a folder path")
         need(isinstance(self.resume, bool), "resume", "True or False")
         need(isinstance(self.zero, ZeroConfig), "zero", "a ZeroConfig")
@@ -187,3 +226,144 @@ def parse(argv=None) -> TrainConfig:
         choices={"model": MODELS, **ZERO_CHOICES},
     )  # fmt: skip
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Before any work: OUT locked and tidied, what --resume would load
+
+
+def resume_point(cfg: TrainConfig) -> Path | None:
+    """The step directory the run continues from, None for a fresh start. With --resume (or
+    --resume-if-present and a non-empty OUT/ckpt) a checkpoint that is missing, incomplete or
+    invalid is a ValueError naming the directory and what is wrong: never a silent restart."""
+    ckpt = Path(cfg.out) / "ckpt"
+    if not cfg.resume and not cfg.resume_if_present:
+        return None
+    # the loss history (zero/workloads/history.py) is no checkpoint: rank 0 may have started it
+    # already
+    saved = [p for p in ckpt.iterdir() if p.name != HISTORY_FILE] if ckpt.is_dir() else []
+    if cfg.resume_if_present and not saved:
+        return None
+    field = "resume" if cfg.resume else "resume_if_present"
+    try:
+        step_dir = checkpoint.resolve(ckpt)
+        checkpoint.read_manifest(step_dir)
+    except checkpoint.CheckpointError as exc:
+        raise ValueError(
+            f"{field}=True: no valid checkpoint to continue from in {ckpt} ({exc}); nothing was "
+            "run or removed (without --resume a run starts afresh and keeps these files)"
+        ) from None
+    return step_dir
+
+
+OUT_TEMP = re.compile(r"\.(train_log\.json|loss_curve\.png)\.[a-z0-9_]{8}\.tmp")
+"""write_atomic's temp files of OUT's own files ([Note: leftover temp files])."""
+
+
+def claim(cfg: TrainConfig) -> tuple[Path, Path | None]:
+    """Before any work: lock OUT, remove the temp files killed writers left there (the lock's
+    holder is OUT's only writer: [Note: leftover temp files]), check what --resume would load.
+    Returns (the lock's path, the step directory to resume from or None)."""
+    held = lock.acquire(cfg.out, say=lambda line: print(line, file=sys.stderr, flush=True))
+    out = Path(cfg.out)
+    latest = out / "ckpt" / "latest"
+    try:
+        gone = remove_temps(out / "ckpt")
+        for f in out.iterdir():
+            if OUT_TEMP.fullmatch(f.name) and (f.is_file() or f.is_symlink()):
+                f.unlink()
+                gone.append(f)
+        if gone:
+            names = ", ".join(str(f.relative_to(out)) for f in gone)
+            print(f"note: removed temp files a stopped run left in {out}: {names}", file=sys.stderr)
+        step_dir = resume_point(cfg)
+        resuming = step_dir is not None
+        if os.path.lexists(latest) and (latest.is_symlink() or not latest.is_file()):
+            raise ValueError(  # else the run would fail at its first checkpoint, work lost
+                f"out={cfg.out!r}: {latest} is not a regular file, so no checkpoint could be "
+                "committed there; remove it, or give another --out"
+            )
+        if not resuming and latest.exists():
+            print(
+                f"note: {Path(cfg.out) / 'ckpt'} holds an earlier run's checkpoints; they are "
+                "kept (a run prunes only its own), and `latest` will name this run's",
+                file=sys.stderr,
+            )
+    except BaseException:
+        lock.release(held)
+        raise
+    return held, step_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's identity: what a resume must not change unnoticed
+
+RUN_IDENTITY = ("seed", "data", "val_fraction", "model", "mp", "micro_batches", "lr",
+                "weight_decay", "precision", "reduce_dtype", "deterministic", "optimizer",
+                "clip_norm", "nonfinite", "scaler", "chunk")  # fmt: skip
+"""The options that set the data stream (seed, data, val_fraction, M: which sequences each step
+reads) or the numerics (the model, N_m, the hyper-parameters, precision and reduction dtype,
+deterministic or not, clipping and its chunks, loss scaling, non-finite handling) of a run. A
+checkpoint records them (its extra["run"]) and `--resume` compares: any difference is refused,
+naming each, unless --allow-changed-run. Not in it, because the bits do not depend on them: N and
+the stage (docs/design.md §2), the memory options (offload, bucket size, ...), steps, the
+evaluation, checkpoint and log cadence, --out, --timeout."""
+
+
+def run_identity(cfg: TrainConfig, world_size: int, fingerprint: dict) -> dict:
+    """RUN_IDENTITY's values for this run at world size N (M defaults to N_d = N/mp); the data
+    by its content (fingerprint: zero/workloads/data.py), not by where it lies."""
+    z = cfg.zero
+    fp = fingerprint
+    data = f"{fp['files']} files, {fp['bytes']} bytes, sha256 {fp['content_sha256'][:16]}"
+    return {
+        "seed": cfg.seed, "data": data, "val_fraction": cfg.val_fraction, "model": cfg.model,
+        "mp": cfg.mp, "micro_batches": cfg.micro_batches or world_size // cfg.mp, "lr": cfg.lr,
+        "weight_decay": cfg.weight_decay, "precision": z.precision,
+        "reduce_dtype": z.reduce_dtype, "deterministic": z.deterministic,
+        "optimizer": z.optimizer, "clip_norm": z.clip_norm, "nonfinite": z.nonfinite,
+        "scaler": asdict(z.scaler), "chunk": z.chunk,
+    }  # fmt: skip
+
+
+def run_changes(saved, now: dict) -> list[dict]:
+    """[{field, saved, now}] for each identity field whose value differs from the saved one
+    (a checkpoint without an identity, from before it was recorded, compares as unchanged)."""
+    if not isinstance(saved, dict):
+        return []
+    return [
+        {"field": k, "saved": saved.get(k), "now": now[k]}
+        for k in RUN_IDENTITY
+        if k in now and saved.get(k) != now[k]
+    ]
+
+
+def describe(changes: list[dict]) -> str:
+    """'--seed: saved 0, now 1; --data: saved ..., now ...'"""
+    return "; ".join(
+        f"--{c['field'].replace('_', '-')}: saved {c['saved']!r}, now {c['now']!r}" for c in changes
+    )
+
+
+def check_identity(cfg: TrainConfig, step_dir: Path | None, fingerprint: dict, world: int) -> None:
+    """Before the ranks start: a resume must be the run its checkpoint `step_dir` was
+    (RUN_IDENTITY, with the corpus's `fingerprint` at world size `world`); a difference is a
+    ValueError naming each field with its saved and new value, or with --allow-changed-run a
+    note (the ranks record it)."""
+    if step_dir is None:
+        return
+    saved = read_manifest(step_dir)["extra"]
+    saved = saved.get("run") if isinstance(saved, dict) else None
+    if saved is None:
+        print(f"note: {step_dir} records no run identity (an older checkpoint): not compared")
+    changes = run_changes(saved, run_identity(cfg, world, fingerprint))
+    if not changes:
+        return
+    if not cfg.allow_changed_run:
+        field = "resume" if cfg.resume else "resume_if_present"
+        raise ValueError(
+            f"{field}=True: the run differs from the one {step_dir} was saved by: "
+            f"{describe(changes)}; resume with the saved values, or pass --allow-changed-run "
+            "(recorded in the log and in every later checkpoint)"
+        )
+    print(f"note: --allow-changed-run: resuming {step_dir} with {describe(changes)}", flush=True)
