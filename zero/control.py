@@ -153,9 +153,6 @@ class ScaledGrads:
     def __init__(self, held: list[torch.Tensor], c: torch.Tensor):
         self.held, self.c, self.coef = held, c, None
 
-    def __len__(self) -> int:
-        return len(self.held)
-
     def __iter__(self):
         return (self[i] for i in range(len(self.held)))
 
