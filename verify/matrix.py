@@ -382,7 +382,10 @@ OBSERVABLE.update({
         c.precision == "fp16" and (c.gradients == "nonfinite" or c.loss_scale is not None)
     ),
     # a parameter of another group starting inside some rank's extent (not at a shard start)
-    "group_run_boundary": lambda c: _det(c) and _optimizer_steps(c) >= 1 and _units_of(c)[1],
+    # (one group: no previous group to take the hyper-parameters of)
+    "group_run_boundary": lambda c: (
+        _det(c) and _optimizer_steps(c) >= 1 and c.groups == "two" and _units_of(c)[1]
+    ),
     # a later checkpoint overwrites an earlier one, which the recomputation then reads
     "arena_slots_overlap": lambda c: _det(c) and c.contiguous and c.checkpointing,
     # the optimizer's host gradient lags one copy: from the second step on
