@@ -123,7 +123,7 @@ def test_resume_if_present_starts_afresh_only_on_an_empty_directory(tmp_path, te
     assert exc.value.code == 2 and "resume_if_present=True is not allowed" in err, err
 
 
-# -- a fault is one line; a resume that changes the run is refused by name (issue 38) ---------
+# -- a fault is one line; a resume that changes the run is refused by name ------------------
 
 
 def flip(path: Path) -> None:

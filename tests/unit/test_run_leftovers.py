@@ -1,4 +1,4 @@
-"""What a killed or failed run leaves, and what the next one does with it (issue 38): a stale
+"""What a killed or failed run leaves, and what the next one does with it: a stale
 run.lock is cleared and a live or foreign one refuses (zero/checkpoint/lock.py, [Note: stale
 locks]); dead writers' temp files go, nobody else's ([Note: leftover temp files] in
 zero/checkpoint/commit.py); the loss history agrees with the checkpoint left
