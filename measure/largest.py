@@ -16,17 +16,28 @@ construction and its peak (and per parameter), memory_split()'s bytes per placem
 peak on CUDA, and for the disk tier the disk bytes each step read and wrote by the process's own
 I/O counters (/proc/self/io) beside the engine's count (kind 'disk') and the disk's bandwidth,
 measured here first by writing and reading back a file of --probe-gib under --dir.
+
+Every option is checked before any work (the probe, a process, a file): a bad one is one line,
+`python -m measure.largest: error: FIELD=VALUE: what is allowed`, and exit status 2. A tier
+whose every shape tried failed (or whose one --shape failed) ends the run with one line naming
+the shape and why, and exit status 1, after the --json report of what was tried is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
+
+from measure.fake_rank import check_device
+from zero.common import cli
 
 VOCAB, BLOCK = 8192, 128
 LADDER = [(12, 768), (16, 1024), (24, 1536), (24, 2048), (32, 2560), (32, 3072), (40, 4096),
@@ -49,8 +60,8 @@ def disk_bandwidth(directory: str, gib: float) -> dict:
     """Write then read back `gib` GiB under `directory`, each through the page cache with the
     file synced and dropped from it in between: MB/s each way."""
     path = Path(directory) / f"zero-bandwidth-{os.getpid()}.bin"
-    chunk = b"\1" * (64 << 20)
-    n = max(1, int(gib * (1 << 30)) // len(chunk))
+    chunk = b"\1" * CHUNK
+    n = probe_bytes(gib) // CHUNK
     try:
         t0 = time.perf_counter()
         with open(path, "wb") as f:
@@ -168,10 +179,29 @@ def attempt(layers, width, tier, args) -> dict:
            *(["--reduce-dtype", args.reduce_dtype] if args.reduce_dtype else [])]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode == 0:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        try:
+            return json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            why = f"exit status 0 without a record on stdout: {done.stdout.strip()[-200:]!r}"
+    else:
+        why = _why(done.returncode, done.stderr)
     return {"layers": layers, "width": width, "tier": tier, "failed": why[:300],
             "returncode": done.returncode}  # fmt: skip
+
+
+def _why(returncode: int, stderr: str) -> str:
+    """A failed child in one line: its last line on stderr, else how it ended."""
+    lines = stderr.strip().splitlines()
+    if lines:
+        return " ".join(lines[-1].split())
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        memory = " (out of memory?)" if -returncode == signal.SIGKILL else ""
+        return f"killed by {name}{memory}"
+    return f"exit status {returncode}"
 
 
 def search(tier: str, args) -> list[dict]:
@@ -188,38 +218,183 @@ def search(tier: str, args) -> list[dict]:
     return tried
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m measure.largest", description=__doc__.split("\n")[0]
+PROG = "python -m measure.largest"
+TIERS = ("none", "memory", "disk")
+HEAD = 128
+"""The heads' width: a shape's width is a whole number of heads."""
+CHUNK = 64 << 20
+"""The disk probe's write size (bytes)."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = cli.new_parser(PROG, __doc__.split("\n")[0])
+    p.add_argument(
+        "--host-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="host memory budget to search under, GiB: a finite number at least the "
+        "smallest shape's estimate in every tier asked for (ignored with "
+        "--shape)",
     )
-    p.add_argument("--host-gib", type=float, default=None, help="host memory budget, GiB")
-    p.add_argument("--tiers", nargs="+", default=["none", "memory", "disk"],
-                   choices=["none", "memory", "disk"])  # fmt: skip
-    p.add_argument("--shape", nargs=2, type=int, metavar=("LAYERS", "WIDTH"), default=None)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dir", default=".", help="the disk tier's directory (and the probe's)")
-    p.add_argument("--probe-gib", type=float, default=1.0)
+    p.add_argument(
+        "--tiers",
+        nargs="+",
+        default=list(TIERS),
+        choices=TIERS,
+        help="the tiers to measure, each at most once (default: none memory disk)",
+    )
+    p.add_argument(
+        "--shape",
+        nargs=2,
+        type=int,
+        metavar=("LAYERS", "WIDTH"),
+        default=None,
+        help="train this one GPT instead of searching: LAYERS >= 1, WIDTH a positive "
+        f"multiple of {HEAD} (the heads are {HEAD} wide)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=2, help="training steps per model, >= 1 (default: 2)"
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model trains; cuda needs a visible CUDA device (default: cpu)",
+    )
+    p.add_argument(
+        "--dir",
+        default=".",
+        help="the disk tier's directory and the probe's: existing or creatable, "
+        "writable, with room for --probe-gib (default: .; unused without the "
+        "disk tier)",
+    )
+    p.add_argument(
+        "--probe-gib",
+        type=float,
+        default=1.0,
+        metavar="GIB",
+        help="size of the file written and read back under --dir to measure the "
+        "disk's bandwidth, GiB: a finite number > 0 (default: 1)",
+    )
     p.add_argument(
         "--reduce-dtype",
         choices=["bf16", "fp32"],
         default=None,
-        help="the gradients' dtype (bf16 halves the host gradient: 2 bytes/param)",
+        help="the gradients' dtype (bf16 halves the host gradient: 2 bytes/param; default: fp32)",
     )
-    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the report (the probe and every record tried) here: a writable file path",
+    )
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def check_shape(layers: int, width: int) -> None:
+    """LAYERS >= 1 and WIDTH a whole number of heads; else a ValueError naming shape."""
+    if layers < 1:
+        why = f"LAYERS {layers} < 1"
+    elif width < HEAD or width % HEAD:
+        why = f"WIDTH {width} is not a positive multiple of {HEAD}"
+    else:
+        return
+    raise ValueError(
+        f"shape=[{layers}, {width}]: {why}; allowed is LAYERS >= 1 and WIDTH a positive multiple "
+        f"of {HEAD} (the heads are {HEAD} wide)"
+    )
+
+
+def probe_bytes(gib: float) -> int:
+    """What disk_bandwidth writes for `gib`: whole chunks, at least one (exactly: a float
+    times 2**30 may overflow)."""
+    return max(1, int(Fraction(gib) * (1 << 30)) // CHUNK) * CHUNK
+
+
+def _nearest_existing(path) -> Path:
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+def check(args) -> None:
+    """Every option, before any work: a ValueError naming the first bad one."""
+    if args.host_gib is None and args.shape is None:
+        raise ValueError(
+            "host_gib=None: allowed is --host-gib (a budget to search under) or --shape (one "
+            "model to train)"
+        )
+    if args.host_gib is not None:
+        if not cli.is_real(args.host_gib) or args.host_gib <= 0:
+            raise ValueError(f"host_gib={args.host_gib}: allowed is a finite number > 0 (GiB)")
+        if args.shape is None:
+            least = params_of(*LADDER[0])
+            for tier in args.tiers:
+                need = math.ceil(least * BYTES_PER_PARAM[tier] / (1 << 30) * 100) / 100
+                if args.host_gib < need:
+                    raise ValueError(
+                        f"host_gib={args.host_gib}: below the estimate of the smallest shape "
+                        f"({LADDER[0][0]}x{LADDER[0][1]}, {least / 1e6:.0f}M parameters) in tier "
+                        f"{tier!r}; allowed is at least {need} (or --shape)"
+                    )
+    if len(set(args.tiers)) != len(args.tiers):
+        raise ValueError(f"tiers={args.tiers}: allowed is each of {', '.join(TIERS)} at most once")
+    if args.shape is not None:
+        check_shape(*args.shape)
+    if args.steps < 1:
+        raise ValueError(f"steps={args.steps}: allowed is a whole number >= 1")
+    if not cli.is_real(args.probe_gib) or args.probe_gib <= 0:
+        raise ValueError(f"probe_gib={args.probe_gib}: allowed is a finite number > 0 (GiB)")
+    if args.json is not None:
+        cli.check_writable("json", args.json, file=True)
+    if "disk" in args.tiers:
+        cli.check_writable("dir", args.dir)
+        st = os.statvfs(_nearest_existing(args.dir))
+        free, need = st.f_bavail * st.f_frsize, probe_bytes(args.probe_gib)
+        if free < need:
+            raise ValueError(
+                f"dir={args.dir!r}: {free} bytes free, the disk probe (probe_gib="
+                f"{args.probe_gib}) writes {need}; allowed is a folder with room for it (or a "
+                f"smaller --probe-gib)"
+            )
+    check_device(args.device)
+
+
+def failed_line(tier: str, records: list[dict]) -> str | None:
+    """None if a shape of `tier` trained; else one line: the shape that failed last, and why."""
+    if any("failed" not in r for r in records):
+        return None
+    if not records:
+        return f"tier {tier!r}: no shape tried"
+    last = records[-1]
+    shape = f"{last['layers']}x{last['width']}"
+    psi = params_of(last["layers"], last["width"])
+    size = f"{psi / 1e9:.2f}B" if psi >= 1e9 else f"{psi / 1e6:.0f}M"
+    size += " parameters"
+    where = f"shape {shape} ({size})"
+    if len(records) > 1:
+        where = f"all {len(records)} shapes tried, the smallest {shape} ({size}),"
+    return f"tier {tier!r}: {where} failed (exit status {last.get('returncode')}): {last['failed']}"
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.one:
         layers, width, tier = int(args.one[0]), int(args.one[1]), args.one[2]
+        check_shape(layers, width)
         rec = run_one(layers, width, tier, args.steps, args.device, args.dir, args.reduce_dtype)
         print(json.dumps(rec))
         return 0
-    if args.shape is None and args.host_gib is None:
-        p.error("--host-gib or --shape: a budget to search under, or one model to train")
-    if not os.path.isdir(args.dir):
-        p.error(f"--dir {args.dir!r}: not an existing directory")
-    report = {"disk": disk_bandwidth(args.dir, args.probe_gib) if "disk" in args.tiers else None}
-    print(json.dumps({"disk_bandwidth": report["disk"]}), flush=True)
+    check(args)  # before any work: the probe, a process, a file
+    if "disk" in args.tiers:
+        os.makedirs(args.dir, exist_ok=True)
+    # the probe under a key of its own: the disk tier's records are report["disk"]
+    probe = disk_bandwidth(args.dir, args.probe_gib) if "disk" in args.tiers else None
+    report = {"disk_bandwidth": probe}
+    print(json.dumps(report), flush=True)
     for tier in args.tiers:
         if args.shape is not None:
             rec = attempt(*args.shape, tier, args)
@@ -228,9 +403,14 @@ def main(argv=None) -> int:
         else:
             report[tier] = search(tier, args)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
+    failed = [line for t in args.tiers if (line := failed_line(t, report[t])) is not None]
+    if failed:
+        print(f"{PROG}: error: measurement failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, PROG)
