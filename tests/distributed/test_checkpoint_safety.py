@@ -1,7 +1,8 @@
 """Checkpoints and runs that never lose work (zero/checkpoint/, zero/workloads/train.py): --resume
 refuses instead of restarting, one run per output directory, a failed save cleans up after itself,
-pruning touches only this run's checkpoints, temp files are made safely, only regular files
-inside the root are read (bounded by the manifest), and an edited manifest is refused by field.
+pruning touches only this run's checkpoints, a killed save or prune leaves nothing that outlives
+the next start, temp files are made safely, only regular files inside the root are read (bounded
+by the manifest), and an edited manifest is refused by field.
 
 A full disk is simulated: zero/checkpoint/format.py's _write_all is replaced by one that writes half
 a chunk and raises ENOSPC (a small real file system needs root to mount). Tests with a file that
@@ -32,6 +33,7 @@ from zero.loop import train_steps
 from zero.ranks.launch import RankError
 from zero.ranks.local import get_pool, spawn
 from zero.workloads.train import RunFault, main
+from zero.workloads.train_config import TrainConfig, claim
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -171,6 +173,31 @@ def test_a_resume_that_changes_the_run_is_refused_by_name_unless_allowed(trained
     )
     log = train(out, text, "--steps", "4", "--resume", "--seed", "1")  # the run is seed 1 now
     assert log["config"]["run_changes"] == want and log["result"]["data_step"] == 4
+
+
+@pytest.mark.dist
+def test_a_resume_on_renamed_or_edited_data_names_the_cause(trained, text, tmp_path):
+    """The same text under another name is other data (the split is by name), refused naming
+    the names; the same name with another text, naming the content."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    before = tree(out)
+    renamed = tmp_path / "renamed.txt"
+    shutil.copy(text, renamed)
+    (tmp_path / "edited").mkdir()
+    edited = tmp_path / "edited" / text.name
+    edited.write_bytes(text.read_bytes() + b"# one more line\n")
+    names = (
+        r": --data: the file names differ: saved \['corpus\.txt'\], now \['renamed\.txt'\], "
+        r"and the content is the same \(the validation split is drawn by name\); "
+    )
+    content = (r": --data: the content differs: saved \d+ bytes, sha256 \w{16}, now \d+ bytes, "
+               r"sha256 \w{16}, and the file names are the same; ")  # fmt: skip
+    with pytest.raises(ValueError, match=names):
+        train(out, text, "--steps", "3", "--resume", "--data", str(renamed))
+    with pytest.raises(ValueError, match=content):
+        train(out, text, "--steps", "3", "--resume", "--data", str(edited))
+    assert tree(out) == before  # refused before any work
 
 
 @pytest.mark.dist
@@ -427,6 +454,110 @@ def test_pruning_removes_only_this_runs_checkpoints(tmp_path):
         "step-00000099",
     ]  # fmt: skip
     assert (other / "u0000-r0000.bin").read_bytes() == b"partial"
+
+
+# -- what a killed save or prune leaves: gone at the next start, never read -------------------
+
+
+def digests(root: Path) -> dict:
+    """sha256 of every file under root, by relative path: what 'untouched bitwise' compares."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("start", ["--resume", "afresh"])
+def test_what_a_killed_save_or_prune_left_goes_at_the_next_start(
+    trained, text, tmp_path, capsys, start
+):
+    """[Note: crash leftovers]: an empty step directory newer than `latest` (a save killed at
+    its first file), one with shard files and no manifest (a prune killed midway) and a trash
+    folder are never read, and go when the next run starts (a resume or a fresh run), each
+    named in a note; the complete checkpoints stay, bitwise."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    ckpt = out / "ckpt"
+    complete = {d.name: digests(d) for d in ckpt.glob("step-*")}
+    latest = (ckpt / "latest").read_bytes()
+    empty, half = ckpt / "step-00000007", ckpt / "step-00000003"
+    trash = ckpt / ".trash-step-00000001.0123456789ab.89abcdef"
+    for d in (empty, half, trash):
+        d.mkdir()
+    for f in sorted((ckpt / "step-00000002").glob("*.bin"))[:3]:
+        shutil.copy(f, half / f.name)
+        shutil.copy(f, trash / f.name)
+    assert checkpoint.resolve(ckpt) == ckpt / "step-00000002"
+    capsys.readouterr()
+    if start == "--resume":  # at its last step already: loads, trains and saves nothing
+        log = train(out, text, "--steps", "2", "--resume")
+        assert log["result"]["data_step"] == 2 and (ckpt / "latest").read_bytes() == latest
+    else:
+        train(out, text, "--steps", "1")
+    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note: removed")]
+    assert len(notes) == 1, notes
+    for d in (empty, half, trash):
+        assert not os.path.lexists(d) and f"ckpt/{d.name} (" in notes[0], (d, notes)
+    for name, files in complete.items():
+        assert digests(ckpt / name) == files, name
+    checkpoint.verify(ckpt)
+
+
+class Stopped(BaseException):
+    """A signal's exception in the middle of a removal (as a SIGTERM handler raises)."""
+
+
+def prune_stopped_midway(rank, n, root):
+    """Two saves with keep_last=1; the second one's prune is stopped in shutil.rmtree after one
+    file of the old checkpoint went. Returns the names in root after."""
+    torch.set_num_threads(1)
+    model, eng = build(CASE, 1)
+    data = microbatches(CASE, model)
+    train_steps(eng, data, 1)
+    eng.save(root, keep_last=1)
+    train_steps(eng, data, 1, start_step=1)
+    real = shutil.rmtree
+
+    def stopped(path, *args, **kwargs):
+        min(Path(path).glob("*.bin")).unlink()
+        raise Stopped
+
+    shutil.rmtree = stopped
+    try:
+        eng.save(root, keep_last=1)
+    except Stopped:
+        pass
+    finally:
+        shutil.rmtree = real
+    return sorted(p.name for p in Path(root).iterdir())
+
+
+@pytest.mark.dist
+def test_an_interrupted_prune_leaves_trash_that_the_next_start_removes(tmp_path, capsys):
+    """A prune stopped midway leaves a trash folder, never a step directory with a part of its
+    files; `latest` names the new checkpoint, which verifies. The next start (holding run.lock)
+    removes the trash, naming it; so does this run's next save, which may not remove others'."""
+    out = tmp_path / "run"
+    root = out / "ckpt"
+    names = get_pool(1).run(prune_stopped_midway, str(root))[0]
+    [trash] = [n for n in names if n.startswith(".trash-")]
+    assert names == [trash, "latest", "step-00000002"], names
+    assert trash.startswith(".trash-step-00000001.") and not fmt.STEP_DIR.fullmatch(trash)
+    assert checkpoint.resolve(root).name == "step-00000002"
+    checkpoint.verify(root)
+    again = tmp_path / "again"
+    shutil.copytree(root, again)
+    kept = digests(root / "step-00000002")
+    capsys.readouterr()
+    lock.release(claim(TrainConfig(out=str(out), resume=True))[0])
+    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note: removed")]
+    assert len(notes) == 1 and f"ckpt/{trash} (a removal cut short)" in notes[0], notes
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"]
+    assert digests(root / "step-00000002") == kept
+    get_pool(2).run(load_and_save, str(again))  # the run resumed (keep_last=2): no trash left
+    assert sorted(p.name for p in again.iterdir()) == ["latest", "step-00000002", "step-00000002-1"]
 
 
 # -- temp files and the pointer ------------------------------------------------------------------

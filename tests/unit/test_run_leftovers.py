@@ -1,10 +1,12 @@
 """What a killed or failed run leaves, and what the next one does with it: a stale
 run.lock is cleared and a live or foreign one refuses (zero/checkpoint/lock.py, [Note: stale
 locks]); dead writers' temp files go, nobody else's ([Note: leftover temp files] in
-zero/checkpoint/commit.py); the loss history agrees with the checkpoint left
-(zero/workloads/history.py after_failure); the run's identity is compared by field
-(zero/workloads/train_config.py); consolidate's OUT is checked before the work; a dropped loss
-curve is freed at once ([Note: memory of a plot]). No process group, no training: seconds."""
+zero/checkpoint/commit.py), and so do trash folders and uncommitted step directories, never a
+checkpoint ([Note: crash leftovers]); the loss history agrees with the checkpoint left
+(zero/workloads/history.py after_failure); the run's identity is compared by field, the data's
+naming whether its file names or its content differ (zero/workloads/train_config.py);
+consolidate's OUT is checked before the work; a dropped loss curve is freed at once ([Note:
+memory of a plot]). No process group, no training: seconds."""
 
 import gc
 import hashlib
@@ -19,11 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from zero import checkpoint
 from zero.checkpoint import lock
 from zero.checkpoint.commit import remove_temps
 from zero.checkpoint.consolidate import check_out
+from zero.checkpoint.leftovers import remove_leftovers
+from zero.workloads.data import load_corpus
 from zero.workloads.history import after_failure, plot_losses
-from zero.workloads.train_config import RUN_IDENTITY, TrainConfig, describe, run_changes
+from zero.workloads.train_config import RUN_IDENTITY, TrainConfig, claim, describe, run_changes
 from zero.workloads.train_config import run_identity as identity_of
 
 HOST = socket.gethostname()
@@ -138,6 +143,71 @@ def test_dead_writers_temp_files_go_and_nothing_else(tmp_path):
     assert remove_temps(tmp_path / "absent") == []
 
 
+def digests(root: Path) -> dict:
+    """sha256 of every file under root, by relative path: what 'untouched bitwise' compares."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+def step(root: Path, name: str, *files: str) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    for f in files:
+        (d / f).write_bytes(f"{name}/{f}".encode())
+    return d
+
+
+def test_trash_and_uncommitted_step_directories_go_and_no_checkpoint(tmp_path, capsys):
+    """[Note: crash leftovers]: a trash folder, an empty step directory (a save killed at its
+    first file) and one with shard files but no manifest (a prune killed midway) go at the next
+    start, each named in one note line; committed ones (a manifest, even one that does not
+    validate), the one `latest` names, links and other files are kept, bitwise."""
+    out = tmp_path / "out"
+    root = out / "ckpt"
+    kept = [step(root, "step-00000001", "manifest.json", "u0000-r0000.bin"),
+            step(root, "step-00000002", "manifest.json", "owner.json", "u0000-r0000.bin"),
+            step(root, "step-00000004", "manifest.json"),  # committed, damaged: resume names it
+            step(root, "step-x", "u0000-r0000.bin"),  # not a step directory's name
+            step(root, ".trash-step-00000001", "u0000-r0000.bin")]  # not a trash name  # fmt: skip
+    (root / "latest").write_text("step-00000002\n")
+    (root / "history.jsonl").write_text("{}\n")
+    (tmp_path / "elsewhere").mkdir()
+    (root / "step-00000006").symlink_to(tmp_path / "elsewhere")  # never followed
+    trash = ".trash-step-00000001.0123456789ab.89abcdef"  # a prune's: name, run tag, random
+    gone = [step(root, "step-00000009"),  # newer than latest, empty
+            step(root, "step-00000003", "u0000-r0000.bin", "u0001-r0000.bin", "r0000.bin"),
+            step(root, "step-00000005", ".manifest.json.k9x8w7v6.tmp", "owner.json"),
+            step(root, trash, "u0001-r0000.bin")]  # fmt: skip
+    temp = root / ".latest.a1b2c3d4.tmp"
+    temp.write_bytes(b"")
+    before = digests(root)
+    assert checkpoint.resolve(root).name == "step-00000002"  # no leftover is ever read
+    lock.release(claim(TrainConfig(out=str(out)))[0])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "stopped run" in line]
+    assert len(notes) == 1 and notes[0].startswith(
+        f"note: removed what a stopped run left in {out}"
+    )
+    for d in [*gone, temp]:
+        assert not os.path.lexists(d) and f"ckpt/{d.name} (" in notes[0], d
+    for d in kept:
+        assert d.is_dir() and f"/{d.name} (" not in notes[0], d
+    assert "ckpt/step-00000003 (a save that never committed: no manifest.json)" in notes[0]
+    assert ".89abcdef (a removal cut short)" in notes[0]
+    names = {d.name for d in [*gone, temp]}
+    assert digests(root) == {k: v for k, v in before.items() if k.split("/")[0] not in names}
+    assert (root / "step-00000006").is_symlink() and (root / "latest").read_text() == (
+        "step-00000002\n"
+    )
+    assert remove_leftovers(root) == []  # nothing left to remove
+    (root / "latest").write_text("step-00000007\n")  # `latest` names an uncommitted one
+    step(root, "step-00000007", "u0000-r0000.bin")
+    assert remove_leftovers(root) == [] and (root / "step-00000007").is_dir()
+    assert remove_leftovers(tmp_path / "absent") == []
+
+
 # -- the history a failed run leaves -------------------------------------------------------------
 
 
@@ -165,7 +235,8 @@ def test_a_failed_run_leaves_the_history_its_checkpoint_marks(tmp_path):
 # -- the run's identity --------------------------------------------------------------------------
 
 
-FP = {"files": 3, "bytes": 1000, "content_sha256": "ab" * 32}
+FP = {"files": 3, "bytes": 1000, "file_list_sha256": "12" * 32, "text_sha256": "34" * 32,
+      "content_sha256": "ab" * 32}  # fmt: skip
 
 
 def test_a_changed_run_is_named_by_field_with_both_values():
@@ -175,14 +246,81 @@ def test_a_changed_run_is_named_by_field_with_both_values():
     same = replace(cfg, nproc=2, micro_batches=4, zero=replace(cfg.zero, stage=3))
     assert run_changes(saved, identity_of(same, 2, FP)) == []  # N and the stage: same bits
     assert run_changes(None, saved) == []  # an older checkpoint: nothing to compare
-    now = identity_of(replace(cfg, seed=1, model="tiny"), 4, {**FP, "content_sha256": "cd" * 32})
+    edited = {**FP, "text_sha256": "56" * 32, "content_sha256": "cd" * 32}
+    now = identity_of(replace(cfg, seed=1, model="tiny"), 4, edited)
     changes = run_changes(saved, now)
     assert [c["field"] for c in changes] == ["seed", "data", "model"]
     text = describe(changes)
-    assert text.startswith("--seed: saved 0, now 1; --data: saved '3 files, 1000 bytes, sha256 ab")
+    assert text.startswith(
+        "--seed: saved 0, now 1; --data: the content differs: saved 1000 bytes, sha256 "
+        "3434343434343434, now 1000 bytes, sha256 5656565656565656, and the file names are the "
+        "same; --model"
+    )
     assert text.endswith("--model: saved 'small', now 'tiny'")
     # M follows N unless given: another N without --micro-batches reads other data per step
     assert run_changes(saved, identity_of(cfg, 2, FP))[0]["field"] == "micro_batches"
+
+
+def corpus_file(folder: Path, name: str, text: str, size: int = 140_000) -> Path:
+    """A text file of about `size` bytes (the default: more than 2 pieces of PIECE_BYTES)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text * (size // len(text)))
+    return folder / name
+
+
+def test_the_data_identity_says_whether_the_names_or_the_content_differ(tmp_path):
+    """The same text under another file name reads other data (the split is by name): refused,
+    naming the names; the same name with other text: naming the content; both; many files by
+    their names' hash. A checkpoint with the old string form compares in that form."""
+    cfg = TrainConfig()
+    text = "def f(x):\n    return x + 1\n"
+
+    def ident(path: Path) -> dict:
+        return identity_of(cfg, 2, load_corpus(path).fingerprint)
+
+    a = ident(corpus_file(tmp_path / "a", "corpus.txt", text))
+    renamed = ident(corpus_file(tmp_path / "b", "renamed.txt", text))
+    edited = ident(corpus_file(tmp_path / "c", "corpus.txt", text.upper()))
+    both = ident(corpus_file(tmp_path / "d", "other.txt", text.upper()))
+    assert run_changes(a, ident(corpus_file(tmp_path / "e", "corpus.txt", text))) == []
+    assert describe(run_changes(a, renamed)) == (
+        "--data: the file names differ: saved ['corpus.txt'], now ['renamed.txt'], and the "
+        "content is the same (the validation split is drawn by name)"
+    )
+    n = a["data"]["bytes"]
+    sha_a, sha_e = a["data"]["text_sha256"], edited["data"]["text_sha256"]
+    assert sha_a != sha_e and len(sha_a) == 16
+    assert describe(run_changes(a, edited)) == (
+        f"--data: the content differs: saved {n} bytes, sha256 {sha_a}, now {n} bytes, "
+        f"sha256 {sha_e}, and the file names are the same"
+    )
+    assert describe(run_changes(a, both)) == (
+        "--data: the file names differ: saved ['corpus.txt'], now ['other.txt'], and the "
+        f"content differs: saved {n} bytes, sha256 {sha_a}, now {n} bytes, sha256 {sha_e}"
+    )
+    for i in range(30):  # many names: their hash, not the names
+        corpus_file(tmp_path / "many", f"f{i:02d}.txt", f"text {i}\n", 2000)
+    many = ident(tmp_path / "many")
+    (tmp_path / "many" / "f07.txt").rename(tmp_path / "many" / "g07.txt")  # another order too
+    moved = ident(tmp_path / "many")
+    assert many["data"]["names"] is None
+    assert describe(run_changes(many, moved)) == (
+        f"--data: the file names differ: saved 30 names, sha256 {many['data']['names_sha256']}, "
+        f"now 30 names, sha256 {moved['data']['names_sha256']}, and the content is the same "
+        "(the validation split is drawn by name)"
+    )
+    for i in (3, 4):  # two files' contents swapped: the same names, the same contents
+        corpus_file(tmp_path / "many", f"f{i:02d}.txt", f"text {7 - i}\n", 2000)
+    assert describe(run_changes(moved, ident(tmp_path / "many"))) == (
+        "--data: the same file names and contents, but another content under some name"
+    )
+    # a checkpoint from before: its data is one string, compared with this data in that form
+    fp = load_corpus(tmp_path / "a" / "corpus.txt").fingerprint
+    old = f"{fp['files']} files, {fp['bytes']} bytes, sha256 {fp['content_sha256'][:16]}"
+    assert run_changes({**a, "data": old}, a) == []
+    [change] = run_changes({**a, "data": old}, renamed)
+    assert change["saved"] == old and change["now"].startswith(f"1 files, {n} bytes, sha256 ")
+    assert describe([change]) == f"--data: saved {old!r}, now {change['now']!r}"
 
 
 def test_a_timeout_below_the_first_collective_is_refused():

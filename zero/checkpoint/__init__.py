@@ -8,7 +8,8 @@
 Legend: N1 the world size at save, N2 at load. Modules: format.py (the on-disk format, verified
 reads), validate.py (a manifest against itself), commit.py (save: [Note: atomic commit],
 [Note: run identity]), reshard.py (load: [Note: resharding by layout]), consolidate.py, cli.py,
-lock.py (one run per output directory), mpformat.py and mpjoin.py (a model-parallel engine's
+lock.py (one run per output directory), leftovers.py (what a killed writer left: [Note: crash
+leftovers]), mpformat.py and mpjoin.py (a model-parallel engine's
 checkpoints at (N_d, N_m): [Note: MP checkpoint layout], [Note: joining slices]). They read an
 engine only through zero/introspect.py's Introspect, never a stage.
 """

@@ -12,12 +12,25 @@ interrupted save and is ignored; only after step 4 does rank 0 prune ([Note: run
 A crash at any point leaves `latest` naming a complete, verifiable checkpoint. A save that
 fails (a full disk, say) removes its own files before every rank raises: the temp file on the
 rank that failed, the step directory on rank 0 once every rank has stopped writing into it.
+Every removal of a step directory renames it to a trash name first ([Note: crash leftovers]).
+
+[Note: crash leftovers] A save killed before its manifest leaves a step directory without one
+(an empty one if killed at owner.json, its first file): `latest` never names it and resolve()
+refuses a directory without a manifest, so it is never read, and save() removes it only when
+its owner.json names the saving run. A removal (_remove) renames the step directory to a TRASH
+name, then deletes it: a killed prune leaves trash, never a step directory holding part of its
+files. The rest goes while the output directory is held exclusively (remove_leftovers in
+zero/checkpoint/leftovers.py, called where [Note: leftover temp files] is): every trash folder,
+and every step directory without manifest.json (the commit point, step 3) that `latest` does
+not name. save(), which may share ROOT with another run's save in progress, removes only its
+own run's trash and interrupted saves ([Note: run identity]).
 
 [Note: run identity] Each engine's checkpoints carry a run id (the manifest's run_id; the
 step directory's owner.json from its creation): a random id made at the engine's first save,
 or the one of the checkpoint it loaded, so a resumed run is the same run. Pruning removes only
-this run's own: committed checkpoints beyond `keep_last` and its interrupted saves. Another
-run's checkpoints, a save in progress elsewhere, and whatever it cannot read are left alone.
+this run's own: committed checkpoints beyond `keep_last`, its interrupted saves and prunes.
+Another run's checkpoints, a save in progress elsewhere, and whatever it cannot read are left
+alone.
 
 A model-parallel engine saves on all N_d·N_m ranks of its mesh in one commit: "every rank" above
 is every (d, m), rank 0 is (0, 0), and each slice's files and records go where [Note: MP
@@ -315,25 +328,51 @@ def remove_temps(root) -> list[Path]:
     return gone
 
 
-def _remove(d: Path) -> None:
-    """Remove a step directory, its manifest first: a crash midway leaves an interrupted save,
-    never a manifest whose files are gone."""
-    with contextlib.suppress(FileNotFoundError):
-        (d / MANIFEST).unlink()
-        _fsync_dir(d)
-    shutil.rmtree(d)
+TRASH = re.compile(r"\.trash-(step-\d{8,}(?:-\d+)?)\.([0-9a-f]{12})\.[0-9a-f]{8}")
+"""A step directory being removed: `.trash-` + its name + its run's tag (_run_tag) + 8 random
+hex digits. No reader takes it for a checkpoint: `latest` and every listing of step directories
+accept only STEP_DIR's names ([Note: crash leftovers])."""
+
+
+def _run_tag(run_id: str) -> str:
+    return hashlib.sha256(run_id.encode()).hexdigest()[:12]
+
+
+def _rmtree(d: Path) -> None:
+    """shutil.rmtree, where what is already gone is no error (a remover cut short before)."""
+
+    def gone_already(function, path, excinfo):
+        if not issubclass(excinfo[0], FileNotFoundError):
+            raise excinfo[1]
+
+    shutil.rmtree(d, onerror=gone_already)
+
+
+def _remove(root: Path, d: Path, run_id: str) -> None:
+    """Remove the step directory d in one step ([Note: crash leftovers]): renamed to a trash name
+    (durably), then deleted; a crash midway leaves trash, never a step directory with a part of
+    its files."""
+    trash = root / f".trash-{d.name}.{_run_tag(run_id)}.{uuid.uuid4().hex[:8]}"
+    os.rename(d, trash)
+    _fsync_dir(root)
+    _rmtree(trash)
 
 
 def _prune(root: Path, current: str, keep_last: int | None, run_id: str) -> list[str]:
-    """Remove this run's interrupted saves, and its committed checkpoints beyond keep_last;
-    nothing else ([Note: run identity])."""
-    committed, removed = [], []
+    """Remove this run's interrupted saves and prunes, and its committed checkpoints beyond
+    keep_last; nothing else ([Note: run identity], [Note: crash leftovers])."""
+    committed, removed, tag = [], [], _run_tag(run_id)
+    for t in sorted(root.iterdir()):
+        found = TRASH.fullmatch(t.name)
+        if found and found[2] == tag and t.is_dir() and not t.is_symlink():
+            _rmtree(t)  # this run's removal, cut short
+            removed.append(t.name)
     for d in _step_dirs(root):
         if d.name == current:
             continue
         if not os.path.lexists(d / MANIFEST):
             if _owner(d) == run_id:  # this run's interrupted save
-                _remove(d)
+                _remove(root, d, run_id)
                 removed.append(d.name)
             continue
         m = read_manifest_quietly(d)
@@ -342,7 +381,7 @@ def _prune(root: Path, current: str, keep_last: int | None, run_id: str) -> list
     if keep_last is not None:
         committed.sort()
         for _, d in committed[: max(0, len(committed) - (keep_last - 1))]:
-            _remove(d)
+            _remove(root, d, run_id)
             removed.append(d.name)
     if removed:
         _fsync_dir(root)
@@ -393,8 +432,7 @@ def save(engine: Introspect, directory, *, keep_last: int | None = None, extra=N
     def abandon():  # rank 0, once every rank has stopped writing into step_dir
         if lead:
             with contextlib.suppress(OSError):
-                _remove(step_dir)
-                _fsync_dir(root)
+                _remove(root, step_dir, run_id)
 
     files, record, error = None, None, None
     try:

@@ -16,8 +16,11 @@ Legend:
 relative path) alone: blake2b(name) read as a fraction in [0, 1) below ``val_fraction``. So the
 split does not depend on the file's contents, on which other files exist, on their order, or on
 the machine; a file keeps its side of the split across Python versions as long as its path does.
-The stdlib differs between Python versions, so every run records the corpus's fingerprint (file
-list hash, content hash, counts, Python version): two runs are comparable when those agree.
+The stdlib differs between Python versions, so every run records the corpus's fingerprint (the
+names' hash, the contents' hash, the hash of both together, counts, the names themselves when
+few, the Python version): two runs are comparable when those agree. A resume that reads the
+same bytes under other names reads other data (another split), and the fingerprint says which
+of the two changed.
 
 [Note: sampling] Micro-batch j of data step s is B windows of T + 1 bytes at offsets drawn from a
 generator seeded with stable_seed("corpus", seed, s, j): a pure function of (seed, s, j), never of
@@ -49,6 +52,10 @@ PIECE_BYTES = 1 << 16
 named "<name>#<i>", so that the split by name still has documents to put on each side."""
 
 MIN_DOCS = 20
+
+SHOWN_NAMES = (8, 200)
+"""The fingerprint lists the file names themselves when there are at most this many, of at most
+this many characters in all (else only their hash)."""
 
 
 def _fail(name: str, value: object, allowed: str) -> ValueError:
@@ -113,7 +120,9 @@ class Corpus:
     train: torch.Tensor = field(repr=False)  # 1D uint8, the training documents concatenated
     val: torch.Tensor = field(repr=False)  # 1D uint8, the validation documents concatenated
     fingerprint: dict = field(repr=False)
-    """files, file_list_sha256, content_sha256, bytes, train/val documents and bytes, python."""
+    """files, names (when few: SHOWN_NAMES), file_list_sha256 (the names), text_sha256 (the
+    contents alone: their sorted sha256s, whatever their names), content_sha256 (each name with
+    its content), bytes, train/val documents and bytes, python."""
 
     def batch(
         self, *, split: str, seed: int, index: tuple[int, ...], batch_size: int, seq_len: int
@@ -151,9 +160,11 @@ def load_corpus(data: str | os.PathLike | None = None, *, val_fraction: float = 
         raise _fail("val_fraction", val_fraction, "a float in (0, 1)")
     source, docs, where = _documents(data)
     files = [n for n, _ in docs]
-    content = hashlib.sha256()
+    content, digests = hashlib.sha256(), []
     for name, blob in docs:
-        content.update(hashlib.sha256(name.encode()).digest() + hashlib.sha256(blob).digest())
+        digests.append(hashlib.sha256(blob).digest())
+        content.update(hashlib.sha256(name.encode()).digest() + digests[-1])
+    few = len(files) <= SHOWN_NAMES[0] and sum(map(len, files)) <= SHOWN_NAMES[1]
     if len(docs) < MIN_DOCS:  # too few names to split: cut into named pieces
         docs = [
             (f"{n}#{i}", blob[at : at + PIECE_BYTES])
@@ -180,7 +191,9 @@ def load_corpus(data: str | os.PathLike | None = None, *, val_fraction: float = 
         "source": source,
         "location": where,
         "files": len(files),
+        "names": files if few else None,
         "file_list_sha256": hashlib.sha256("\n".join(files).encode()).hexdigest(),
+        "text_sha256": hashlib.sha256(b"".join(sorted(digests))).hexdigest(),
         "content_sha256": content.hexdigest(),
         "bytes": sum(len(b) for _, b in docs),
         "train_documents": len(train_docs),

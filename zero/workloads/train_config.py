@@ -18,7 +18,7 @@ from reference.optim import Hyper
 
 from .. import checkpoint
 from ..checkpoint import lock, read_manifest
-from ..checkpoint.commit import remove_temps
+from ..checkpoint.leftovers import remove_leftovers
 from ..common import cli
 from ..config import STAGES, TORCH_DTYPES, ZeroConfig, decay_matrices_only
 from ..optim.plain import TORCH_OPTIMIZERS
@@ -261,21 +261,22 @@ OUT_TEMP = re.compile(r"\.(train_log\.json|loss_curve\.png)\.[a-z0-9_]{8}\.tmp")
 
 
 def claim(cfg: TrainConfig) -> tuple[Path, Path | None]:
-    """Before any work: lock OUT, remove the temp files killed writers left there (the lock's
-    holder is OUT's only writer: [Note: leftover temp files]), check what --resume would load.
-    Returns (the lock's path, the step directory to resume from or None)."""
+    """Before any work: lock OUT, remove what killed writers left there (the lock's holder is
+    OUT's only writer, and no rank has started: [Note: leftover temp files], [Note: crash
+    leftovers]), check what --resume would load. Returns (the lock's path, the step directory
+    to resume from or None)."""
     held = lock.acquire(cfg.out, say=lambda line: print(line, file=sys.stderr, flush=True))
     out = Path(cfg.out)
     latest = out / "ckpt" / "latest"
     try:
-        gone = remove_temps(out / "ckpt")
+        gone = remove_leftovers(out / "ckpt")  # before resume_point: never a checkpoint anyway
         for f in out.iterdir():
             if OUT_TEMP.fullmatch(f.name) and (f.is_file() or f.is_symlink()):
                 f.unlink()
-                gone.append(f)
+                gone.append((f, "a temp file"))
         if gone:
-            names = ", ".join(str(f.relative_to(out)) for f in gone)
-            print(f"note: removed temp files a stopped run left in {out}: {names}", file=sys.stderr)
+            names = ", ".join(f"{f.relative_to(out)} ({what})" for f, what in gone)
+            print(f"note: removed what a stopped run left in {out}: {names}", file=sys.stderr)
         step_dir = resume_point(cfg)
         resuming = step_dir is not None
         if os.path.lexists(latest) and (latest.is_symlink() or not latest.is_file()):
@@ -312,12 +313,11 @@ evaluation, checkpoint and log cadence, --out, --timeout."""
 
 def run_identity(cfg: TrainConfig, world_size: int, fingerprint: dict) -> dict:
     """RUN_IDENTITY's values for this run at world size N (M defaults to N_d = N/mp); the data
-    by its content (fingerprint: zero/workloads/data.py), not by where it lies."""
+    by its names and content (data_identity), not by where it lies."""
     z = cfg.zero
-    fp = fingerprint
-    data = f"{fp['files']} files, {fp['bytes']} bytes, sha256 {fp['content_sha256'][:16]}"
     return {
-        "seed": cfg.seed, "data": data, "val_fraction": cfg.val_fraction, "model": cfg.model,
+        "seed": cfg.seed, "data": data_identity(fingerprint), "val_fraction": cfg.val_fraction,
+        "model": cfg.model,
         "mp": cfg.mp, "micro_batches": cfg.micro_batches or world_size // cfg.mp, "lr": cfg.lr,
         "weight_decay": cfg.weight_decay, "precision": z.precision,
         "reduce_dtype": z.reduce_dtype, "deterministic": z.deterministic,
@@ -326,22 +326,76 @@ def run_identity(cfg: TrainConfig, world_size: int, fingerprint: dict) -> dict:
     }  # fmt: skip
 
 
+def data_identity(fp: dict) -> dict:
+    """The data's part of the run's identity, from its fingerprint (zero/workloads/data.py):
+    counts, the names (when few), and 16 hex digits of the sha256 of the names, of the contents
+    alone and of both together (the one hash of the identity's old form, _old_data)."""
+    return {
+        "files": fp["files"], "bytes": fp["bytes"], "names": fp.get("names"),
+        "names_sha256": fp["file_list_sha256"][:16], "text_sha256": fp["text_sha256"][:16],
+        "sha256": fp["content_sha256"][:16],
+    }  # fmt: skip
+
+
+def _old_data(d: dict) -> str:
+    """The data identity as checkpoints recorded it before names and contents were told apart."""
+    return f"{d['files']} files, {d['bytes']} bytes, sha256 {d['sha256']}"
+
+
+def data_difference(saved, now) -> str | None:
+    """What differs between two data identities (data_identity): the file names, the content
+    (the files' contents whatever their names) or both, or which name has which content; in
+    words, None where either is not of that form."""
+    keys = ("files", "bytes", "names_sha256", "text_sha256")
+    if not all(isinstance(d, dict) and all(k in d for k in keys) for d in (saved, now)):
+        return None
+    names = saved["names_sha256"] != now["names_sha256"]
+    text = saved["text_sha256"] != now["text_sha256"]
+    if isinstance(saved.get("names"), list) and isinstance(now.get("names"), list):
+        both = f"saved {saved['names']}, now {now['names']}"
+    else:
+        both = (f"saved {saved['files']} names, sha256 {saved['names_sha256']}, now "
+                f"{now['files']} names, sha256 {now['names_sha256']}")  # fmt: skip
+    said = [f"the file names differ: {both}"] if names else []
+    if text:
+        said.append(
+            f"the content differs: saved {saved['bytes']} bytes, sha256 {saved['text_sha256']}, "
+            f"now {now['bytes']} bytes, sha256 {now['text_sha256']}"
+        )
+    if said:
+        same = "the file names are the same" if not names else "the content is the same"
+        tail = "" if names and text else f", and {same}"
+        why = " (the validation split is drawn by name)" if names and not text else ""
+        return ", and ".join(said) + tail + why
+    if saved.get("sha256") != now.get("sha256"):
+        return "the same file names and contents, but another content under some name"
+    return None
+
+
 def run_changes(saved, now: dict) -> list[dict]:
     """[{field, saved, now}] for each identity field whose value differs from the saved one
-    (a checkpoint without an identity, from before it was recorded, compares as unchanged)."""
+    (a checkpoint without an identity, from before it was recorded, compares as unchanged), the
+    data's with `why` (data_difference). A checkpoint's data in the old form (a string) is
+    compared with this data in that form."""
     if not isinstance(saved, dict):
         return []
-    return [
-        {"field": k, "saved": saved.get(k), "now": now[k]}
-        for k in RUN_IDENTITY
-        if k in now and saved.get(k) != now[k]
-    ]
+    out = []
+    for k in (k for k in RUN_IDENTITY if k in now):
+        was, new = saved.get(k), now[k]
+        if k == "data" and isinstance(was, str) and isinstance(new, dict):
+            new = _old_data(new)
+        if was != new:
+            why = data_difference(was, new) if k == "data" else None
+            out.append({"field": k, "saved": was, "now": new, **({"why": why} if why else {})})
+    return out
 
 
 def describe(changes: list[dict]) -> str:
-    """'--seed: saved 0, now 1; --data: saved ..., now ...'"""
+    """'--seed: saved 0, now 1; --data: the file names differ: ...'"""
     return "; ".join(
-        f"--{c['field'].replace('_', '-')}: saved {c['saved']!r}, now {c['now']!r}" for c in changes
+        f"--{c['field'].replace('_', '-')}: "
+        + (c["why"] if c.get("why") else f"saved {c['saved']!r}, now {c['now']!r}")
+        for c in changes
     )
 
 
