@@ -216,7 +216,7 @@ def ranks_rows() -> list[Refusal]:
         ("ranks/local", "a rank's result that does not pickle",
          lambda: spawn(_unpicklable, 1, timeout_s=60), RankError, "pickle"),
         ("ranks/local", "a rank that exits without a word", lambda: spawn(_silent, 1, timeout_s=60),
-         RankError, "rank 0: its process exited (code 3) without reporting"),
+         RankError, "rank 0: its process ended without reporting: exit code 3"),
         ("ranks/local", "a rank past its deadline",
          lambda: spawn(_slow, 1, timeout_s=60, deadline_s=0.5), TimeoutError,
          "spawn: ranks [0] of 1 did not report within 0.5 s; all ranks were killed"),

@@ -33,7 +33,7 @@ from reference.tree import tree_sum
 from .common.traffic import KEEP_STEPS as KEEP_STEPS  # re-exported with the counter
 from .common.traffic import CommCounter as CommCounter  # every collective records into it
 from .common.traffic import CommRecord as CommRecord
-from .ranks.watchdog import guard
+from .ranks.watchdog import guard, wait
 
 # torch 2.13 renamed the flat collectives; 2.6-2.11 only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -53,8 +53,7 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if self._record.end is None:
             if self._work is not None:
-                with guard(self._record, self._group):  # a failure names whom to blame
-                    self._work.wait()
+                wait(self._work, self._record, self._group)  # a failure names whom to blame
             self._result = self._finish()
             self._record.end = time.perf_counter()
             self._keep = ()
@@ -86,10 +85,11 @@ def count_call(counter: CommCounter, op: str, elements: int, padding: int, like,
     )
 
 
-def _launch(fn, *args, group, async_op, rec, **kwargs):
+def launch(fn, *args, group, async_op, rec, **kwargs):
+    """Launch fn; async_op False: also wait for it, watched (zero/ranks/watchdog.py's wait)."""
     with guard(rec, group):
-        work = fn(*args, group=group, async_op=async_op, **kwargs)
-    return work if async_op else None
+        work = fn(*args, group=group, async_op=True, **kwargs)
+    return work if async_op else wait(work, rec, group)
 
 
 def reduce_scatter_tree(
@@ -106,7 +106,7 @@ def reduce_scatter_tree(
     if n == 1:
         return Pending(None, lambda: flat.clone(), rec)
     recv = torch.empty_like(flat)
-    work = _launch(dist.all_to_all_single, recv, flat, group=group, async_op=async_op, rec=rec)
+    work = launch(dist.all_to_all_single, recv, flat, group=group, async_op=async_op, rec=rec)
     finish = lambda: tree_sum(list(recv.view(n, shard).unbind(0)))  # noqa: E731
     return Pending(work, finish, rec, (flat,), group)
 
@@ -121,7 +121,7 @@ def reduce_scatter_fast(
     out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
     if n == 1:
         return Pending(None, lambda: out.copy_(flat), rec)
-    work = _launch(_reduce_scatter_flat, out, flat, group=group, async_op=async_op, rec=rec)
+    work = launch(_reduce_scatter_flat, out, flat, group=group, async_op=async_op, rec=rec)
     return Pending(work, lambda: out, rec, (flat,), group)
 
 
@@ -134,7 +134,7 @@ def all_reduce_sum(
     rec = count_call(counter, "all_reduce", 2 * (n - 1) * shard, padding, flat, **tag)
     if n == 1:
         return Pending(None, lambda: flat, rec)
-    work = _launch(dist.all_reduce, flat, group=group, async_op=async_op, rec=rec)
+    work = launch(dist.all_reduce, flat, group=group, async_op=async_op, rec=rec)
     return Pending(work, lambda: flat, rec, (), group)
 
 
@@ -163,7 +163,7 @@ def all_gather(
         if not async_op:
             pending.wait()
         return pending
-    work = _launch(all_gather_flat, out, shard, group=group, async_op=async_op, rec=rec)
+    work = launch(all_gather_flat, out, shard, group=group, async_op=async_op, rec=rec)
     return Pending(work, lambda: out, rec, (shard,), group)
 
 
@@ -197,9 +197,9 @@ class _Works:
     def __init__(self, works):
         self.works = works
 
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> None:
         for w in self.works:
-            w.wait()
+            w.wait(**({} if timeout is None else {"timeout": timeout}))
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)

@@ -189,8 +189,8 @@ def gather_control(
     if n == 1:
         out[0].copy_(values)
     else:
-        with C.guard(rec, group):
-            C.all_gather_flat(out.view(-1), values.reshape(-1).contiguous(), group=group)
+        mine = values.reshape(-1).contiguous()
+        C.launch(C.all_gather_flat, out.view(-1), mine, group=group, async_op=False, rec=rec)
     rec.end = time.perf_counter()
     return out
 
@@ -210,8 +210,8 @@ def broadcast_control(tensors, *, group, counter: C.CommCounter, phase: str = "b
             counter, "broadcast", elements, 0, flat, phase=phase, kind="control", unit=None
         )
         if n > 1:
-            with C.guard(rec, group):
-                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+            src = dist.get_global_rank(group, 0)
+            C.launch(dist.broadcast, flat, src=src, group=group, async_op=False, rec=rec)
             at = 0
             with torch.no_grad():
                 for t in ts:

@@ -223,14 +223,14 @@ def test_memory_report_equals_the_analytic_model(stage, precision, reduce_dtype,
 def bits_with_delays(rank, n, stage, delayed):
     """Two steps with overlap on; with delayed=True every collective launch sleeps 0-20 ms,
     a different amount on every rank, so completion order and interleaving change."""
-    original = collectives._launch
+    original = collectives.launch
     rng = random.Random(1234 + rank)
 
     def late(*a, **kw):
         time.sleep(rng.uniform(0, 0.02))
         return original(*a, **kw)
 
-    with patched(collectives, **({"_launch": late} if delayed else {})):
+    with patched(collectives, **({"launch": late} if delayed else {})):
         model, eng = mlp_engine(stage, n, 2, precision="bf16", overlap=True)
         for step in range(2):
             one_step(eng, model, rank, n, 2, step)

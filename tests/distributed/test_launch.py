@@ -121,7 +121,7 @@ def test_spawn_raises_rank_error_naming_the_rank():
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_spawn_reports_a_rank_that_dies_silently():
-    with pytest.raises(RankError, match=r"rank 1 failed:\n.*exited \(code 3\)"):
+    with pytest.raises(RankError, match=r"rank 1 failed:\n.*ended without reporting: exit code 3"):
         spawn(exit_on, 2, 1, timeout_s=30)
 
 

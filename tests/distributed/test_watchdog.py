@@ -171,12 +171,15 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
 @pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_under_torchrun_the_stopped_rank_is_blamed(tmp_path):
-    """SIGSTOP rank 1 of a torchrun world mid-training: the error torchrun relays names rank 1
-    (before the watchdog, rank 0 was blamed, after the one-hour default timeout)."""
+    """SIGSTOP rank 1 of a torchrun world mid-training, at the default collective timeout: the
+    error torchrun relays names rank 1, in seconds (before the watchdog, rank 0 was blamed, after
+    the timeout; before heartbeats were read during a wait, rank 1 was named at the timeout)."""
     import shutil
     import subprocess
     import sys
     from pathlib import Path
+
+    from zero.ranks.watchdog import SLICE_S, STOPPED_S
 
     repo = Path(__file__).resolve().parents[2]
     corpus = tmp_path / "corpus.txt"
@@ -184,7 +187,7 @@ def test_under_torchrun_the_stopped_rank_is_blamed(tmp_path):
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     args = ["--model", "tiny", "--eval-every", "0", "--ckpt-every", "0", "--log-every", "1"]
-    args += ["--steps", "100000", "--timeout", str(TIMEOUT_S), "--data", str(corpus)]
+    args += ["--steps", "100000", "--data", str(corpus)]  # the default timeout, 600 s
     args += ["--out", str(tmp_path / "run")]
     log = tmp_path / "torchrun.log"
     with open(log, "w") as sink:
@@ -225,7 +228,7 @@ def test_under_torchrun_the_stopped_rank_is_blamed(tmp_path):
     assert proc.returncode != 0
     assert blamed(rest) == {1}, rest[-3000:]
     assert "stopped" in rest
-    assert took < TIMEOUT_S + 10, took  # the timeout, the heartbeat survey, and slack
+    assert took < STOPPED_S + SLICE_S + 10, took  # the bound, and a loaded machine's slack
 
 
 @pytest.mark.dist
@@ -289,3 +292,65 @@ def _planted_majority(rank, n, cell):
         return watchdog_cells.diverge(rank, n, cell)
     finally:
         watchdog._odd_ones = real
+
+
+# --- a stopped rank named in seconds, a slow one never ([Note: a stopped rank named in seconds]) --
+
+
+def stop_after_two_steps(rank, n, mark):
+    """Two clean steps; then rank 1 notes the time and stops itself, the others step on."""
+    model, eng = mlp_engine(2, n, 2)
+    for step in range(2):
+        one_step(eng, model, rank, n, 2, step)
+    if rank == 1:
+        with open(mark, "w") as f:
+            f.write(repr(time.monotonic()))  # CLOCK_MONOTONIC: one clock for the whole host
+        os.kill(os.getpid(), signal.SIGSTOP)
+    one_step(eng, model, rank, n, 2, 2)
+    return "done"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_is_named_in_seconds_at_the_default_timeout(tmp_path):
+    """At the default collective timeout (600 s), a rank stopped by SIGSTOP is named once its
+    heartbeat has been silent for STOPPED_S and a wait slice has ended: seconds, not minutes.
+    Before, the error came at the timeout."""
+    from zero.ranks.watchdog import SLICE_S, STOPPED_S
+
+    mark = tmp_path / "stopped_at"
+    with pytest.raises(RankError) as info:
+        spawn(stop_after_two_steps, 2, str(mark), timeout_s=600, deadline_s=None)
+    took = time.monotonic() - float(mark.read_text())
+    text = str(info.value)
+    assert blamed(text) == {1}, text
+    assert "its process is stopped" in text and "heartbeat has not advanced" in text
+    # the bound: STOPPED_S of silence, one slice, one step's collective; 10 s for a loaded
+    # machine's scheduling, still 50x below the timeout that named it before
+    assert took < STOPPED_S + SLICE_S + 10, took
+
+
+def slow_rank(rank, n, seconds):
+    """Rank 1 computes for `seconds` (half in torch, half in Python bytecode, which holds the
+    interpreter between switches) while the others wait for it in the step's collectives."""
+    model, eng = mlp_engine(2, n, 2)
+    one_step(eng, model, rank, n, 2, 0)
+    if rank == 1:
+        end, x = time.monotonic() + seconds / 2, torch.randn(256, 256)
+        while time.monotonic() < end:
+            x = torch.tanh(x @ x)
+        end, k = time.monotonic() + seconds / 2, 0
+        while time.monotonic() < end:
+            k += 1
+    one_step(eng, model, rank, n, 2, 1)
+    return "done"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_slow_rank_is_never_named():
+    """A rank that computes for longer than SILENT_S, the longest bound, is not blamed: its
+    heartbeat thread beats on while it works, so its peers wait as long as it takes."""
+    from zero.ranks.watchdog import SILENT_S
+
+    assert spawn(slow_rank, 2, SILENT_S + 2, timeout_s=600, deadline_s=None) == ["done"] * 2

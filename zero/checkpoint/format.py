@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..ranks.watchdog import guard
+from ..ranks.watchdog import broadcast_object, gather_objects
 from .mpformat import validate_mp, views
 from .validate import Invalid, check_gaps, validate_manifest
 
@@ -228,21 +228,14 @@ def _all_gather(engine, obj) -> list:
     group, size, _ = scope(engine)
     if size == 1:
         return [obj]
-    out: list = [None] * size
-    with guard(None, group):  # a failure names whom to blame (zero/ranks/watchdog.py)
-        dist.all_gather_object(out, obj, group=group)
-    return out
+    return gather_objects(obj, group)  # a failure names whom to blame (zero/ranks/watchdog.py)
 
 
 def _broadcast(engine, obj):
     group, size, _ = scope(engine)
     if size == 1:
         return obj
-    box = [obj]
-    src = dist.get_global_rank(group, 0)
-    with guard(None, group):
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    return broadcast_object(obj, group)
 
 
 def _agree(engine, error: BaseException | None, what: str, on_failure=None) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -182,17 +183,42 @@ def run(main, prog: str, argv=None, *, refuse=(ValueError,)):
         code = main(argv)
     except refuse as exc:
         print(f"{prog}: error: {error_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+        _exit(2)
     except KeyboardInterrupt as exc:
         status = getattr(exc, "exit_status", 130)
         # on a line of its own: a progress bar or a terminal's ^C may have left one unfinished
         print(f"\n{prog}: {error_line(exc) or 'interrupted (SIGINT)'}", file=sys.stderr)
-        sys.exit(status)
+        _exit(status)
     except Exception as exc:
         _say_whom_to_blame(exc, prog)
-        raise
+        if not _stranded():
+            raise
+        sys.excepthook(*sys.exc_info())  # the traceback, and torchrun's error files
+        _exit(1)
     _leave_world()
-    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+    _exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+
+def _stranded() -> bool:
+    watchdog = sys.modules.get("zero.ranks.watchdog")
+    return watchdog is not None and watchdog.stranded()
+
+
+def _exit(code: int):
+    """sys.exit(code); but where a collective is left in flight for a peer named as stopped
+    ([Note: a stopped rank named in seconds] in zero/ranks/watchdog.py), the interpreter's own
+    exit would wait for that peer in gloo's teardown: then the exit handlers run (the disk
+    tier's state files go, the heartbeat says why), the output is flushed, and the process ends
+    at once."""
+    if not _stranded():
+        sys.exit(code)
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _leave_world() -> None:
@@ -213,6 +239,13 @@ def _say_whom_to_blame(exc: BaseException, prog: str) -> None:
     if not lines:
         return
     print(f"{prog}: error: {lines[0].strip()}", file=sys.stderr)
+    record_for_torchrun(exc)
+
+
+def record_for_torchrun(exc: BaseException) -> None:
+    """Under torchrun: `exc` into this rank's error file, and the watchdog's report into the
+    files of the ranks it blames (zero.ranks.launch.record_blamed), whose first failure
+    torchrun's summary names. Nothing outside torchrun; never raises."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         try:
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler

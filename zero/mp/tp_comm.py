@@ -31,8 +31,7 @@ import torch.distributed as dist
 
 from reference.tree import tree_sum
 
-from ..collectives import CommCounter, Pending, all_gather, count_call
-from ..ranks.watchdog import guard
+from ..collectives import CommCounter, Pending, all_gather, count_call, launch
 
 KIND = "mp"
 """The counter kind of every tensor-parallel collective ([Note: mp traffic kind])."""
@@ -87,8 +86,7 @@ def reduce_sum(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
     out = x.clone()
     rec = count_call(ctx.counter, "all_reduce", _ring(n, x), 0, x, **tag)
     if n > 1:
-        with guard(rec, ctx.group):  # a failure names whom to blame (zero/ranks/watchdog.py)
-            dist.all_reduce(out, group=ctx.group)
+        launch(dist.all_reduce, out, group=ctx.group, async_op=False, rec=rec)  # watched
     return Pending(None, lambda: out, rec).wait()
 
 
@@ -99,8 +97,7 @@ def reduce_max(x: torch.Tensor, *, ctx: MPContext, phase: str) -> torch.Tensor:
         ctx.counter, "all_reduce", _ring(ctx.size, out), 0, out, phase=phase, kind=KIND, unit=None
     )
     if ctx.size > 1:
-        with guard(rec, ctx.group):
-            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ctx.group)
+        launch(dist.all_reduce, out, op=dist.ReduceOp.MAX, group=ctx.group, async_op=False, rec=rec)
     return Pending(None, lambda: out, rec).wait()
 
 

@@ -108,6 +108,7 @@ class Beacon:
         self.waiting = None  # the record of the collective being waited in
         self.call = ""  # the last engine call (zero/ranks/watchdog.py's boundaries)
         self.note = ""  # why, for state "failed" or "left"
+        self._seen: dict[int, tuple] = {}  # peer -> ((pid, beats) last read, when first read)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="zero-heartbeat", daemon=True)
@@ -148,6 +149,22 @@ class Beacon:
             return None if text is None else json.loads(text)
         except Exception:
             return None
+
+    def silence(self, rank: int) -> tuple[dict | None, float]:
+        """(rank's record, seconds on this rank's clock since its beat counter last changed);
+        (None, 0.0) while it has published nothing. Called by the main thread only: a counter
+        seen equal at two readings did not advance in between (it only grows), so the time
+        since its first reading is a lower bound of its silence, and a rank restarted under
+        another pid counts as changed."""
+        record, now = self.read(rank), time.monotonic()
+        if record is None:
+            return None, 0.0
+        key = (record.get("pid"), record.get("beats"))
+        first = self._seen.get(rank)
+        if first is None or first[0] != key:
+            self._seen[rank] = (key, now)
+            return record, 0.0
+        return record, now - first[1]
 
     def stop(self) -> None:
         self._stop.set()

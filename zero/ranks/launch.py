@@ -255,7 +255,7 @@ def leave_world(*, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
     lets no rank close its connections while a peer still reads from them.
     """
     check_timeout(timeout_s)
-    if not dist.is_initialized():
+    if not dist.is_initialized() or watchdog.stranded():  # a peer was named as stopped
         return False
     try:  # the barrier is the watchdog's last exchange: a rank leaving early is named
         watchdog.leave("its entry point returned", timeout_s=timeout_s)

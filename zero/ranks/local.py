@@ -39,7 +39,16 @@ from .launch import (
     resolve_device,
 )
 from .signals import Interrupted as Interrupted  # re-exported: what spawn may raise
-from .signals import Janitor, SignalGuard, before_fork, close_fds, guard_child, stopped_by_signal
+from .signals import (
+    Janitor,
+    SignalGuard,
+    before_fork,
+    close_fds,
+    guard_child,
+    how_it_ended,
+    oom_kills,
+    stopped_by_signal,
+)
 
 _STOP = b"stop"
 """Sent to a worker instead of a pickled task: leave the loop (a pickle never equals it)."""
@@ -78,7 +87,7 @@ def _child_setup(rank, world_size: int, store_dir: str, backend: str, device: st
 def _leave() -> None:
     # fn may have destroyed the group itself, or broken it; leaving must not raise either way.
     try:
-        if dist.is_initialized():
+        if dist.is_initialized() and not watchdog.stranded():
             dist.destroy_process_group()
     except Exception:
         pass
@@ -181,17 +190,16 @@ def _start(ctx, target, world_size: int, make_args) -> tuple[list, list[Connecti
     return procs, [parent_end for parent_end, _ in pipes]
 
 
-def _silent_exit(proc, rank: int) -> str:
-    how = f"code {proc.exitcode}"
-    if proc.exitcode is not None and proc.exitcode < 0:
-        how = f"signal {-proc.exitcode}"
-    return watchdog.blame_line([rank], f"its process exited ({how}) without reporting")
+def _silent_exit(proc, rank: int, oom_before: int | None = None) -> str:
+    how = how_it_ended(proc.exitcode, oom_before)
+    return watchdog.blame_line([rank], f"its process ended without reporting: {how}")
 
 
-def _collect(procs, conns, ranks, timeout_s: float | None, *, what: str) -> list:
+def _collect(procs, conns, ranks, timeout_s: float | None, *, what: str, oom=None) -> list:
     """Wait for one message from each of ``ranks``; return the payloads in rank order.
 
-    Raises RankError on the first error (or on a rank that died without a word) and TimeoutError
+    Raises RankError on the first error (or on a rank that died without a word: how it ended,
+    with the kernel's out-of-memory kills since `oom`, oom_kills() at the start) and TimeoutError
     naming the silent ranks once ``timeout_s`` has passed. The caller cleans up either way.
     """
     results: dict[int, object] = {}
@@ -221,11 +229,11 @@ def _collect(procs, conns, ranks, timeout_s: float | None, *, what: str) -> list
                     status, payload = conn.recv()
                 except EOFError:
                     proc.join(1.0)  # closed its end: it is exiting; learn the code
-                    status, payload = "error", _silent_exit(proc, rank)
+                    status, payload = "error", _silent_exit(proc, rank, oom)
                 except Exception:  # a result that does not unpickle here
                     status, payload = "error", traceback.format_exc()
             elif not proc.is_alive():
-                status, payload = "error", _silent_exit(proc, rank)
+                status, payload = "error", _silent_exit(proc, rank, oom)
             else:
                 continue
             pending.discard(rank)
@@ -283,7 +291,7 @@ def spawn(
         deadline_s = timeout_s
     elif deadline_s is not None:
         check_timeout(deadline_s, "deadline_s")
-    ctx = mp.get_context("fork")
+    ctx, oom = mp.get_context("fork"), oom_kills()
     # Signals wait (recorded, not raised) until every process is started and the janitor
     # knows them, and again during the cleanup: see zero/ranks/signals.py.
     with SignalGuard() as guard, tempfile.TemporaryDirectory(prefix="zero-spawn-") as store_dir:
@@ -297,7 +305,7 @@ def spawn(
         ok = False
         try:
             guard.arm()
-            results = _collect(procs, conns, range(world_size), deadline_s, what="spawn")
+            results = _collect(procs, conns, range(world_size), deadline_s, what="spawn", oom=oom)
             ok = True
         finally:
             guard.disarm()
@@ -392,7 +400,9 @@ class WorkerPool:
                 for conn in self._conns:
                     conn.send_bytes(task)
                 ranks = range(self.world_size)
-                return _collect(self._procs, self._conns, ranks, timeout_s, what=repr(self))
+                return _collect(
+                    self._procs, self._conns, ranks, timeout_s, what=repr(self), oom=oom_kills()
+                )
             except BaseException as exc:
                 guard.disarm()
                 self._break(f"{type(exc).__name__} in {getattr(fn, '__name__', fn)!s}")

@@ -144,6 +144,44 @@ def stopped_by_signal(pid: int) -> bool:
     return state in (b"T", b"t")
 
 
+def oom_kills() -> int | None:
+    """The kernel's count of processes its out-of-memory killer has killed (oom_kill in
+    /proc/vmstat, Linux 4.13 on); None where it cannot be read."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def how_it_ended(exitcode: int | None, oom_before: int | None) -> str:
+    """A rank's end as people read it: 'exit code 3', or 'signal 9 (SIGKILL)' with, for SIGKILL,
+    whether the kernel's out-of-memory killer is the likely cause: it killed a process since
+    `oom_before` (oom_kills() when the ranks started), or nothing can tell."""
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    num = -exitcode
+    try:
+        name = signal.Signals(num).name
+    except ValueError:
+        name = "an unnamed signal"
+    text = f"signal {num} ({name})"
+    if num != signal.SIGKILL:
+        return text
+    now = oom_kills()
+    if now is None or oom_before is None:
+        return f"{text}, killed from outside or by the kernel when out of memory"
+    if now > oom_before:
+        return (
+            f"{text}, out of memory most likely (the kernel's out-of-memory killer has killed "
+            f"{now - oom_before} process(es) since the ranks started)"
+        )
+    return f"{text}, killed from outside (the kernel's out-of-memory killer killed none)"
+
+
 # ---------------------------------------------------------------------------------------------
 # In the launcher
 

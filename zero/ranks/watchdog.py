@@ -25,12 +25,25 @@ A rank that stops (SIGSTOP), dies, or leaves is found by heartbeats (zero/ranks/
 or timed-out collective (each waits at most the process group's timeout, the run's --timeout) asks
 every peer's beacon where it is and blames the ranks not responding, gone, or not yet there.
 Every error carries one line "watchdog blames rank R: why" that `blamed(text)` reads back.
+
+[Note: a stopped rank named in seconds] A rank that stops (SIGSTOP, a debugger, a hung machine)
+closes no connection, so its peers would wait in their next collective for the whole process
+group timeout (10 minutes by default). So every guarded wait (`wait`) waits in slices of
+SLICE_S, and after each slice reads the peers' heartbeats: a peer whose beat counter has not
+advanced for STOPPED_S (two heartbeat periods, on this rank's own clock) and whose process is
+stopped or gone on this host is named at once; a peer silent for SILENT_S whatever its state (on
+another host, where its process cannot be seen) is named too. A rank that is merely slow (a long
+compute, a long save) is never named: its heartbeat thread beats on while it works. So a
+stopped rank is named within STOPPED_S + SLICE_S of the later of its stop and its peers' arrival
+at the collective that waits for it (SILENT_S + SLICE_S across hosts), instead of at the timeout.
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 import re
+import time
 from collections import deque
 from datetime import timedelta
 
@@ -38,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from . import beacon
-from .beacon import describe
+from .beacon import BEAT_S, describe
 
 BLAME = "watchdog blames"
 
@@ -47,6 +60,17 @@ _BLAME_RE = re.compile(r"watchdog blames ranks? ([0-9]+(?:, [0-9]+)*)")
 CALLS = ("forward", "eval", "backward", "step", "save", "load", "gather", "leave", "collective")
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+SLICE_S = BEAT_S / 2
+"""A guarded wait reads its peers' heartbeats this often ([Note: a stopped rank named in
+seconds])."""
+STOPPED_S = 2 * BEAT_S
+"""A peer whose beat counter has not advanced for this long, and whose process is stopped or gone
+on this host, is named."""
+SILENT_S = 20 * BEAT_S
+"""A peer whose beat counter has not advanced for this long is named whatever its state: its
+heartbeat thread, which needs only the interpreter for a moment every BEAT_S, has missed 20 beats
+in a row."""
 
 RECENT = 256
 """Fingerprints each rank keeps to find where ranks went out of step ([Note: collective
@@ -157,7 +181,7 @@ class Watch:
         out = torch.empty(len(self.ranks), row.numel(), dtype=torch.int64, device=on)
         with guard(rec, self.group):
             work = _all_gather_flat(out.view(-1), row.to(on), group=side, async_op=True)
-            work.wait(**({} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}))
+        wait(work, rec, self.group, timeout_s=timeout_s)
         rows = out.tolist()
         if any(r != rows[0] for r in rows):
             raise self._disagreement(rows)
@@ -207,10 +231,8 @@ class Watch:
 
     def _trace(self) -> tuple[list[int], str]:
         """Equal calls, different hashes: find the first collective that differs."""
-        every: list = [None] * len(self.ranks)
-        with guard(None, self.group):  # on a CPU group: all_gather_object pickles on the host
-            mine = [(r.seq, describe(r)) for r in self.recent]
-            dist.all_gather_object(every, mine, group=self.boundary_group())
+        mine = [(r.seq, describe(r)) for r in self.recent]
+        every = gather_objects(mine, self.boundary_group())  # on a CPU group: pickled on the host
         seqs = sorted(set.intersection(*(set(s for s, _ in ring) for ring in every)))
         for s in seqs:
             descs = [dict(ring)[s] for ring in every]
@@ -260,8 +282,136 @@ class guard:
         raise explain(exc, self.rec, self.group) from exc
 
 
-def explain(exc: BaseException, rec, group) -> CollectiveError:
-    """Why a collective failed, from the peers' heartbeats ([Note: reading a silent rank])."""
+def wait(work, rec, group, *, timeout_s: float | None = None) -> None:
+    """work.wait() for a launched collective, inside guard(rec, group), reading the peers'
+    heartbeats every SLICE_S so that a stopped peer is named in seconds ([Note: a stopped rank
+    named in seconds]). timeout_s bounds the whole wait (None: the process group's timeout,
+    which fails the work itself). A slice that ends is a timed wait that gave up, not a failure:
+    the collective goes on (c10d's Work.wait(timeout) leaves the work running)."""
+    with guard(rec, group):
+        b = beacon.current()
+        if b is None:
+            work.wait(**({} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}))
+            return
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = SLICE_S if end is None else min(SLICE_S, end - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"no reply within {timeout_s:g} s")
+            try:
+                work.wait(timeout=timedelta(seconds=left))
+                return
+            except RuntimeError as exc:
+                if work.is_completed() or "timed out" not in str(exc).lower():
+                    raise  # the work's own outcome: it failed
+            _name_silent(b, rec, group, work)
+
+
+_STRANDED: list = []
+"""Collectives left in flight by a wait that named a stopped peer: they complete only when it
+goes, and until then gloo's teardown of the group (destroy_process_group, or the interpreter's
+exit) waits for them. So this process skips the teardown and ends at once (`stranded`)."""
+
+
+def stranded() -> bool:
+    """Whether a collective is left in flight, waiting for a peer named as stopped: the
+    process group cannot be left or destroyed without waiting for that peer, so the process
+    ends without it (zero.common.cli.run, zero.ranks.launch.leave_world)."""
+    return bool(_STRANDED)
+
+
+def _name_silent(b, rec, group, work=None) -> None:
+    """Raise the CollectiveError that names the peers of `group` that stopped beating, if any;
+    `work`, the collective waited for, is kept (_STRANDED)."""
+    group = dist.group.WORLD if group is None else group
+    me, views = dist.get_rank(), {}
+    for p in dist.get_process_group_ranks(group):
+        if p != me:
+            record, quiet = b.silence(p)
+            state = beacon.process_state(record) if record and quiet >= STOPPED_S else ""
+            views[p] = (record, quiet, state)
+    seen, why = judge_silence(views)
+    if why:
+        _STRANDED.append(work)
+        raise explain(TimeoutError("; ".join(why)), rec, group, seen=seen)
+
+
+def judge_silence(views: dict) -> tuple[dict, list[str]]:
+    """views {peer: (its record or None, seconds its counter has not advanced, its process
+    state here: 'stopped', 'gone' or '')} -> ({peer: (record, beating)} for explain, a reason
+    per peer named): silent for STOPPED_S and stopped or gone here, or for SILENT_S whatever it
+    is ([Note: a stopped rank named in seconds]). A peer that published nothing is not named
+    here (it may be starting); the collective's timeout names it."""
+    seen, why = {}, []
+    for p, (record, quiet, state) in views.items():
+        named = record is not None and (
+            quiet >= SILENT_S or (quiet >= STOPPED_S and state in ("stopped", "gone"))
+        )
+        seen[p] = (record, not named)
+        if named:
+            how = f" (its process is {state})" if state else ""
+            why.append(f"rank {p}'s heartbeat has not advanced for {quiet:.1f} s{how}")
+    return seen, why
+
+
+def gather_objects(obj, group) -> list:
+    """dist.all_gather_object over `group`, its collectives waited by `wait`: every rank's
+    `obj` in group rank order (pickled; on a gloo group, on the host). Other backends: torch's
+    own, inside guard (their waits do not block the host, [Note: a stopped rank named in
+    seconds] is gloo's)."""
+    group = dist.group.WORLD if group is None else group
+    n = dist.get_world_size(group)
+    if dist.get_backend(group) != "gloo":
+        out: list = [None] * n
+        with guard(None, group):
+            dist.all_gather_object(out, obj, group=group)
+        return out
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = torch.empty(n, dtype=torch.int64)
+    with guard(None, group):
+        work = _all_gather_flat(sizes, torch.tensor([data.numel()]), group=group, async_op=True)
+    wait(work, None, group)
+    width = int(sizes.max())
+    mine, every = torch.zeros(width, dtype=torch.uint8), torch.empty(n * width, dtype=torch.uint8)
+    mine[: data.numel()] = data
+    with guard(None, group):
+        work = _all_gather_flat(every, mine, group=group, async_op=True)
+    wait(work, None, group)
+    rows = every.view(n, width)
+    return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(n)]
+
+
+def broadcast_object(obj, group, src: int = 0):
+    """Group rank `src`'s `obj` on every rank (dist.broadcast_object_list, its collectives waited
+    by `wait` on a gloo group; torch's own, inside guard, on others)."""
+    group = dist.group.WORLD if group is None else group
+    root = dist.get_global_rank(group, src)
+    if dist.get_backend(group) != "gloo":
+        box = [obj]
+        with guard(None, group):
+            dist.broadcast_object_list(box, src=root, group=group)
+        return box[0]
+    mine = dist.get_rank() == root
+    data = pickle.dumps(obj) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    _broadcast_waited(size, root, group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else None
+    buf = torch.empty(int(size), dtype=torch.uint8) if buf is None else buf
+    _broadcast_waited(buf, root, group)
+    return pickle.loads(buf.numpy().tobytes())
+
+
+def _broadcast_waited(t: torch.Tensor, root: int, group) -> None:
+    with guard(None, group):
+        work = dist.broadcast(t, src=root, group=group, async_op=True)
+    wait(work, None, group)
+
+
+def explain(exc: BaseException, rec, group, *, seen=None) -> CollectiveError:
+    """Why a collective failed, from the peers' heartbeats ([Note: reading a silent rank]).
+    seen: {peer: (its record, whether it is beating)} already read by a wait that named a
+    silent peer ([Note: a stopped rank named in seconds]); then a peer that beats but has not
+    reached the collective yet is on its way, not to blame."""
     me = dist.get_rank()
     what = "a collective" if rec is None else f"collective {describe(rec)}"
     head = f"rank {me} failed in {what}: {first_line(exc)}"
@@ -272,7 +422,8 @@ def explain(exc: BaseException, rec, group) -> CollectiveError:
     mine = getattr(rec, "seq", None) or getattr(b.launched, "seq", 0)
     peers = [p for p in dist.get_process_group_ranks(group) if p != me]
     blame, lines = [], []
-    for p, (record, moved) in beacon.survey(peers).items():
+    early, seen = seen is not None, beacon.survey(peers) if seen is None else seen
+    for p, (record, moved) in seen.items():
         if record is None:
             blame.append(p)
             lines.append(f"rank {p}: never published a heartbeat (did it start?)")
@@ -288,6 +439,8 @@ def explain(exc: BaseException, rec, group) -> CollectiveError:
             lines.append(f"rank {p}: not responding{how.get(state, '')}; {where}")
         elif record["state"] == "failed" or (record["waiting"] or [0])[0] >= mine:
             lines.append(f"rank {p}: also waiting or failed; {where}")
+        elif early:
+            lines.append(f"rank {p}: alive, not yet at collective #{mine}; {where}")
         else:
             blame.append(p)
             lines.append(f"rank {p}: alive but has not reached collective #{mine}; {where}")
@@ -318,7 +471,7 @@ def leave(note: str, *, timeout_s: float | None = None) -> None:
     if dist.get_backend() != "gloo":  # a new CPU group at teardown would cost more than it
         with guard(None, dist.group.WORLD):  # tells: a barrier, so none leaves mid-collective
             work = dist.barrier(async_op=True)
-            work.wait(**({} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}))
+        wait(work, None, dist.group.WORLD, timeout_s=timeout_s)
         return
     watch = Watch(dist.group.WORLD, per_step=None, mode="calls", counter=None)
     watch._check("leave", step=-1, micro=-1, timeout_s=timeout_s)

@@ -59,13 +59,14 @@ import torch.distributed as dist
 
 from .. import checkpoint
 from ..checkpoint import CheckpointError, lock
+from ..collectives import launch
 from ..common import cli
 from ..common.results import make_record, write_json
 from ..engine import StepResult, ZeroEngine
 from ..loop import train_steps
 from ..ranks.launch import RankError, init_from_env, leave_world, under_torchrun
 from ..ranks.local import spawn
-from ..ranks.watchdog import guard
+from ..ranks.watchdog import BLAME, CollectiveError, gather_objects, stranded
 from .data import Corpus, load_corpus
 from .history import FILE as HISTORY_FILE
 from .history import HistoryLog, Progress, after_failure, plot_losses
@@ -130,8 +131,8 @@ def evaluate(engine: ZeroEngine, corpus: Corpus, *, seed: int, batches: int, bat
         if i < batches:
             total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=engine.device)
     engine.train()
-    with guard(None, engine.group):  # a failure names whom to blame (zero/ranks/watchdog.py)
-        dist.all_reduce(total, group=engine.group)
+    if engine.world_size > 1:  # a failure, or a stopped peer, names whom to blame (watchdog)
+        launch(dist.all_reduce, total, group=engine.group, async_op=False, rec=None)
     return float(total[0] / total[1])
 
 
@@ -158,9 +159,7 @@ def master_sha256(engine: ZeroEngine) -> str:
         from ..mp import join_states
 
         ctx = engine.mp.ctx
-        parts: list = [None] * ctx.size
-        with guard(None, ctx.group):
-            dist.all_gather_object(parts, {k: v.cpu() for k, v in master.items()}, group=ctx.group)
+        parts = gather_objects({k: v.cpu() for k, v in master.items()}, ctx.group)
         master = join_states(parts, engine.module.cfg)
     return hashlib.sha256(
         b"".join(master[k].cpu().numpy().tobytes() for k in sorted(master))
@@ -173,7 +172,7 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, devic
     at: dict = {"step": None, "saved": None}  # the step running, the last checkpoint (_run's)
     try:
         return _run(rank, world_size, cfg, corpus, device, at)
-    except (FloatingPointError, OSError, CheckpointError, ValueError) as exc:
+    except (FloatingPointError, OSError, CheckpointError, ValueError, CollectiveError) as exc:
         fault = _fault(exc, cfg, at, traceback.format_exc())
         if fault is None:
             raise
@@ -189,6 +188,8 @@ def _fault(exc: Exception, cfg: TrainConfig, at: dict, detail: str) -> Exception
             return None
         return ResumeRefused(f"resume from {saved}: {exc}; nothing was run or removed", detail)
     left = f"the last checkpoint, {saved}, is intact" if saved else "no checkpoint was made"
+    if isinstance(exc, CollectiveError):  # a rank stopped, died or diverged: the blame line
+        return RunFault(f"step {n} of {cfg.steps}: {str(exc).splitlines()[0]}; {left}", detail)
     if isinstance(exc, FloatingPointError):
         return RunFault(
             f"step {n} of {cfg.steps}: non-finite gradient (the loss diverged) with --lr "
@@ -301,10 +302,7 @@ def _run(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, device, a
         if done % cfg.log_every == 0 or done == start + 1:
             memory[:] = [0] * world_size
             mine = sum(engine.memory_report().values())
-            every: list = [None] * world_size
-            with guard(None, dist.group.WORLD):  # every rank of the world, MP ones too
-                dist.all_gather_object(every, mine)
-            memory[:] = every
+            memory[:] = gather_objects(mine, dist.group.WORLD)  # every rank, MP ones too
         mem = "/".join(f"{b / 2**20:.1f}" for b in memory)
         progress.step(
             step,
@@ -369,6 +367,11 @@ def _tidy(cfg: TrainConfig, step_dir: Path | None, before: Path | None) -> None:
         ckpt.rmdir()  # only if empty
 
 
+def _left(cfg: TrainConfig) -> str:
+    now = _latest(cfg)
+    return f"the last checkpoint, {now}, is intact" if now else "no checkpoint was made"
+
+
 def _spawn(cfg: TrainConfig, step_dir: Path | None, corpus: Corpus):
     before = _latest(cfg)
     try:
@@ -378,7 +381,10 @@ def _spawn(cfg: TrainConfig, step_dir: Path | None, corpus: Corpus):
         if not found or found[-1][0] != "ResumeRefused":  # that one ran nothing: nothing to tidy
             _tidy(cfg, step_dir, before)
         if not found:
-            raise
+            line = next((x.strip() for x in str(exc).splitlines() if BLAME in x), None)
+            if line is None:  # a bug in a rank: its traceback
+                raise
+            raise RunFault(f"{line}; {_left(cfg)}", str(exc)) from None  # a rank that died
         kind, line = found[-1]
         raise (RunFault if kind == "RunFault" else ResumeRefused)(line, str(exc)) from None
 
@@ -420,7 +426,7 @@ def _under_torchrun(cfg: TrainConfig):
     finally:
         if held is not None:
             lock.release(held)
-        if not left and dist.is_initialized():
+        if not left and dist.is_initialized() and not stranded():  # else it would wait
             dist.destroy_process_group()
 
 
@@ -464,6 +470,7 @@ def cli_main(argv=None) -> int:
     except RunFault as exc:
         # on a line of its own: rank 0's progress bar may have left one unfinished
         print(f"\n{PROG}: error: {exc}", file=sys.stderr)
+        cli.record_for_torchrun(exc)  # torchrun's summary names the rank the watchdog blames
         return 1
     return 0
 
