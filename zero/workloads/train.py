@@ -14,13 +14,15 @@ Without a valid checkpoint there, `--resume` is refused (nothing runs, nothing i
 `--resume-if-present` starts afresh when OUT/ckpt is absent or empty. One run at a time per
 OUT: OUT/run.lock (zero/checkpoint/lock.py) refuses a second one before it does any work, and a
 stale lock (its holder killed) is cleared; temp files a killed run left are removed then too
-([Note: leftover temp files] in zero/checkpoint/commit.py). A checkpoint records the run's
+([Note: leftover temp files] and [Note: crash leftovers] in zero/checkpoint/commit.py). A checkpoint records the run's
 identity (train_config.RUN_IDENTITY: seed, data, model, M, precision, ...), and a resume that
 changes any of it is refused by name unless --allow-changed-run.
 
 Faults give one line, `python -m zero.workloads.train: error: ...`: a diverged loss or a full
-disk mid-run (exit 1, naming the step, the cause, the file, and the checkpoint left), a
-checkpoint --resume cannot load (exit 2, naming the file). `--debug` shows the full traceback
+disk mid-run, a rank that stopped (named within seconds, at any --timeout) or died (its signal,
+and "out of memory" where the kernel's OOM killer is the likely cause) (exit 1, naming the step,
+the cause or the rank, the file, and the checkpoint left), a checkpoint --resume cannot load
+(exit 2, naming the file). `--debug` shows the full traceback
 above it. A failed run leaves what its last checkpoint recorded: OUT/ckpt/history.jsonl is cut
 back to that checkpoint's mark, and a fresh run that committed none leaves no history file at all
 (nor an OUT it created, if empty).
