@@ -181,7 +181,7 @@ def table2_rows(payload: dict) -> list[list[str]]:
                 m.text,
                 f"{mine:.1f}B (estimated: memory model)",
                 f"{mine / m.billions:.3f}",
-                f"not measured: a 32 GB rank; {reason or 'not checked'}",
+                f"not measured: a 32 GB rank; {_why_not_measured(reason or 'not checked')}",
                 "–",
             ]
         )
