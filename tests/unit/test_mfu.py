@@ -18,10 +18,12 @@ from zero.workloads.models import GPT, gpt_microbatches
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_step_flops_equal_torchs_counter_on_the_bench_models(name):
     """One rank's micro-batch of each bench workload, counted by FlopCounterMode over forward and
-    backward (attention in the math backend, whose matmuls the counter sees)."""
+    backward (attention in the math backend, whose matmuls the counter sees). On the meta
+    device: the counter reads shapes only, and the large model's step costs no compute."""
     w = MODELS[name]
-    model = GPT(w.gpt, seed=0)
+    model = GPT(w.gpt, seed=0, device="meta")
     x, y = gpt_microbatches(w.gpt, seed=0, data_step=0, count=1, batch_size=w.batch_size)[0]
+    x, y = x.to("meta"), y.to("meta")
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         _, loss = model(x, y)
         loss.backward()
