@@ -22,6 +22,7 @@ with allowed values.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -58,9 +59,12 @@ def required_tuples(
 
 
 def _covered_by(row: Sequence[int], strength: int) -> set[Tuple_]:
-    return {
-        (ds, tuple(row[d] for d in ds)) for ds in itertools.combinations(range(len(row)), strength)
-    }
+    return {(ds, tuple(map(row.__getitem__, ds))) for ds in _combinations(len(row), strength)}
+
+
+@functools.cache
+def _combinations(k: int, strength: int) -> tuple:
+    return tuple(itertools.combinations(range(k), strength))
 
 
 def uncovered(
@@ -107,15 +111,16 @@ def covering_array(
             return True
         return allowed({names[d]: dims[names[d]][v] for d, v in assign.items()})
 
-    def gain(assign: dict[int, int], d: int, v: int) -> int:
-        """Uncovered tuples that d = v completes together with the values already assigned."""
-        others = sorted(assign)
-        count = 0
-        for rest in itertools.combinations(others, strength - 1):
+    def gains(assign: dict[int, int], d: int, options: list[int]) -> list[int]:
+        """For each v of options: the uncovered tuples that d = v completes together with the
+        values already assigned (each tuple's dimensions in order, d's place kept open)."""
+        keys = []
+        for rest in itertools.combinations(sorted(assign), strength - 1):
             ds = tuple(sorted((*rest, d)))
-            vs = tuple(v if x == d else assign[x] for x in ds)
-            count += (ds, vs) in todo
-        return count
+            at = ds.index(d)
+            vals = tuple(assign[x] for x in ds if x != d)
+            keys.append((ds, vals[:at], vals[at:]))
+        return [sum((ds, (*a, v, *b)) in todo for ds, a, b in keys) for v in options]
 
     rows: list[Row] = []
     while todo:
@@ -137,7 +142,7 @@ def covering_array(
                 if not options:
                     dead = True
                     break
-                scores = [gain(assign, d, v) for v in options]
+                scores = gains(assign, d, options)
                 top = max(scores)
                 assign[d] = rng.choice([v for v, s in zip(options, scores) if s == top])
             if dead:
