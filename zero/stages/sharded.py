@@ -29,17 +29,34 @@ _METADATA = frozenset(
 )
 
 
+_VIEWS = frozenset("data T mT H mH real imag".split())
+"""The tensor properties that hand out a tensor over the same storage."""
+
+
 def _reads_values(func) -> bool:
-    """Whether a torch function needs the tensor's values (tensor properties do not, but
-    `.data` hands out a plain tensor over the same storage, so it counts)."""
+    """Whether a torch function needs the tensor's values (tensor properties do not, but those
+    of _VIEWS hand out a tensor over the same storage, so they count)."""
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__"):
-        return getattr(getattr(func, "__self__", None), "__name__", "") == "data"
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _VIEWS
     return name not in _METADATA and not name.startswith("register_")  # hooks touch no values
 
 
 class Stage3Parameter(nn.Parameter):
     """A stage-3 unit's parameter: its values exist only while the unit is gathered."""
+
+    def __deepcopy__(self, memo):
+        """A plain Parameter with the values: read, so refused by name while sharded."""
+        memo[id(self)] = out = nn.Parameter(self.detach().clone(), self.requires_grad)
+        return out
+
+    def __repr__(self, **_):
+        """nn.Parameter's text (the values read: refused by name while sharded)."""
+        return "Parameter containing:\n" + repr(self.detach().requires_grad_(self.requires_grad))
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (torch.save too) as a plain Parameter with the values, as __deepcopy__."""
+        return nn.Parameter, (self.detach().clone(), self.requires_grad)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
