@@ -11,7 +11,8 @@ entries, in the same order. A checkpoint of the older kind (the history inside i
 still read.
 
 Also here: what rank 0 shows of the history as the run goes, a progress bar (Progress) and the
-loss curve (plot_losses), and how a failed run leaves the file (after_failure)."""
+loss curve (plot_losses), and how a failed run leaves the file and its checkpoint root
+(after_failure, tidy_after_failure)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import os
 import sys
 from pathlib import Path
 
+from .. import checkpoint
+from ..checkpoint import CheckpointError
 from ..common.results import write_atomic
 
 FILE = "history.jsonl"
@@ -125,6 +128,26 @@ def after_failure(path: str | os.PathLike, extra, *, fresh: bool) -> str:
         f.flush()
         os.fsync(f.fileno())
     return f"cut {path} back to the history of the last checkpoint"
+
+
+def latest_checkpoint(ckpt: Path) -> Path | None:
+    """The step directory that the checkpoint root `ckpt` names latest; None where it has none
+    (or it cannot be read)."""
+    try:
+        return checkpoint.resolve(ckpt)
+    except CheckpointError:
+        return None
+
+
+def tidy_after_failure(ckpt: Path, step_dir: Path | None, before: Path | None) -> None:
+    """After a failed run, its ranks stopped: the loss history agrees with the checkpoint left
+    (after_failure: removed if this run started fresh, `step_dir` None, and committed none after
+    `before`), and the root `ckpt` goes if that leaves it empty."""
+    now = latest_checkpoint(ckpt)
+    with contextlib.suppress(OSError, CheckpointError):
+        extra = checkpoint.read_manifest(now)["extra"] if now is not None else None
+        after_failure(ckpt / FILE, extra, fresh=step_dir is None and now == before)
+        ckpt.rmdir()  # only if empty
 
 
 class Progress:

@@ -14,9 +14,10 @@ Without a valid checkpoint there, `--resume` is refused (nothing runs, nothing i
 `--resume-if-present` starts afresh when OUT/ckpt is absent or empty. One run at a time per
 OUT: OUT/run.lock (zero/checkpoint/lock.py) refuses a second one before it does any work, and a
 stale lock (its holder killed) is cleared; temp files a killed run left are removed then too
-([Note: leftover temp files] and [Note: crash leftovers] in zero/checkpoint/commit.py). A checkpoint records the run's
-identity (train_config.RUN_IDENTITY: seed, data, model, M, precision, ...), and a resume that
-changes any of it is refused by name unless --allow-changed-run.
+([Note: leftover temp files] and [Note: crash leftovers] in zero/checkpoint/commit.py). A
+checkpoint records the run's identity (train_config.RUN_IDENTITY: seed, data, model, M,
+precision, ...), and a resume that changes any of it is refused by name unless
+--allow-changed-run.
 
 Faults give one line, `python -m zero.workloads.train: error: ...`: a diverged loss or a full
 disk mid-run, a rank that stopped (named within seconds, at any --timeout) or died (its signal,
@@ -59,7 +60,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint
 from ..checkpoint import CheckpointError, lock
 from ..collectives import launch
 from ..common import cli
@@ -71,11 +71,12 @@ from ..ranks.local import spawn
 from ..ranks.watchdog import BLAME, CollectiveError, gather_objects, stranded
 from .data import Corpus, load_corpus
 from .history import FILE as HISTORY_FILE
-from .history import HistoryLog, Progress, after_failure, plot_losses
+from .history import HistoryLog, Progress, latest_checkpoint, plot_losses, tidy_after_failure
 from .models import GPT
 from .train_config import (
     MODELS,
     TrainConfig,
+    build_model,
     check_identity,
     claim,
     parse,
@@ -111,48 +112,6 @@ class ResumeRefused(ValueError):
 # Inside a rank
 
 
-@torch.no_grad()
-def evaluate(engine: ZeroEngine, corpus: Corpus, *, seed: int, batches: int, batch_size: int):
-    """Mean validation loss over `batches` fixed micro-batches, split over the ranks (forward
-    only); the same float on every rank. Every rank runs the same number of forwards (a
-    forward is collective at stage 3): where `batches` is not a multiple of N, the last round's
-    spare ranks run batch 0 again and leave it out of the mean."""
-    T = engine.module.cfg.block_size
-    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
-    engine.eval()
-    rounds = -(-batches // engine.world_size)
-    for i in range(engine.rank, rounds * engine.world_size, engine.world_size):
-        idx, tgt = corpus.batch(
-            split="val",
-            seed=seed,
-            index=(i if i < batches else 0,),
-            batch_size=batch_size,
-            seq_len=T,
-        )
-        _, loss = engine(idx.to(engine.device), tgt.to(engine.device))
-        if i < batches:
-            total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=engine.device)
-    engine.train()
-    if engine.world_size > 1:  # a failure, or a stopped peer, names whom to blame (watchdog)
-        launch(dist.all_reduce, total, group=engine.group, async_op=False, rec=None)
-    return float(total[0] / total[1])
-
-
-def build_model(cfg: TrainConfig, world_size: int, device):
-    """(model, data-parallel group, MPContext) of this rank: the GPT and the whole world, or
-    with mp > 1 this rank's tensor-parallel slice (drawn as the plain GPT's values and cut) and
-    its mesh groups."""
-    gpt, _ = MODELS[cfg.model]
-    if cfg.mp == 1:
-        return GPT(gpt, device=device, seed=cfg.seed), None, None
-    from ..collectives import CommCounter
-    from ..mp import TPGPT, Mesh, MPContext
-
-    g = Mesh(dp=world_size // cfg.mp, mp=cfg.mp).groups()
-    ctx = MPContext.of(g.mp_group, counter=CommCounter(), deterministic=cfg.zero.deterministic)
-    return TPGPT.build(gpt, ctx, seed=cfg.seed, device=device), g.dp_group, ctx
-
-
 def master_sha256(engine: ZeroEngine) -> str:
     """sha256 of the full fp32 master, parameters in name order (a collective: every rank);
     with model parallelism the MP slices are joined into the plain GPT's master first."""
@@ -171,9 +130,9 @@ def master_sha256(engine: ZeroEngine) -> str:
 def run_rank(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, device=None):
     """One rank's whole run; rank 0 returns the log record (the others None). A fault loading
     the checkpoint raises ResumeRefused, one mid-run RunFault: one line each (_fault)."""
-    at: dict = {"step": None, "saved": None}  # the step running, the last checkpoint (_run's)
+    at: dict = {"step": None, "saved": None}  # the step running, the last checkpoint (_Run's)
     try:
-        return _run(rank, world_size, cfg, corpus, device, at)
+        return _Run(rank, world_size, cfg, corpus, device, at).run()
     except (FloatingPointError, OSError, CheckpointError, ValueError, CollectiveError) as exc:
         fault = _fault(exc, cfg, at, traceback.format_exc())
         if fault is None:
@@ -204,143 +163,179 @@ def _fault(exc: Exception, cfg: TrainConfig, at: dict, detail: str) -> Exception
     return None
 
 
-def _run(rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, device, at: dict):
-    device = torch.device("cpu") if device is None else device
-    gpt, batch_size = MODELS[cfg.model]
-    T = gpt.block_size
-    model, group, mp = build_model(cfg, world_size, device)
-    engine = ZeroEngine(model, cfg.zero_config(world_size), group=group, mp=mp)
-    out, lead = Path(cfg.out), rank == 0
-    ckpt = out / "ckpt"
-    # [Note: bounded manifests] in zero/workloads/history.py: rank 0 keeps the history in an
-    # append-only file; a checkpoint holds a constant-size mark of it, not the history itself
-    log = HistoryLog(ckpt / HISTORY_FILE) if lead else None
-    history: dict = {"train": [], "val": []}
-    step_dir = resume_point(cfg)  # checked before the ranks started (claim, check_identity)
-    saved: dict = {}
-    if step_dir is not None:
-        at["saved"] = step_dir
-        extra = engine.load(step_dir).extra  # the history's mark travels with the checkpoint
-        if lead:
-            history = log.restore(extra)
-        saved = extra if isinstance(extra, dict) else {}
-    elif lead:
-        log.start()
-        history = log.history
-    at["step"] = engine.data_step + 1
+class _Run:
+    """One rank's run, in named steps: the engine built and the checkpoint --resume names
+    restored (__init__, _restore), then `run`: the step-0 validation loss, the steps (on_step:
+    _log_step, _validate, a checkpoint where due) and the final record (_save_log). `at` is
+    run_rank's: the step running and the last checkpoint, which a fault's line names."""
 
-    def add(split: str, entry: dict) -> None:
-        if lead:
-            log.append(split, entry)  # appends to `history` too
-        else:
-            history[split].append(entry)
+    def __init__(self, rank: int, world_size: int, cfg: TrainConfig, corpus: Corpus, device, at):
+        self.cfg, self.corpus, self.world_size, self.at = cfg, corpus, world_size, at
+        self.device = torch.device("cpu") if device is None else device
+        self.gpt, self.batch_size = MODELS[cfg.model]
+        self.T = self.gpt.block_size
+        model, group, self.mp = build_model(cfg, world_size, self.device)
+        self.engine = ZeroEngine(model, cfg.zero_config(world_size), group=group, mp=self.mp)
+        self.out, self.lead = Path(cfg.out), rank == 0
+        self.ckpt = self.out / "ckpt"
+        # [Note: bounded manifests] in zero/workloads/history.py: rank 0 keeps the history in an
+        # append-only file; a checkpoint holds a constant-size mark of it, not the history itself
+        self.log = HistoryLog(self.ckpt / HISTORY_FILE) if self.lead else None
+        saved = self._restore()
+        self.start = self.engine.data_step
+        self.identity = run_identity(cfg, world_size, corpus.fingerprint)  # RUN_IDENTITY's
+        new = run_changes(saved.get("run"), self.identity)
+        self.changes = [*saved.get("run_changes", []), *({"step": self.start, **c} for c in new)]
+        self.M = self.engine.config.micro_batches
+        self.tokens_per_step = self.M * self.batch_size * self.T
+        self.config = self._config()
+        self.memory: list[int] = []  # each rank's resident model-state bytes, as last gathered
+        self.clock = 0.0  # when the step running began
 
-    start = engine.data_step
-    identity = run_identity(cfg, world_size, corpus.fingerprint)  # RUN_IDENTITY's values
-    changes = [*saved.get("run_changes", []), *(
-        {"step": start, **c} for c in run_changes(saved.get("run"), identity))]  # fmt: skip
-    M = engine.config.micro_batches
-    tokens_per_step = M * batch_size * T
-    config = {
-        **asdict(cfg),
-        "world_size": world_size,
-        "micro_batches": M,
-        "batch_size": batch_size,
-        "seq_len": T,
-        "gpt": asdict(gpt),
-        "num_params": GPT(gpt, device="meta").num_params(),  # the whole model's, at any mp
-        "backend": dist.get_backend(engine.group),
-        "launcher": "torchrun" if under_torchrun() else "spawn",
-        "corpus": corpus.fingerprint,
-        "run_changes": changes,  # --allow-changed-run: each resume's changes, at its step
-    }
-    if lead:
-        print(
-            f"GPT {cfg.model}: Ψ = {config['num_params']:,}; stage {cfg.zero.stage}, "
-            f"N = {world_size}{f' (N_d = {engine.world_size}, N_m = {cfg.mp})' if mp else ''}, "
-            f"M = {M}, {cfg.zero.precision}; corpus {corpus.source}: "
-            f"{corpus.fingerprint['files']} files, {corpus.fingerprint['bytes']:,} bytes; "
-            f"steps {start}..{cfg.steps}",
-            flush=True,
-        )
-    progress = Progress(total=cfg.steps, initial=start, show=lead, every=cfg.log_every)
-    memory: list[int] = []
-    clock = [time.perf_counter()]
+    def _restore(self) -> dict:
+        """The history so far and the checkpoint's extra ({} for a fresh run): the checkpoint
+        --resume names is loaded (the history's mark travels with it), or the history starts."""
+        self.history: dict = {"train": [], "val": []}
+        step_dir = resume_point(self.cfg)  # checked before the ranks started (claim, ...)
+        saved: dict = {}
+        if step_dir is not None:
+            self.at["saved"] = step_dir
+            extra = self.engine.load(step_dir).extra
+            if self.lead:
+                self.history = self.log.restore(extra)
+            saved = extra if isinstance(extra, dict) else {}
+        elif self.lead:
+            self.log.start()
+            self.history = self.log.history
+        self.at["step"] = self.engine.data_step + 1
+        return saved
 
-    def microbatch(step: int, j: int):
-        x, y = corpus.batch(
-            split="train", seed=cfg.seed, index=(step, j), batch_size=batch_size, seq_len=T
-        )
-        return x.to(device), y.to(device)
+    def _config(self) -> dict:
+        """The log record's configuration: the command line's, and what the run derived."""
+        return {
+            **asdict(self.cfg),
+            "world_size": self.world_size,
+            "micro_batches": self.M,
+            "batch_size": self.batch_size,
+            "seq_len": self.T,
+            "gpt": asdict(self.gpt),
+            "num_params": GPT(self.gpt, device="meta").num_params(),  # the whole model's
+            "backend": dist.get_backend(self.engine.group),
+            "launcher": "torchrun" if under_torchrun() else "spawn",
+            "corpus": self.corpus.fingerprint,
+            "run_changes": self.changes,  # --allow-changed-run: each resume's, at its step
+        }
 
-    def record(final_hash=None) -> dict:
-        result = {"history": history, "data_step": engine.data_step, "memory_bytes": memory}
-        if final_hash is not None:
-            result["final_master_sha256"] = final_hash
-        return make_record(config=config, result=result, kind=KIND)
+    def run(self) -> dict | None:
+        """Train from the step restored to --steps; rank 0's final log record (else None)."""
+        cfg, fp = self.cfg, self.corpus.fingerprint
+        mesh = f" (N_d = {self.engine.world_size}, N_m = {cfg.mp})" if self.mp else ""
+        if self.lead:
+            print(
+                f"GPT {cfg.model}: Ψ = {self.config['num_params']:,}; stage {cfg.zero.stage}, "
+                f"N = {self.world_size}{mesh}, M = {self.M}, {cfg.zero.precision}; corpus "
+                f"{self.corpus.source}: {fp['files']} files, {fp['bytes']:,} bytes; "
+                f"steps {self.start}..{cfg.steps}",
+                flush=True,
+            )
+        show, every = self.lead, cfg.log_every
+        self.progress = Progress(total=cfg.steps, initial=self.start, show=show, every=every)
+        self.clock = time.perf_counter()
+        if self.start == 0 and not self.history["val"]:  # the curve starts about ln 256 nats
+            self._add("val", {"step": 0, "loss": self._validation_loss()})
+        if self.start < cfg.steps:
+            left = cfg.steps - self.start
+            train_steps(self.engine, self._microbatch, left, start_step=self.start,
+                        on_step=self.on_step)  # fmt: skip
+        self.progress.close()
+        if self.lead:
+            self.log.close()
+        final = self._save_log(master_sha256(self.engine))
+        return final if self.lead else None
 
-    def save_log(final_hash=None) -> dict:
-        rec = record(final_hash)
-        if lead:
-            write_json(out / "train_log.json", rec)
-            title = f"GPT {cfg.model} on {Path(corpus.source).name}, stage {cfg.zero.stage}, "
-            title += f"N={world_size}"
-            plot_losses(history, out / "loss_curve.png", title=title)
-        return rec
+    def _microbatch(self, step: int, j: int):
+        x, y = self.corpus.batch(split="train", seed=self.cfg.seed, index=(step, j),
+                                 batch_size=self.batch_size, seq_len=self.T)  # fmt: skip
+        return x.to(self.device), y.to(self.device)
 
-    def on_step(step: int, res: StepResult) -> None:
-        seconds = time.perf_counter() - clock[0]
-        done = at["step"] = step + 1
-        add(
-            "train",
-            {
-                "step": done,
-                "loss": res.loss,
-                "norm": res.norm,
-                "skipped": res.skipped,
-                "tokens_per_s": tokens_per_step / seconds,
-            },
-        )
-        if done % cfg.log_every == 0 or done == start + 1:
-            memory[:] = [0] * world_size
-            mine = sum(engine.memory_report().values())
-            memory[:] = gather_objects(mine, dist.group.WORLD)  # every rank, MP ones too
-        mem = "/".join(f"{b / 2**20:.1f}" for b in memory)
-        progress.step(
-            step,
-            {
-                "loss": f"{res.loss:.3f}",
-                "tok/s": f"{tokens_per_step / seconds:,.0f}",
-                "MiB/rank": mem,
-            },
-        )
+    def on_step(self, step: int, res: StepResult) -> None:
+        """After step `step`: its entry and progress line, then the validation loss and a
+        checkpoint where they fall due (and after the last step)."""
+        cfg = self.cfg
+        seconds = time.perf_counter() - self.clock
+        done = self.at["step"] = step + 1
+        self._log_step(step, res, seconds)
         last = done == cfg.steps
         if last or (cfg.eval_every and done % cfg.eval_every == 0):
-            val = evaluate(
-                engine, corpus, seed=cfg.seed, batches=cfg.eval_batches, batch_size=batch_size
-            )
-            add("val", {"step": done, "loss": val})
-            progress.say(f"step {done}: train loss {res.loss:.4f}, validation loss {val:.4f}")
-            save_log()
+            self._validate(done, res.loss)
         if last or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
-            mark = log.mark() if lead else None
-            extra = {"history_log": mark, "run": identity, "run_changes": changes}
-            at["saved"] = engine.save(ckpt, keep_last=2, extra=extra)
-        at["step"] = min(done + 1, cfg.steps)  # after the last: its final writes
-        clock[0] = time.perf_counter()
+            mark = self.log.mark() if self.lead else None
+            extra = {"history_log": mark, "run": self.identity, "run_changes": self.changes}
+            self.at["saved"] = self.engine.save(self.ckpt, keep_last=2, extra=extra)
+        self.at["step"] = min(done + 1, cfg.steps)  # after the last: its final writes
+        self.clock = time.perf_counter()
 
-    if start == 0 and not history["val"]:  # where the curve starts: about ln 256 nats
-        val = evaluate(
-            engine, corpus, seed=cfg.seed, batches=cfg.eval_batches, batch_size=batch_size
-        )
-        add("val", {"step": 0, "loss": val})
-    if start < cfg.steps:
-        train_steps(engine, microbatch, cfg.steps - start, start_step=start, on_step=on_step)
-    progress.close()
-    if lead:
-        log.close()
-    final = save_log(master_sha256(engine))
-    return final if lead else None
+    def _log_step(self, step: int, res: StepResult, seconds: float) -> None:
+        """The step's history entry and progress line; every --log-every steps (and after the
+        first) each rank's resident model-state bytes are gathered, a collective."""
+        done, rate = step + 1, self.tokens_per_step / seconds
+        entry = {"step": done, "loss": res.loss, "norm": res.norm, "skipped": res.skipped}
+        self._add("train", {**entry, "tokens_per_s": rate})
+        if done % self.cfg.log_every == 0 or done == self.start + 1:
+            self.memory[:] = [0] * self.world_size
+            mine = sum(self.engine.memory_report().values())
+            self.memory[:] = gather_objects(mine, dist.group.WORLD)  # every rank, MP ones too
+        mem = "/".join(f"{b / 2**20:.1f}" for b in self.memory)
+        shown = {"loss": f"{res.loss:.3f}", "tok/s": f"{rate:,.0f}", "MiB/rank": mem}
+        self.progress.step(step, shown)
+
+    def _validate(self, done: int, loss: float) -> None:
+        val = self._validation_loss()
+        self._add("val", {"step": done, "loss": val})
+        self.progress.say(f"step {done}: train loss {loss:.4f}, validation loss {val:.4f}")
+        self._save_log()
+
+    @torch.no_grad()
+    def _validation_loss(self) -> float:
+        """Mean validation loss over --eval-batches fixed micro-batches, split over the ranks
+        (forward only); the same float on every rank. Every rank runs the same number of
+        forwards (a forward is collective at stage 3): where the batches are not a multiple of
+        N, the last round's spare ranks run batch 0 again and leave it out of the mean."""
+        engine, batches = self.engine, self.cfg.eval_batches
+        total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        engine.eval()
+        rounds = -(-batches // engine.world_size)
+        for i in range(engine.rank, rounds * engine.world_size, engine.world_size):
+            idx, tgt = self.corpus.batch(split="val", seed=self.cfg.seed,
+                                         index=(i if i < batches else 0,),
+                                         batch_size=self.batch_size, seq_len=self.T)  # fmt: skip
+            _, loss = engine(idx.to(engine.device), tgt.to(engine.device))
+            if i < batches:
+                total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=engine.device)
+        engine.train()
+        if engine.world_size > 1:  # a failure, or a stopped peer, names whom to blame (watchdog)
+            launch(dist.all_reduce, total, group=engine.group, async_op=False, rec=None)
+        return float(total[0] / total[1])
+
+    def _add(self, split: str, entry: dict) -> None:
+        if self.lead:
+            self.log.append(split, entry)  # appends to self.history too
+        else:
+            self.history[split].append(entry)
+
+    def _save_log(self, final_hash: str | None = None) -> dict:
+        """The log record; rank 0 writes it to OUT/train_log.json and draws OUT/loss_curve.png."""
+        result = {"history": self.history, "data_step": self.engine.data_step}
+        result["memory_bytes"] = self.memory
+        if final_hash is not None:
+            result["final_master_sha256"] = final_hash
+        rec = make_record(config=self.config, result=result, kind=KIND)
+        if self.lead:
+            write_json(self.out / "train_log.json", rec)
+            title = f"GPT {self.cfg.model} on {Path(self.corpus.source).name}, stage "
+            title += f"{self.cfg.zero.stage}, N={self.world_size}"
+            plot_losses(self.history, self.out / "loss_curve.png", title=title)
+        return rec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,37 +346,19 @@ FAULT_LINE = re.compile(r"^(?:[\w.]+\.)?(RunFault|ResumeRefused): (.*)$", re.M)
 """The last line of a rank's traceback that carries a fault (a spawned rank sends only text)."""
 
 
-def _latest(cfg: TrainConfig) -> Path | None:
-    try:
-        return checkpoint.resolve(Path(cfg.out) / "ckpt")
-    except CheckpointError:
-        return None
-
-
-def _tidy(cfg: TrainConfig, step_dir: Path | None, before: Path | None) -> None:
-    """After a failed run, its ranks stopped: the loss history agrees with the checkpoint left
-    (history.after_failure: removed if this fresh run committed none), and OUT/ckpt goes if that
-    leaves it empty."""
-    ckpt, now = Path(cfg.out) / "ckpt", _latest(cfg)
-    with contextlib.suppress(OSError, CheckpointError):
-        extra = checkpoint.read_manifest(now)["extra"] if now is not None else None
-        after_failure(ckpt / HISTORY_FILE, extra, fresh=step_dir is None and now == before)
-        ckpt.rmdir()  # only if empty
-
-
 def _left(cfg: TrainConfig) -> str:
-    now = _latest(cfg)
+    now = latest_checkpoint(Path(cfg.out) / "ckpt")
     return f"the last checkpoint, {now}, is intact" if now else "no checkpoint was made"
 
 
 def _spawn(cfg: TrainConfig, step_dir: Path | None, corpus: Corpus):
-    before = _latest(cfg)
+    before = latest_checkpoint(Path(cfg.out) / "ckpt")
     try:
         return spawn(run_rank, cfg.nproc, cfg, corpus, timeout_s=cfg.timeout_s, deadline_s=None)
     except Exception as exc:
         found = FAULT_LINE.findall(exc.child_traceback) if isinstance(exc, RankError) else []
         if not found or found[-1][0] != "ResumeRefused":  # that one ran nothing: nothing to tidy
-            _tidy(cfg, step_dir, before)
+            tidy_after_failure(Path(cfg.out) / "ckpt", step_dir, before)
         if not found:
             line = next((x.strip() for x in str(exc).splitlines() if BLAME in x), None)
             if line is None:  # a bug in a rank: its traceback
@@ -406,7 +383,7 @@ def _under_torchrun(cfg: TrainConfig):
         if rank == 0:  # one lock per run: the first rank's
             try:
                 held, step_dir = claim(cfg)
-                before = _latest(cfg)
+                before = latest_checkpoint(Path(cfg.out) / "ckpt")
                 corpus = load_corpus(cfg.data, val_fraction=cfg.val_fraction)
                 check_identity(cfg, step_dir, corpus.fingerprint, world)
             except ValueError as exc:
@@ -421,7 +398,7 @@ def _under_torchrun(cfg: TrainConfig):
             record = run_rank(rank, world, cfg, corpus, device)
         except Exception as exc:
             if held is not None and not isinstance(exc, ResumeRefused):
-                _tidy(cfg, step_dir, before)
+                tidy_after_failure(Path(cfg.out) / "ckpt", step_dir, before)
             raise
         left = leave_world()  # a barrier, then the group goes: no SIGABRT at exit
         return record

@@ -1,7 +1,7 @@
 """The command line of `python -m zero.workloads.train`: TrainConfig (every field an option of
-the same name, through zero/common/cli.py), the model sizes it offers, and `parse`; what a run
-checks before any work (`claim`: OUT locked and tidied, the checkpoint --resume would load), and
-the run's identity a resume must keep (RUN_IDENTITY, check_identity).
+the same name, through zero/common/cli.py), the model sizes it offers (build_model: this rank's),
+and `parse`; what a run checks before any work (`claim`: OUT locked and tidied, the checkpoint
+--resume would load), and the run's identity a resume must keep (RUN_IDENTITY, check_identity).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..optim.plain import TORCH_OPTIMIZERS
 from ..ranks.launch import check_timeout
 from .data import VOCAB_SIZE
 from .history import FILE as HISTORY_FILE
-from .models import GPTConfig
+from .models import GPT, GPTConfig
 
 # ---------------------------------------------------------------------------------------------
 # The CLI's configuration
@@ -213,6 +213,21 @@ class TrainConfig:
             dropout_seed=self.seed,
             units=tuple(f"transformer.h.{i}" for i in range(gpt.n_layer)),
         )
+
+
+def build_model(cfg: TrainConfig, world_size: int, device):
+    """(model, data-parallel group, MPContext) of this rank: the GPT and the whole world, or
+    with mp > 1 this rank's tensor-parallel slice (drawn as the plain GPT's values and cut) and
+    its mesh groups."""
+    gpt, _ = MODELS[cfg.model]
+    if cfg.mp == 1:
+        return GPT(gpt, device=device, seed=cfg.seed), None, None
+    from ..collectives import CommCounter
+    from ..mp import TPGPT, Mesh, MPContext
+
+    g = Mesh(dp=world_size // cfg.mp, mp=cfg.mp).groups()
+    ctx = MPContext.of(g.mp_group, counter=CommCounter(), deterministic=cfg.zero.deterministic)
+    return TPGPT.build(gpt, ctx, seed=cfg.seed, device=device), g.dp_group, ctx
 
 
 def parse(argv=None) -> TrainConfig:
