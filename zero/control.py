@@ -143,12 +143,12 @@ def tree_total(x: np.ndarray) -> np.float64:
 
 
 class ScaledGrads:
-    """[Note: one unit's fp32 gradient at a time] The unscaled gradient g_u = fp32(R_u)·c of
-    each unit (and, once `coef` is set, clipped: g_u·coef), made when it is read and not kept:
-    the exchange reads each once for its norm partials, the update once more for its unit. A
-    list of them would hold 4 bytes per parameter of this rank's extent at once (with
-    offload_optimizer, in host memory: with the moments and master, past the host's floor); a
-    unit's is made by the same two multiplications each time, so the bits are the list's."""
+    """[Note: one unit's fp32 gradient at a time] g_u = fp32(R_u)·c of each unit (clipped, g_u·coef,
+    once `coef` is set), made when read and not kept: the exchange reads each once, the update
+    once per batch (update_batches). On a host a batch is one unit: one unit's 4 bytes per
+    parameter at a time, not the extent's (with offload: past the host's floor). With every master
+    on CUDA the batch is every unit (one fused launch), so all exist at once in device memory, as
+    [Note: the memory bound] (measure/bench_table.py) charges; not yet measured on a GPU."""
 
     def __init__(self, held: list[torch.Tensor], c: torch.Tensor):
         self.held, self.c, self.coef = held, c, None
