@@ -65,7 +65,7 @@ from .bench_table import (
     format_all,
     merge_records,
 )
-from .trainers import (
+from .parts.trainers import (
     MODELS,
     BenchConfig,
     DeepSpeedPeer,

@@ -3,103 +3,42 @@ mode and the peers, and the tables drawn from the records (never from numbers ty
 
 Kept apart from measure/bench.py (which builds and times the systems in the ranks) so that
 paper_figures and the notebooks can rebuild a table from a results file without the timing code.
-The legend of every column: benchmarks/cpu-2core-2026-11.md, section "How the step time is taken".
+Here: the ratios (add_ratios, merge_records) and our systems' memory bound (memory_bound); the
+systems' names and analytic states are measure/parts/bench_systems.py's, the tables
+measure/parts/bench_format.py's, both importable from here. The legend of every column:
+benchmarks/cpu-2core-2026-11.md, section "How the step time is taken".
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from zero.common.memory import model_state_breakdown
-
-OURS = (
-    "zero-s0",
-    "zero-s1",
-    "zero-s2",
-    "zero-s3",
-    "zero-s0-det",
-    "zero-s1-det",
-    "zero-s2-det",
-    "zero-s3-det",
+from .parts.bench_format import (  # noqa: F401  (the tables, importable from here)
+    PHASE_PARTS,
+    PROFILE_COLUMNS,
+    TARGETS,
+    cpu_per_step,
+    format_all,
+    format_cpu,
+    format_memory,
+    format_mp,
+    format_profile,
+    format_table,
+    format_targets,
+    phase_parts,
+    spread,
 )
-PEERS = (
-    "ddp",
-    "zero-redundancy",
-    "fsdp2",
-    "fsdp2-reshard",
-    "deepspeed-s1",
-    "deepspeed-s2",
-    "deepspeed-s3",
+from .parts.bench_systems import (  # noqa: F401  (the systems, importable from here)
+    DEFAULT_SYSTEMS,
+    MP_DEGREES,
+    MP_SYSTEMS,
+    OURS,
+    PEER_LABELS,
+    PEERS,
+    SHARDING_LEVEL,
+    SYSTEMS,
+    analytic_states_bytes,
+    mp_layout,
+    system_key,
 )
-MP_DEGREES = (1, 2, 4)
-"""N_m of the model-parallel systems ([Note: model-parallel systems] in measure/bench_mp.py)."""
-MP_SYSTEMS = (
-    "megatron-lm",
-    "megatron-lm-det",
-    *(f"zero-s{s}-mp{m}{mode}" for mode in ("", "-det") for s in range(4) for m in MP_DEGREES),
-)
-"""Tensor parallelism (zero/mp/): "megatron-lm" is MP alone (N_m = N, no ZeRO partitioning),
-zero-s<stage>-mp<N_m> ZeRO inside the DP groups of N_d = N/N_m ranks; -det deterministic."""
-DEFAULT_SYSTEMS = OURS + PEERS
-"""What measure.bench times when --systems is left out: the data-parallel systems."""
-SYSTEMS = OURS + PEERS + MP_SYSTEMS
-
-
-def mp_layout(name: str) -> tuple[int, int | None, bool]:
-    """(stage, N_m, deterministic) of an MP system; N_m None for megatron-lm (it is N)."""
-    if name not in MP_SYSTEMS:
-        raise ValueError(f"system={name!r}: allowed are {MP_SYSTEMS}")
-    det = name.endswith("-det")
-    if name.startswith("megatron-lm"):
-        return 0, None, det
-    return int(name[6]), int(name.removesuffix("-det").split("-mp")[1]), det
-
-
-PEER_LABELS = {
-    "zero-redundancy": "ZeRO-R",
-    "fsdp2": "FSDP2",
-    "fsdp2-reshard": "FSDP2-r",
-    "deepspeed-s1": "DS-1",
-    "deepspeed-s2": "DS-2",
-    "deepspeed-s3": "DS-3",
-}
-"""Short column headings of the ×<peer> ratios."""
-
-
-SHARDING_LEVEL = {
-    **{name: int(name[6]) for name in OURS},
-    "ddp": 0,
-    "zero-redundancy": 1,
-    "deepspeed-s1": 1,
-    "deepspeed-s2": 2,
-    "fsdp2": 3,
-    "fsdp2-reshard": 3,
-    "deepspeed-s3": 3,
-    **{name: mp_layout(name)[0] for name in MP_SYSTEMS},
-}
-"""Which ZeRO stage's states each system partitions: what its memory is compared at. FSDP2
-shards parameters at rest either way; without resharding it keeps them gathered from forward
-to the end of backward, which its measured peak shows."""
-
-
-def analytic_states_bytes(name: str, n: int, num_params: int, mp: int = 1) -> float:
-    """zero/common/memory.py's model states per rank of `name`'s sharding level at N = n, in the
-    benchmark's configuration: fp32 working parameters and gradients, no separate master (the
-    working copy is it), AdamW's two fp32 states, M = N (no partial sums), no padding. With
-    model parallelism num_params is the rank's slice (zero.mp.tp_num_params) and the states
-    are partitioned over the DP group of n / mp ranks."""
-    return model_state_breakdown(
-        num_params=num_params,
-        world_size=n // mp,
-        stage=SHARDING_LEVEL[name],
-        param_bytes=4,
-        grad_bytes=4,
-        master_bytes=0,
-        optimizer_states=2,
-        state_bytes=4,
-        accumulation=1,
-    ).total
-
 
 # [Note: the memory bound] What our engine may hold at once beyond the analytic model states S, for
 # the benchmark's configuration (fp32 throughout, M = N: one micro-step, no clipping), from the
@@ -185,18 +124,13 @@ def _loss_by_step(res: dict) -> dict[int, float]:
 # ran, so they are compared across groups as they are.
 
 
-def _system_key(r: dict) -> tuple[str, int, str]:
-    c = r["config"]
-    return c["system"], c["world_size"], c.get("group", "")
-
-
 def merge_records(runs: list[list[dict]]) -> list[dict]:
     """The records of several runs (groups) as one list; a (system, N, group) measured twice
     is refused by name, since its ratios would pair with either."""
     seen, out = set(), []
     for records in runs:
         for r in records:
-            key = _system_key(r)
+            key = system_key(r)
             if key in seen:
                 system, n, group = key
                 raise ValueError(
@@ -214,7 +148,7 @@ def add_ratios(records: list[dict]) -> None:
     every = [r for r in records if r["result"]["status"] == "ok"]
     groups: dict[str, dict] = {}
     for r in every:
-        system, n, group = _system_key(r)
+        system, n, group = system_key(r)
         groups.setdefault(group, {})[(system, n)] = r
     for ok in groups.values():
         for (name, n), rec in ok.items():
@@ -306,300 +240,3 @@ def _memory_ratios(name: str, n: int, mem: dict, ok: dict, config: dict) -> None
         mem["bound_terms"] = terms
         mem["bound_bytes"] = mem["analytic_states_bytes"] + max(backward, terms["step"])
         mem["peak_over_bound"] = mem["peak_bytes"] / mem["bound_bytes"]
-
-
-def spread(per_round: list[float] | None) -> str:
-    """The noise of a ratio: its quartiles over the rounds, each round's ratio taken between the
-    two systems' medians of that round ([Note: alternating repeats]: they ran seconds apart)."""
-    if not per_round:
-        return "—"
-    q25, q75 = np.percentile(per_round, [25, 75])
-    return f"{q25:.2f}-{q75:.2f}"
-
-
-TARGETS = {
-    **{f"zero-s{k}": ("ratio_vs_ddp", 1.00) for k in (0, 1, 2)},
-    "zero-s3": ("ratio_vs_ddp", 1.05),
-    **{f"zero-s{k}-det": ("ratio_vs_fast", 1.03) for k in range(4)},
-}
-"""The issue's step-time targets: fast stages 0-2 at most 1.00× DDP, stage 3 at most 1.05×,
-each deterministic stage at most 1.03× its fast one."""
-
-
-def _grouped(records: list[dict]) -> bool:
-    """Whether the records come from runs in named groups ([Note: system groups]): the tables
-    then name each row's group, since a system may stand in several."""
-    return any(r["config"].get("group") for r in records)
-
-
-def format_targets(records: list[dict], *, markdown: bool = False) -> str:
-    """One row per target and record that has its ratio: the ratio, its per-round quartiles,
-    the target, and whether it is met (a system run in two groups has each ratio once)."""
-    grouped = _grouped(records)
-    head = ["model", "N", "system", *(["group"] if grouped else [])]
-    head += ["ratio", "per round", "target", "met"]
-    rows = []
-    for rec in records:
-        name, res = rec["config"]["system"], rec["result"]
-        if name not in TARGETS or res.get("status") != "ok":
-            continue
-        key, limit = TARGETS[name]
-        value = res.get(key)
-        if value is None:
-            continue
-        what = "×DDP" if key == "ratio_vs_ddp" else "×fast"
-        rows.append(
-            [
-                rec["config"]["model"],
-                str(rec["config"]["world_size"]),
-                name,
-                *([rec["config"].get("group") or "—"] if grouped else []),
-                f"{value:.2f} {what}",
-                spread(res.get(key + "_by_repeat")),
-                f"≤ {limit:.2f}",
-                "yes" if round(value, 2) <= limit else "no",
-            ]
-        )
-    return _render(head, rows, markdown)
-
-
-def format_table(records: list[dict], *, markdown: bool = False) -> str:
-    """The results table, drawn from the records (never from numbers typed in). ×DDP/round and
-    ×fast/round: the interquartile range of the ratio over the rounds (`spread`)."""
-    peers = [p for p in PEER_LABELS if any(r["config"]["system"] == p for r in records)]
-    head = ["system", "N", "ms/step", "IQR", "MFU", "×DDP", "×DDP/round", "×fast", "×fast/round"]
-    head += ["×s2"]
-    head += [f"×{PEER_LABELS[p]}" for p in peers] + ["Δloss"]
-    rows = []
-    for rec in records:
-        c, res = rec["config"], rec["result"]
-        row = [c["system"], str(c["world_size"])]
-        if res["status"] != "ok":
-            rows.append(row + [res["status"]] + [""] * (len(head) - 3))
-            continue
-
-        def ratio(x):
-            return "—" if x is None else f"{x:.2f}"
-
-        diff = res.get("max_abs_loss_diff_vs_ddp")
-        row += [
-            f"{res['median_ms']:.0f}",
-            f"{res['p25_ms']:.0f}-{res['p75_ms']:.0f}",
-            "—" if res.get("mfu") is None else f"{100 * res['mfu']:.1f}%",
-            ratio(res.get("ratio_vs_ddp")),
-            spread(res.get("ratio_vs_ddp_by_repeat")),
-            ratio(res.get("ratio_vs_fast")),
-            spread(res.get("ratio_vs_fast_by_repeat")),
-            ratio(res.get("ratio_vs_stage2")),
-            *(ratio(res.get("ratio_vs", {}).get(p)) for p in peers),
-            "—" if diff is None else f"{diff:.0e}",
-        ]
-        rows.append(row)
-    return _render(head, rows, markdown)
-
-
-PROFILE_COLUMNS = (
-    ("step", "step"),
-    ("forward", "forward"),
-    ("backward", "backward"),
-    ("backward.hooks", "hooks"),
-    ("backward.finalize", "finalize"),
-    ("update", "update"),
-    ("update.reduce", "reduce"),
-    ("update.refresh", "all-gather"),
-    ("update.optimizer", "optimizer"),
-    ("update.finish", "ag-wait"),
-    ("update.control", "control"),
-    ("update.other", "other"),
-)
-"""Phases of --profile (key, heading); a peer has forward, backward and update only. For ours,
-backward holds hooks (flatten + launch, autograd's reductions at stage 2) and finalize (the
-micro-step's waits); update holds reduce (the reduction at step()), all-gather (new working
-parameters, stages 1-2: launched per unit), ag-wait (waiting for those all-gathers after the
-last update), optimizer, control (norm partials and the step's one control exchange: losses,
-overflow flag, partials) and other (the rest: 1/M scaling, clipping, ...)."""
-
-
-def format_profile(records: list[dict], *, markdown: bool = False) -> str:
-    """Phase medians in ms (mean over ranks, median over steps) of the profiled systems."""
-    head = ["system", "N"] + [h for _, h in PROFILE_COLUMNS]
-    rows = []
-    for rec in records:
-        prof = dict(rec["result"].get("profile_ms") or {})
-        if not prof:
-            continue
-        if "update.optimizer" in prof:  # ours: the remainder of update is "other"
-            parts = ("reduce", "refresh", "finish", "optimizer", "control")
-            prof["update.other"] = prof["update"] - sum(prof.get(f"update.{k}", 0.0) for k in parts)
-        row = [rec["config"]["system"], str(rec["config"]["world_size"])]
-        rows.append(row + [f"{prof[k]:.0f}" if k in prof else "" for k, _ in PROFILE_COLUMNS])
-    return _render(head, rows, markdown)
-
-
-PHASE_PARTS = (
-    ("forward", "forward"),
-    ("backward.rest", "backward"),
-    ("backward.hooks", "hooks"),
-    ("backward.finalize", "finalize"),
-    ("update.reduce", "reduce"),
-    ("update.refresh", "all-gather"),
-    ("update.finish", "ag-wait"),
-    ("update.optimizer", "optimizer"),
-    ("update.control", "control"),
-    ("update.other", "update, rest"),
-)
-"""The disjoint parts of a profiled step (key, label), in the order a step runs them: they sum
-to forward + backward + update (PROFILE_COLUMNS says what each holds). A peer's update is one
-part ("update, rest"), its backward one ("backward")."""
-
-
-def phase_parts(record: dict) -> dict[str, float]:
-    """The record's profile split into PHASE_PARTS (ms), or {} when it was not profiled."""
-    prof = record["result"].get("profile_ms") or {}
-    if not prof:
-        return {}
-    inner = ("backward.hooks", "backward.finalize")
-    updates = ("update.reduce", "update.refresh", "update.finish", "update.optimizer")
-    parts = {k: prof.get(k, 0.0) for k in (*inner, *updates, "update.control")}
-    parts["forward"] = prof["forward"]
-    parts["backward.rest"] = prof["backward"] - sum(prof.get(k, 0.0) for k in inner)
-    parts["update.other"] = prof["update"] - sum(
-        prof.get(k, 0.0) for k in (*updates, "update.control")
-    )
-    return {k: parts[k] for k, _ in PHASE_PARTS}
-
-
-def cpu_per_step(record: dict) -> dict[str, float] | None:
-    """[Note: CPU time per step] (measure/bench.py) of an ok record: the medians over repeats and
-    ranks of a rank's CPU ms per timed step and of its kernel part (user: the rest); None for
-    records without them."""
-    res = record["result"]
-    if res.get("status") != "ok" or "rank_cpu_ms" not in res:
-        return None
-    cpu = float(np.median([x for rep in res["rank_cpu_ms"] for x in rep]))
-    system = float(np.median([x for rep in res["rank_system_ms"] for x in rep]))
-    return {"cpu_ms": cpu, "system_ms": system, "user_ms": cpu - system}
-
-
-def format_cpu(records: list[dict], *, markdown: bool = False) -> str:
-    """CPU per rank and step beside the wall time, and both beside DDP's of the same group and N:
-    where CPU ≈ wall the cores are the limit, and a system's extra CPU is extra time."""
-    head = ["system", "N", "ms/step", "CPU ms/step", "user", "kernel", "CPU÷wall"]
-    head += ["Δwall vs DDP", "ΔCPU vs DDP"]
-    by_key = {_system_key(r): r for r in records}
-    rows = []
-    for rec in records:
-        cpu = cpu_per_step(rec)
-        if cpu is None:
-            continue
-        system, n, group = _system_key(rec)
-        wall = rec["result"]["median_ms"]
-        ddp = by_key.get(("ddp", n, group))
-        ddp_cpu = cpu_per_step(ddp) if ddp else None
-        dw = f"{wall - ddp['result']['median_ms']:+.0f}" if ddp_cpu else "—"
-        dc = f"{cpu['cpu_ms'] - ddp_cpu['cpu_ms']:+.0f}" if ddp_cpu else "—"
-        rows.append(
-            [system, str(n), f"{wall:.0f}", f"{cpu['cpu_ms']:.0f}", f"{cpu['user_ms']:.0f}"]
-            + [f"{cpu['system_ms']:.0f}", f"{cpu['cpu_ms'] / wall:.2f}", dw, dc]
-        )
-    return _render(head, rows, markdown)
-
-
-def format_all(records: list[dict], *, markdown: bool = False) -> list[str]:
-    """Every table the records have data for, in the order measure.bench prints them."""
-    systems = {r["config"]["system"] for r in records}
-    has = lambda key: any(key in r["result"] for r in records)  # noqa: E731
-    out = [format_table(records, markdown=markdown)]
-    if systems & set(TARGETS):
-        out.append(format_targets(records, markdown=markdown))
-    if has("profile_ms"):
-        out.append(format_profile(records, markdown=markdown))
-    if has("rank_cpu_ms"):
-        out.append(format_cpu(records, markdown=markdown))
-    if has("memory"):
-        out.append(format_memory(records, markdown=markdown))
-    if systems & set(MP_SYSTEMS):
-        out.append(format_mp(records, markdown=markdown))
-    return out
-
-
-def format_memory(records: list[dict], *, markdown: bool = False) -> str:
-    """Peak tensor bytes per rank (MiB) of the records that carry the memory pass: the peak, the
-    bytes alive between steps, the analytic states and saved activations, our systems' bound
-    ([Note: the memory bound]), and the ratios."""
-    grouped = _grouped(records)
-    head = ["system", "N", *(["group"] if grouped else []), "level", "peak MiB", "between steps"]
-    head += [
-        "states",
-        "activations",
-        "÷accounted",
-        "bound",
-        "÷bound",
-        "×DDP",
-        "×best peer",
-        "drift",
-    ]
-    rows = []
-    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
-    ratio = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
-    for rec in records:
-        mem = rec["result"].get("memory")
-        if not mem:
-            continue
-        best = mem.get("best_peer_at_level")
-        versus = ratio(mem.get("peak_vs_best_peer"))
-        rows.append(
-            [
-                rec["config"]["system"],
-                str(rec["config"]["world_size"]),
-                *([rec["config"].get("group") or "—"] if grouped else []),
-                str(mem["sharding_level"]),
-                mib(mem["peak_bytes"]),
-                mib(mem["resident_bytes"]),
-                mib(mem["analytic_states_bytes"]),
-                mib(mem["activation_bytes"]),
-                ratio(mem.get("peak_over_accounted")),
-                mib(mem["bound_bytes"]) if "bound_bytes" in mem else "—",
-                ratio(mem.get("peak_over_bound")),
-                ratio(mem.get("peak_vs_ddp")),
-                versus if versus == "—" else f"{versus} ({PEER_LABELS.get(best, best)})",
-                f"{mem['drift_bytes']}",
-            ]
-        )
-    return _render(head, rows, markdown)
-
-
-def format_mp(records: list[dict], *, markdown: bool = False) -> str:
-    """The model-parallel systems' table: the mesh, the step time against DDP and Megatron, and
-    one steady step's counted elements per rank (rank 0; ZeRO's kind "model", MP's kind "mp")."""
-    head = ["system", "N", "N_d", "N_m", "stage", "ms/step", "IQR", "×DDP", "×Megatron"]
-    head += ["model elements", "mp elements"]
-    rows = []
-    ratio = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
-    for rec in records:
-        c, res = rec["config"], rec["result"]
-        if c["system"] not in MP_SYSTEMS:
-            continue
-        row = [c["system"], str(c["world_size"]), str(c["dp"]), str(c["mp"]), str(c["stage"])]
-        if res["status"] != "ok":
-            rows.append(row + [res["status"]] + [""] * (len(head) - len(row) - 1))
-            continue
-        counted = res["traffic_per_step"][0]["elements"]
-        rows.append(
-            row
-            + [f"{res['median_ms']:.0f}", f"{res['p25_ms']:.0f}-{res['p75_ms']:.0f}"]
-            + [ratio(res.get("ratio_vs_ddp")), ratio(res.get("ratio_vs_megatron"))]
-            + [f"{counted['model']:,}", f"{counted['mp']:,}"]
-        )
-    return _render(head, rows, markdown)
-
-
-def _render(head: list[str], rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(
-        x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths))
-    )
-    return "\n".join([fmt(head), *(fmt(r) for r in rows)])

@@ -1,7 +1,8 @@
 """The systems a benchmark times, inside one rank: our engine and the peers (DDP, FSDP2,
 DeepSpeed), each a Trainer whose step is forward + backward + update; the workloads they run
-(BenchModel, MODELS) and the benchmark's configuration (BenchConfig). measure/bench.py drives
-them over ranks and repeats; measure/bench_mp.py adds the model-parallel systems.
+(BenchModel, MODELS) and the benchmark's configuration (BenchConfig), all importable from
+measure.bench. measure/bench.py drives them over ranks and repeats; measure/bench_mp.py adds the
+model-parallel systems.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from zero.mp.gpt import check_split
 from zero.ranks.launch import MAX_TIMEOUT_S, check_timeout
 from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
-from .bench_table import DEFAULT_SYSTEMS, MP_SYSTEMS, SYSTEMS, mp_layout
+from .bench_systems import DEFAULT_SYSTEMS, MP_SYSTEMS, SYSTEMS, mp_layout
 
 MALLOC_MODES = ("system", "keep")
 """BenchConfig.malloc: glibc's defaults, or [Note: malloc keeps freed blocks]."""

@@ -1,0 +1,8 @@
+"""The parts that measure's two largest instruments are built from, kept apart so that each
+command's own module reads as its driver; every public name is importable from the command's
+module too (measure.bench, measure.bench_table, measure.fake_rank).
+
+    trainers.py       the systems measure.bench times, inside one rank; BenchConfig, MODELS
+    bench_systems.py  the systems' names, sharding levels and analytic model states
+    bench_format.py   the tables drawn from measure.bench's records
+"""
