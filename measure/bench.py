@@ -12,15 +12,18 @@ it is not, its rows say "not installed" and the other systems run.
 Systems (SYSTEMS): zero-s{0..3} (fast mode), zero-s{0..3}-det (deterministic), ddp,
 zero-redundancy, fsdp2, fsdp2-reshard, deepspeed-s{1,2,3}; fp32 AdamW, M = N. Model parallelism
 (named only, never by default): megatron-lm, zero-s{0..3}-mp{1,2,4}[-det] (measure/bench_mp.py).
-Memory (--memory, on by default; [Note: the memory pass]): peak MiB per rank, measured by
-measure/tensor_memory.py, beside the analytic model states of the system's sharding level
-(zero/common/memory.py) and the activations autograd saves; ×DDP and ×best peer at the same level;
-for ours, the bound derived from the model's shape ([Note: the memory bound] in
-measure/bench_table.py) and the peak over it.
+Memory (--memory, on by default; [Note: the memory pass] in measure/parts/bench_ranks.py): peak
+MiB per rank, measured by measure/tensor_memory.py, beside the analytic model states of the
+system's sharding level (zero/common/memory.py) and the activations autograd saves; ×DDP and
+×best peer at the same level; for ours, the bound derived from the model's shape ([Note: the
+memory bound] in measure/bench_table.py) and the peak over it.
 Legend: N ranks; ms/step the slowest rank's step, median over repeats × steps (IQR its spread);
 ×DDP / ×fast / ×s2 / ×<peer> ratios of medians; MFU model FLOPs ÷ step time ÷ measured peak
 (measure/mfu.py); Δloss the largest loss difference from DDP. Every system, column and rule is
 described in benchmarks/cpu-2core-2026-11.md, section "How the step time is taken".
+This module is the driver and the command line; what each rank runs is
+measure/parts/bench_ranks.py, the records measure/parts/bench_records.py, the systems
+measure/parts/trainers.py (BenchConfig, MODELS: importable from here).
 """
 
 # [Note: alternating repeats] Machine noise comes in bursts of seconds, so repeats go round-robin
@@ -38,282 +41,31 @@ described in benchmarks/cpu-2core-2026-11.md, section "How the step time is take
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
-import traceback
-from dataclasses import asdict
-from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from zero.common import cli
-from zero.common.results import make_record, provenance, read_json, write_json
-from zero.workloads.models import GPT
+from zero.common.results import provenance, read_json, write_json
 
-from . import mfu, tensor_memory
-from .bench_table import (
-    MP_SYSTEMS,
+from .bench_table import (  # noqa: F401  (OURS, analytic_states_bytes: importable from here)
     OURS,
-    SHARDING_LEVEL,
     SYSTEMS,
     add_ratios,
     analytic_states_bytes,
     format_all,
     merge_records,
 )
-from .parts.trainers import (
-    MODELS,
-    BenchConfig,
-    DeepSpeedPeer,
-    Ours,
-    Phases,
-    TorchPeer,
-    Trainer,
-    rank_device,
-    sync,
-)
-
-KIND = "bench.step_time"
-"""The results-record kind (zero.common.results) of one (system, N) measurement."""
-_REPO_ROOT = Path(__file__).resolve().parent.parent
-BUILD_WARMUP = 2
-"""Untimed steps right after building a system (data steps 0 and 1)."""
-
-_LIVE: dict[str, Trainer] = {}
-"""The systems built in this rank, by name: they persist between pool calls."""
-
-
-def prepare_deepspeed(rank: int, n: int) -> str | None:
-    """Import DeepSpeed and join its communication layer to the existing group, one rank at a
-    time: the first import JIT-compiles a small C++ op, and ranks compiling into the same
-    directory at once race. Returns None, or why DeepSpeed cannot run here."""
-    device = rank_device()
-    if device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # Kept between runs (the build is ~30 s); .cache/ is in the ignored build area.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO_ROOT / ".cache" / "torch_extensions"))
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    why = None
-    for turn in range(n):
-        if turn == rank:
-            try:
-                import deepspeed
-
-                deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-                import logging
-
-                logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-            except ModuleNotFoundError as e:
-                why = "not installed" if e.name == "deepspeed" else f"unavailable: {e}"
-            except Exception as e:  # a broken install must not take the other systems down
-                why = f"unavailable: {type(e).__name__}: {e}"
-        dist.barrier()
-    return why
-
-
-def _ours(trainer: Trainer) -> bool:
-    """Whether the system runs our engine: by the engine it holds, not its class (megatron-lm
-    shares MPTrainer with ours but trains without the engine)."""
-    from zero.engine import ZeroEngine
-
-    return isinstance(getattr(trainer, "engine", None), ZeroEngine)
-
-
-def _make(name: str, rank: int, n: int, cfg: BenchConfig) -> Trainer:
-    if name in MP_SYSTEMS:
-        from .bench_mp import MPTrainer as kind
-    else:
-        kind = Ours if name in OURS else DeepSpeedPeer if name.startswith("deep") else TorchPeer
-    return kind(name, rank, n, cfg)
-
-
-def _build(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
-    """Build one system in this rank (and warm it up), or say why it cannot run."""
-    if name.startswith("deepspeed"):
-        why = prepare_deepspeed(rank, n)
-        if why is not None:
-            return {"status": why}
-    try:
-        trainer = _make(name, rank, n, cfg)
-        # DDP rebuilds its buckets, and allocators settle, in the first steps
-        losses = [trainer.step(trainer.batch()) for _ in range(BUILD_WARMUP)]
-    except Exception:
-        # A rank that fails half-way through a collective leaves its peers waiting; the pool's
-        # timeout names them. A failure on every rank (a version mismatch) is reported here.
-        return {"status": "failed", "error": traceback.format_exc(limit=8)}
-    _LIVE[name] = trainer
-    from .bench_mp import step_traffic
-
-    return {
-        # the counted collectives of the last warm-up step (a steady one), this rank's
-        "traffic": step_traffic(trainer.engine.counter) if _ours(trainer) else None,
-        "status": "ok",
-        "options": trainer.options(),
-        "threads": torch.get_num_threads(),
-        "device": str(trainer.device),
-        "num_params": GPT(cfg.workload.gpt, device="meta").num_params(),
-        "build_losses": losses,  # data steps 0, 1: the same for every system, always
-    }
-
-
-# [Note: CPU time per step] Each rank's CPU time over its timed steps: every thread of the
-# process (the compute thread, gloo's, the kernel's work on the rank's behalf in its sockets),
-# from the process clock (time.process_time, nanoseconds), and the kernel's part from os.times()
-# (clock ticks, 10 ms here: at a step of a few ms only the total is precise). On a machine with
-# as many cores as ranks, a rank that is never idle has CPU ≈ wall, and then whatever CPU a
-# system spends beyond DDP's, on copying or sending bytes, is wall time too: no overlap hides
-# work from a core that has no other to give. Where the ranks outnumber the cores, CPU < wall by
-# the time a rank waits for a core. The table (format_cpu) sets each system's CPU per step
-# beside its wall time and DDP's.
-
-
-def _repeat(rank: int, n: int, name: str, steps: int, warmup: int) -> dict:
-    """One repeat of one system: warm-up steps, then `steps` timed steps. Per-step seconds."""
-    trainer = _LIVE[name]
-    cpu0 = time.process_time()
-    for _ in range(warmup):
-        trainer.step(trainer.batch())
-    seconds, losses = [], []
-    gc.collect()
-    gc.disable()  # a collection pause would be charged to whichever system ran into it
-    # [Note: CPU time per step]: this rank's threads over the timed steps (barriers included)
-    span0, cpu_t0, times0 = time.perf_counter(), time.process_time(), os.times()
-    try:
-        for _ in range(steps):
-            batch = trainer.batch()  # data is made outside the timed region
-            sync(trainer.device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = trainer.step(batch)
-            sync(trainer.device)
-            seconds.append(time.perf_counter() - t0)
-            losses.append(loss)
-    finally:
-        gc.enable()
-    span, cpu_t, times1 = time.perf_counter() - span0, time.process_time() - cpu_t0, os.times()
-    return {
-        "seconds": seconds,
-        "losses": losses,
-        "first_step": trainer.data_step - steps,
-        "cpu_s": time.process_time() - cpu0,  # every thread of this rank
-        "span_s": span,  # wall time of the timed steps' loop
-        "timed_cpu_s": cpu_t,  # its CPU time (the process clock: nanoseconds)
-        "system_s": times1.system - times0.system,  # of which the kernel's (clock ticks)
-    }
-
-
-def _profile(rank: int, n: int, name: str, steps: int) -> dict:
-    """`steps` steps with phase timers: "phases", per step the seconds by phase (plus "step",
-    the total), and "cpu_s"."""
-    trainer = _LIVE[name]
-    cpu0 = time.process_time()
-    out = []
-    for _ in range(steps):
-        batch = trainer.batch()
-        ph = Phases()
-        ph.device = trainer.device
-        with trainer.instrument(ph):
-            sync(trainer.device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            trainer.step(batch)
-            sync(trainer.device)
-            ph.seconds["step"] = time.perf_counter() - t0
-        out.append(dict(ph.seconds))
-    return {"phases": out, "cpu_s": time.process_time() - cpu0}
-
-
-MEMORY_STEPS = 3
-"""Steps of the memory pass: the first allocates the optimizer states of torch.optim (lazily),
-the second is the first steady one, the third shows drift ([Note: the memory pass])."""
-
-
-def _memory(rank: int, n: int, name: str, cfg: BenchConfig) -> dict:
-    """[Note: the memory pass] A fresh copy of system `name`, built and stepped MEMORY_STEPS
-    times inside measure.tensor_memory.tracking, so that every byte it holds was allocated in the
-    block: "peak_bytes" is the most tensor bytes alive at once during the steps, "resident_bytes"
-    those alive after the last, "build_peak_bytes" the construction's peak, "drift_bytes" the
-    growth from the second step's end to the third's (0 in steady state; see tensor_memory's
-    docstring for what would make it positive). "activation_bytes": what autograd saves for
-    backward in a plain GPT's forward of this rank's micro-batch (measure.resident)."""
-    from measure.resident import release_free_memory, saved_activations
-
-    device = rank_device()
-    cpu0 = time.process_time()
-    probe_of = Trainer
-    if name in MP_SYSTEMS:  # the rank's slice and its micro-batch
-        from .bench_mp import MPProbe as probe_of
-    probe = probe_of(name, rank, n, cfg)
-    model, batch = probe.model(), probe.batch()
-    with saved_activations(model.parameters()) as saved:
-        model(*batch)
-    acts = saved.nbytes
-    del model, batch, saved
-    gc.collect()
-    states = None
-    with tensor_memory.tracking(device) as (mark, trace):
-        mark("build")
-        trainer = _make(name, rank, n, cfg)
-        for i in range(MEMORY_STEPS):
-            batch = trainer.batch()
-            mark(f"step {i + 1}")
-            trainer.step(batch)
-            del batch
-        mark("end")
-        if _ours(trainer):
-            report = trainer.engine.memory_report()  # model states; comm_buffers are transient
-            states = sum(report.get(k, 0) for k in ("params", "frozen", "grads", "master"))
-            states += report["optimizer"]
-        del trainer
-        gc.collect()
-    release_free_memory()  # the next system's pass starts from what this rank held before this one
-    last = f"step {MEMORY_STEPS}"
-    return {
-        "peak_bytes": trace.peak("step 1"),
-        "resident_bytes": trace.end(last),
-        "build_peak_bytes": trace.peak_of("build"),
-        "drift_bytes": trace.end(last) - trace.end(f"step {MEMORY_STEPS - 1}"),
-        "engine_states_bytes": states,
-        "activation_bytes": acts,
-        "method": tensor_memory.method(device),
-        "cpu_s": time.process_time() - cpu0,
-    }
-
-
-def _peak(rank: int, n: int) -> dict:
-    """This rank's measured peak FLOP/s, every rank at once ([Note: the peak a rank can reach]
-    in measure/mfu.py)."""
-    device = rank_device()
-    cpu0 = time.process_time()
-    peak = mfu.measure_peak_flops(device)
-    return {
-        "peak_flops": peak,
-        "dtype": str(mfu.PEAK_DTYPE[device.type]).removeprefix("torch."),
-        "cpu_s": time.process_time() - cpu0,
-    }
-
-
-def _keep_freed_blocks(rank: int, n: int) -> None:
-    from measure.resident import keep_freed_blocks
-
-    if rank_device().type == "cpu" and not keep_freed_blocks():
-        raise RuntimeError(f"rank {rank}: malloc='keep' needs glibc's mallopt, not found here")
-
-
-def _drop_all(rank: int, n: int) -> None:
-    """Free every system in this rank (a shared pool outlives the benchmark), and hand malloc's
-    free pages back to the kernel: without the trim a rank's resident memory stays at the sum of
-    every system it has built (glibc keeps freed heap pages), and at `mid` the memory pass that
-    follows the timing ran two ranks out of a 24 GiB machine."""
-    from measure.resident import release_free_memory
-
-    _LIVE.clear()
-    release_free_memory()
-
+from .parts import bench_ranks as in_rank
+from .parts.bench_ranks import BUILD_WARMUP, MEMORY_STEPS, prepare_deepspeed  # noqa: F401
+from .parts.bench_ranks import make as _make  # noqa: F401  (a system in this rank, for tests)
+from .parts.bench_ranks import memory as _memory  # noqa: F401  ([Note: the memory pass])
+from .parts.bench_records import KIND, record
+from .parts.bench_records import record as _record  # noqa: F401  (one record, for tests)
+from .parts.trainers import MODELS, BenchConfig, rank_device
 
 # ---------------------------------------------------------------------------------------------
 # The driver (the parent process, or every rank under torchrun)
@@ -335,29 +87,17 @@ class _World:
         return every
 
 
-def _stats(samples: list[float]) -> dict[str, float]:
-    a = np.asarray(samples, dtype=np.float64)
-    p25, median, p75 = np.percentile(a, [25, 50, 75])
-    return {
-        "median_ms": float(median),
-        "p25_ms": float(p25),
-        "p75_ms": float(p75),
-        "min_ms": float(a.min()),
-        "max_ms": float(a.max()),
-    }
-
-
 def bench_world(n: int, cfg: BenchConfig, *, pool=None, say=print) -> list[dict]:
     """Build every system of cfg in one world of n ranks, time them round-robin, and return
     one zero.common.results record per system (status "ok", "not installed", "unavailable: ...", or
     "failed"). `pool`: a zero.ranks.launch WorkerPool of n ranks, or None under torchrun."""
     world = _World(n, pool, cfg.timeout_s)
     if cfg.malloc == "keep":  # before any system allocates: every one runs under it
-        world.run(_keep_freed_blocks)
+        world.run(in_rank.keep_freed_blocks)
     built: dict[str, list[dict]] = {}
     for name in cfg.systems:
         t0 = time.perf_counter()
-        built[name] = world.run(_build, name, cfg)
+        built[name] = world.run(in_rank.build, name, cfg)
         status = {b["status"] for b in built[name]}
         say(f"  N={n} {name}: {'/'.join(sorted(status))} ({time.perf_counter() - t0:.1f} s)")
     ready = [s for s in cfg.systems if all(b["status"] == "ok" for b in built[s])]
@@ -369,7 +109,9 @@ def bench_world(n: int, cfg: BenchConfig, *, pool=None, say=print) -> list[dict]
         t0 = time.perf_counter()
         order = ready[r % len(ready) :] + ready[: r % len(ready)] if ready else []
         for name in order:
-            per_rank, noisy = _undisturbed(world, meter, cfg, _repeat, name, cfg.steps, cfg.warmup)
+            per_rank, noisy = _undisturbed(
+                world, meter, cfg, in_rank.repeat, name, cfg.steps, cfg.warmup
+            )
             timings[name].append(per_rank)
             redone[name] += noisy
         others = [timings[s][-1][0]["other_cores"] for s in order]
@@ -379,24 +121,26 @@ def bench_world(n: int, cfg: BenchConfig, *, pool=None, say=print) -> list[dict]
             + ("" if busiest is None else f"; others used <= {busiest:.2f} cores")
             + f"; {sum(len(v) for v in redone.values())} repeats redone so far)"
         )
-    peaks = _undisturbed(world, meter, cfg, _peak)[0] if ready else None
+    peaks = _undisturbed(world, meter, cfg, in_rank.peak)[0] if ready else None
     profiles = {}
     if cfg.profile:
         for name in ready:
-            per_rank, _ = _undisturbed(world, meter, cfg, _profile, name, cfg.steps)
+            per_rank, _ = _undisturbed(world, meter, cfg, in_rank.profile, name, cfg.steps)
             profiles[name] = [x["phases"] for x in per_rank]
     memory = {}
     if cfg.memory:
-        world.run(_drop_all)  # the timed copies are not needed any more: room for the fresh ones
+        world.run(
+            in_rank.drop_all
+        )  # the timed copies are not needed any more: room for the fresh ones
         for name in ready:
-            memory[name] = world.run(_memory, name, cfg)
+            memory[name] = world.run(in_rank.memory, name, cfg)
             say(
                 f"  N={n} {name}: peak {max(m['peak_bytes'] for m in memory[name]) / 2**20:.1f} MiB"
             )
-    world.run(_drop_all)
+    world.run(in_rank.drop_all)
     prov = provenance()
     return [
-        _record(
+        record(
             name, n, cfg, built[name], timings.get(name), profiles.get(name), prov, redone, peaks,
             memory.get(name),
         )
@@ -466,148 +210,6 @@ class _Meter:
             waited = time.perf_counter() - t0
             if other is None or other <= self.cfg.quiet_cores or waited >= self.cfg.quiet_wait_s:
                 return waited
-
-
-def _base_config(name: str, n: int, cfg: BenchConfig) -> dict:
-    w = cfg.workload
-    stage = int(name[6]) if name in OURS else int(name[-1]) if name.startswith("deep") else None
-    config = {
-        "benchmark": "step_time",
-        "system": name,
-        "family": "ours" if name in OURS else "peer",
-        "stage": stage,
-        "mode": ("deterministic" if name.endswith("-det") else "fast") if name in OURS else None,
-        "world_size": n,
-        "micro_batches": n,
-        "precision": "fp32",
-        "reduce_dtype": "fp32",
-        "optimizer": "adamw",
-        "lr": cfg.lr,
-        "weight_decay": cfg.weight_decay,
-        "weight_decay_on": "matrices (ndim >= 2); none on biases and norms",
-        "model": cfg.model,
-        "gpt": asdict(w.gpt),
-        "batch_size": w.batch_size,
-        "seq_len": w.gpt.block_size,
-        "seed": cfg.seed,
-        "repeats": cfg.repeats,
-        "steps": cfg.steps,
-        "warmup": cfg.warmup,
-        "build_warmup": BUILD_WARMUP,
-        "quiet_cores": cfg.quiet_cores,
-        "retries": cfg.retries,
-        "note": cfg.note,
-        "group": cfg.group,
-        "malloc": cfg.malloc,
-    }
-    if name in MP_SYSTEMS:
-        from .bench_mp import config_fields
-
-        config.update(config_fields(name, n, cfg))
-    return config
-
-
-def _record(name, n, cfg, built, timing, profile, prov, redone, peaks, memory=None) -> dict:
-    config = _base_config(name, n, cfg)
-    first = built[0]
-    if first["status"] != "ok" or timing is None:
-        statuses = sorted({b["status"] for b in built})
-        result = {"status": "failed" if "failed" in statuses else statuses[0]}
-        errors = [b.get("error") for b in built if b.get("error")]
-        if errors:
-            result["error"] = errors[0]
-        return make_record(config=config, result=result, kind=KIND, provenance=prov)
-    config.update(
-        num_params=first["num_params"],
-        threads_per_rank=max(b["threads"] for b in built),
-        device=first["device"],
-        backend=_backend(first["device"]),
-        options=first["options"],
-    )
-    # timing[r][rank] = {"seconds": [...], "losses": [...], "first_step": s}
-    rank_ms = [[[1e3 * t for t in per_rank["seconds"]] for per_rank in rep] for rep in timing]
-    step_ms = [[max(col) for col in zip(*rep)] for rep in rank_ms]
-    losses = [[float(np.mean(col)) for col in zip(*(p["losses"] for p in rep))] for rep in timing]
-    samples = [t for rep in step_ms for t in rep]
-    result = {
-        "status": "ok",
-        **_stats(samples),
-        "repeat_medians_ms": [float(np.median(rep)) for rep in step_ms],
-        "step_ms": step_ms,
-        "rank_step_ms": rank_ms,
-        "losses": losses,
-        "first_data_steps": [rep[0]["first_step"] for rep in timing],
-        "build_losses": [float(np.mean(col)) for col in zip(*(b["build_losses"] for b in built))],
-        # cores other processes used during each kept repeat (None: not measurable here),
-        # and during the repeats that were timed again because of them
-        "other_cores": [rep[0]["other_cores"] for rep in timing],
-        "redone_other_cores": redone.get(name, []),
-        "waited_for_quiet_s": sum(rep[0]["waited_s"] for rep in timing),
-        "traffic_per_step": [b["traffic"] for b in built],  # per rank; None: not our engine
-        # [Note: CPU time per step]: per repeat and rank, ms per timed step of the loop's wall
-        # time, its CPU time and the kernel's part of it
-        "rank_span_ms": [[1e3 * p["span_s"] / cfg.steps for p in rep] for rep in timing],
-        "rank_cpu_ms": [[1e3 * p["timed_cpu_s"] / cfg.steps for p in rep] for rep in timing],
-        "rank_system_ms": [[1e3 * p["system_s"] / cfg.steps for p in rep] for rep in timing],
-    }
-    # MFU (measure/mfu.py): this rank's model FLOPs over the step's median time (the slowest
-    # rank's), against the median over ranks of the peak each measured
-    flops = mfu.step_flops(cfg.workload.gpt, cfg.workload.batch_size)
-    peak = float(np.median([p["peak_flops"] for p in peaks]))
-    config["peak_dtype"] = peaks[0]["dtype"]
-    use = mfu.utilisation(flops, result["median_ms"] / 1e3, peak)
-    result.update(
-        flops_per_rank_step=flops,
-        peak_flops_per_rank=peak,
-        rank_peak_flops=[p["peak_flops"] for p in peaks],
-        achieved_flops_per_rank=use["achieved_flops"],
-        mfu=use["mfu"],
-    )
-    if profile is not None:
-        result["profile_ms"], result["profile_steps_ms"] = _profile_summary(profile)
-    if memory is not None:
-        params = config.get("slice_params", config["num_params"])
-        result["memory"] = _memory_summary(name, n, params, memory, config.get("mp", 1))
-    return make_record(config=config, result=result, kind=KIND, provenance=prov)
-
-
-def _memory_summary(name: str, n: int, num_params: int, per_rank: list[dict], mp=1) -> dict:
-    """The memory pass's figures, the largest over ranks (the rank a budget must fit), with
-    every rank's peak and the analytic model states of the system's sharding level."""
-    states = [m["engine_states_bytes"] for m in per_rank]
-    return {
-        "peak_bytes": max(m["peak_bytes"] for m in per_rank),
-        "rank_peak_bytes": [m["peak_bytes"] for m in per_rank],
-        "resident_bytes": max(m["resident_bytes"] for m in per_rank),
-        "build_peak_bytes": max(m["build_peak_bytes"] for m in per_rank),
-        "drift_bytes": max(m["drift_bytes"] for m in per_rank),
-        "activation_bytes": max(m["activation_bytes"] for m in per_rank),
-        "engine_states_bytes": None if None in states else max(states),
-        "analytic_states_bytes": analytic_states_bytes(name, n, num_params, mp),
-        "sharding_level": SHARDING_LEVEL[name],
-        "steps": MEMORY_STEPS,
-        "method": per_rank[0]["method"],
-    }
-
-
-def _backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
-
-
-def _profile_summary(per_rank: list[list[dict[str, float]]]) -> tuple[dict, dict]:
-    """Per phase: the median over steps of the mean over ranks, in ms; and the per-step means
-    themselves. The phases nest within each step (a sub-phase inside its phase, the phases inside
-    the step), so the per-step values add up; the medians need not (a median of a sum is not the
-    sum of the medians)."""
-    phases = sorted({k for rank in per_rank for step in rank for k in step})
-    medians, steps = {}, {}
-    for k in phases:
-        per_step = [
-            1e3 * float(np.mean([rank[i].get(k, 0.0) for rank in per_rank]))
-            for i in range(len(per_rank[0]))
-        ]
-        medians[k], steps[k] = float(np.median(per_step)), per_step
-    return medians, steps
 
 
 def run_bench(cfg: BenchConfig, *, pools=None, say=print, done=None) -> list[dict]:

@@ -174,9 +174,9 @@ def phase_parts(record: dict) -> dict[str, float]:
 
 
 def cpu_per_step(record: dict) -> dict[str, float] | None:
-    """[Note: CPU time per step] (measure/bench.py) of an ok record: the medians over repeats and
-    ranks of a rank's CPU ms per timed step and of its kernel part (user: the rest); None for
-    records without them."""
+    """[Note: CPU time per step] (measure/parts/bench_ranks.py) of an ok record: the medians
+    over repeats and ranks of a rank's CPU ms per timed step and of its kernel part (user: the
+    rest); None for records without them."""
     res = record["result"]
     if res.get("status") != "ok" or "rank_cpu_ms" not in res:
         return None
