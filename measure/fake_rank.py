@@ -10,7 +10,9 @@ set (RSS, from /proc/self/statm) before the model is built, after construction, 
 step, beside the analytic model of zero/common/memory.py and the engine's own accounting. Peaks (the
 largest unit during construction, a gathered unit and activations during a step) are reported
 apart from the quiescent point after a step. With ``--mp N_m`` the world is an N_d × N_m mesh and
-the rank builds its tensor-parallel slice ([Note: simulated MP rank]).
+the rank builds its tensor-parallel slice ([Note: simulated MP rank]). The configuration and its
+checks are measure/parts/fake_rank_config.py's, the peak estimate
+measure/parts/fake_rank_estimate.py's (both importable from here).
 
 Legend: Ψ parameters of the model, N = N_d world size, K = 12 (mixed-precision Adam).
 """
@@ -18,17 +20,18 @@ Legend: Ψ parameters of the model, N = N_d world size, K = 12 (mixed-precision 
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 
 from zero.common import cli
 
+from .parts.fake_rank_config import SimulateConfig, check_device, check_options, zero_config
+from .parts.fake_rank_estimate import estimate_peak_bytes, gpt_for
+from .parts.fake_rank_estimate import gpt_for as _gpt  # noqa: F401  (importable as before)
 from .resident import MemoryProbe, mem_available_bytes, peak_rss_bytes, rss_bytes
 
 __all__ = [
@@ -40,98 +43,8 @@ __all__ = [
     "simulate_rank",
 ]
 
-TRANSIENT_BYTES_PER_UNIT_ELEMENT = 24
-"""[Note: transient bound] Bytes per element of the largest unit that a rank holds on top of its
-model states at its peak. Construction holds one unit's fp32 start values twice (the flat buffer
-and the per-parameter values, 8 B) and its compute-dtype working copy (2 B); a stage-3 step holds
-up to two gathered units and the root (2 B each), a unit's full-size gradient (2 B), the receive
-buffers of up to two reductions in flight (2 B each) and the parameters' .grad (2 B), about 16 B.
-24 B leaves a margin: the 7.5B rank of Figure 1 peaked 3.0 GB above its model states, 19.5 B
-times its largest unit (the root, 154M elements). Used only to decide whether a rank fits."""
-
-RUNTIME_BYTES = 256 * 1024**2
-"""What a first step costs whatever the model (kernel workspaces, autograd's thread: about 31 MB
-measured) plus activations at sequence 64 and batch 1, with room to spare."""
-
 HEADROOM_BYTES = 2 * 1024**3
 """Memory left to everything else on the machine when a large simulated rank starts."""
-
-
-def _gpt(params: float, *, seq: int, vocab_size: int, shape: dict | None = None):
-    """The GPT of `gpt_config_for(params)`, or of `shape` (n_layer, n_embd, n_head) when given."""
-    from zero.workloads.models import GPTConfig, gpt_config_for, gpt_num_params
-
-    if shape:
-        cfg = GPTConfig(vocab_size=vocab_size, block_size=max(seq, 16), **shape)
-    else:
-        cfg, _ = gpt_config_for(params, vocab_size=vocab_size)
-        cfg = type(cfg)(**{**cfg.__dict__, "block_size": max(seq, 16)})
-    return cfg, gpt_num_params(cfg)  # arithmetic: a 1e15 model is never built to be counted
-
-
-BLOCK_TENSORS, ROOT_TENSORS = 12, 5
-"""Parameter tensors of a GPT block (two layer norms, attention and MLP, weights and biases) and
-at most of its root unit (the embeddings, the last layer norm, an untied head): each starts at an
-aligned offset, so each adds at most ALIGN - 1 elements of gap to its unit's flat buffer."""
-
-
-def padded_unit_numel(numel: int, tensors: int, *, chunk: int, world_size: int) -> int:
-    """An upper bound of the flat buffer N·L of a unit of `numel` parameters in `tensors`
-    tensors (reference/layout.py): offsets aligned to ALIGN, the extent rounded up to whole
-    chunks C, then to N·L with L a multiple of C. At a large N this is N·C, whatever the unit:
-    every rank holds at least one chunk of every unit, and a gathered unit is N of them."""
-    from reference.layout import ALIGN
-
-    chunks = max(1, math.ceil((numel + tensors * (ALIGN - 1)) / chunk))
-    return world_size * math.ceil(chunks / world_size) * chunk
-
-
-def estimate_peak_bytes(
-    *,
-    params: float,
-    world_size: int,
-    stage: int,
-    seq: int = 64,
-    vocab_size: int = 50257,
-    shape: dict | None = None,
-    options: dict | None = None,
-) -> dict:
-    """The analytic model states of one rank (the paper's formula on Ψ: model_states) and an
-    upper estimate of its peak, in bytes.
-
-    Peak = model states of the padded units (zero.common.memory, the paper's configuration)
-    + TRANSIENT_BYTES_PER_UNIT_ELEMENT × the largest padded unit ([Note: transient bound])
-    + RUNTIME_BYTES. Pure arithmetic on the model's shape: nothing is allocated. The padding
-    counts: each unit is padded to N·L elements (padded_unit_numel), which at a large world
-    size is N·C for every unit, far above its parameters (2M parameters at N = 10^6 are
-    padded to 12·10^9 elements, and a rank gathers 4·10^9 of them at once). `options` (further
-    ZeroConfig fields) may set the chunk C.
-    """
-    from zero.common.memory import model_state_breakdown
-    from zero.config import ZeroConfig
-
-    chunk = (options or {}).get("chunk", ZeroConfig.__dataclass_fields__["chunk"].default)
-    cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size, shape=shape)
-    h = cfg.n_embd
-    block = 12 * h * h + 13 * h
-    root = count - cfg.n_layer * block
-    pad = dict(chunk=chunk, world_size=world_size)
-    padded_block = padded_unit_numel(block, BLOCK_TENSORS, **pad)
-    padded_root = padded_unit_numel(root, ROOT_TENSORS, **pad)
-    padded = cfg.n_layer * padded_block + padded_root
-    states = model_state_breakdown(num_params=count, world_size=world_size, stage=stage).total
-    held = model_state_breakdown(num_params=padded, world_size=world_size, stage=stage).total
-    largest = max(padded_block, padded_root)
-    peak = held + TRANSIENT_BYTES_PER_UNIT_ELEMENT * largest + RUNTIME_BYTES
-    return {
-        "num_params": count,
-        "model_states": states,
-        "padded_params": padded,
-        "padded_model_states": held,
-        "largest_unit": largest,
-        "chunk": chunk,
-        "peak": peak,
-    }
 
 
 def refuse_unless_fits(est: dict, *, params: float, world_size: int, device: str) -> None:
@@ -154,96 +67,22 @@ def refuse_unless_fits(est: dict, *, params: float, world_size: int, device: str
     )
 
 
-FIXED_OPTIONS = ("stage", "precision", "reduce_dtype", "optimizer", "micro_batches", "units",
-                 "nonfinite", "groups", "group_of", "scaler")  # fmt: skip
-"""ZeroConfig fields a simulated rank sets itself (the paper's configuration: bf16, Adam; the
-stage its own option; units the model's blocks) or that JSON cannot give: not in `options`."""
+def fits_here(estimate: dict, *, device: str = "cpu") -> tuple[bool, str]:
+    """Whether a rank with this estimated peak fits now, and the reason either way."""
+    if device.startswith("cuda"):
+        import torch
 
-
-def _shown(value) -> str:
-    """A value as the command line gave it (JSON), else its repr."""
-    try:
-        return json.dumps(list(value) if isinstance(value, tuple) else value)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def zero_config(*, stage: int, world_size: int, options: dict | None, units=()):
-    """The ZeroConfig of a simulated rank: the paper's configuration and `options`."""
-    from zero.config import ZeroConfig
-
-    return ZeroConfig(
-        stage=stage,
-        precision="bf16",
-        reduce_dtype="bf16",
-        optimizer="adam",
-        micro_batches=world_size,
-        units=units,
-        nonfinite="skip",
-        # the gradient buffers exist from construction on every device, so that the resident
-        # set after construction is the paper's model states (release_grads would allocate them
-        # in the first step only, on CUDA by default)
-        **{"release_grads": False, **(options or {})},
-    )
-
-
-def check_options(options, *, stage: int, world_size: int, mp: int) -> None:
-    """`options` is None or a dict of further ZeroConfig fields that make a valid config of
-    this rank (checked before anything is built); else a ValueError naming options."""
-    if options is None:
-        return
-    from zero import build
-    from zero.config import ZeroConfig
-
-    allowed = [f for f in ZeroConfig.__dataclass_fields__ if f not in FIXED_OPTIONS]
-    head = f"options={_shown(options)}"
-    if not isinstance(options, dict):
-        raise ValueError(
-            f"{head}: not a JSON object; allowed is an object of further ZeroConfig fields, "
-            f"of {', '.join(allowed)}"
-        )
-    for key in options:
-        if key not in allowed:
-            why = (
-                f"{key!r} is set by the simulated rank" + (f" (--{key})" if key == "stage" else "")
-                if key in FIXED_OPTIONS
-                else f"{key!r} is not a ZeroConfig field"
-            )
-            raise ValueError(f"{head}: {why}; allowed keys are {', '.join(allowed)}")
-    try:
-        zcfg = zero_config(stage=stage, world_size=world_size, options=options)
-        build.check_config(zcfg, world_size)
-    except ValueError as exc:
-        raise ValueError(f"{head}: {' '.join(str(exc).split())}") from None
-    if zcfg.partition_activations and mp == 1:
-        raise ValueError(f"{head}: partition_activations=True needs model parallelism (mp > 1)")
-
-
-DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
-
-
-def check_device(device) -> None:
-    """'cpu', or 'cuda[:i]' where this process has CUDA device i; else a ValueError naming
-    device (checked before anything is built: torch would fail in its first CUDA call)."""
-    if not isinstance(device, str) or not DEVICE.fullmatch(device):
-        raise ValueError(f"device={device!r}: allowed are 'cpu' and 'cuda[:i]'")
-    if device == "cpu":
-        return
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
-        raise ValueError(
-            f"device={device!r}: this process has no CUDA device (torch {torch.__version__}, "
-            f"built {built}); allowed here is 'cpu'"
-        )
-    index = int(device.partition(":")[2] or 0)
-    if index >= count:
-        raise ValueError(
-            f"device={device!r}: this process has {count} CUDA device(s); allowed are 'cpu' "
-            f"and 'cuda:0' .. 'cuda:{count - 1}'"
-        )
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        ok = estimate["peak"] <= free
+        what = f"{free / 1e9:.1f} GB free of {total / 1e9:.1f} GB on {torch.cuda.get_device_name()}"
+    else:
+        avail = mem_available_bytes()
+        if avail is None:
+            return False, "MemAvailable unknown (no /proc/meminfo): not started"
+        ok = estimate["peak"] + HEADROOM_BYTES <= avail
+        what = f"MemAvailable {avail / 1e9:.1f} GB, keeping {HEADROOM_BYTES / 1e9:.1f} GB headroom"
+    verdict = "fits" if ok else "does not fit"
+    return ok, f"estimated peak {estimate['peak'] / 1e9:.2f} GB {verdict}: {what}"
 
 
 def _meta_model(cfg, *, world_size: int, mp: int, deterministic: bool = True):
@@ -264,87 +103,6 @@ def _meta_model(cfg, *, world_size: int, mp: int, deterministic: bool = True):
     groups = Mesh(dp=world_size, mp=mp).groups()
     ctx = MPContext.of(groups.mp_group, counter=CommCounter(), deterministic=deterministic)
     return TPGPT(cfg, ctx), groups.dp_group, ctx
-
-
-def fits_here(estimate: dict, *, device: str = "cpu") -> tuple[bool, str]:
-    """Whether a rank with this estimated peak fits now, and the reason either way."""
-    if device.startswith("cuda"):
-        import torch
-
-        free, total = torch.cuda.mem_get_info(torch.device(device))
-        ok = estimate["peak"] <= free
-        what = f"{free / 1e9:.1f} GB free of {total / 1e9:.1f} GB on {torch.cuda.get_device_name()}"
-    else:
-        avail = mem_available_bytes()
-        if avail is None:
-            return False, "MemAvailable unknown (no /proc/meminfo): not started"
-        ok = estimate["peak"] + HEADROOM_BYTES <= avail
-        what = f"MemAvailable {avail / 1e9:.1f} GB, keeping {HEADROOM_BYTES / 1e9:.1f} GB headroom"
-    verdict = "fits" if ok else "does not fit"
-    return ok, f"estimated peak {estimate['peak'] / 1e9:.2f} GB {verdict}: {what}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class SimulateConfig:
-    """One simulated rank; every field is an option of `python -m measure.fake_rank` and an
-    argument of simulate_rank and measure_rank."""
-
-    params: float = 7.5e9
-    """Ψ requested: the GPT is zero.workloads.models.gpt_config_for(params) unless `shape` is
-    given."""
-    world_size: int = 64
-    """N: the fake world's size."""
-    rank: int = 0
-    """Which rank of the N this process is."""
-    stage: int = 3
-    """ZeRO stage 0-3."""
-    steps: int = 1
-    """Real optimizer steps after construction."""
-    seq: int = 64
-    """Tokens per sequence."""
-    batch: int = 1
-    """Sequences per micro-batch."""
-    vocab_size: int = 50257
-    """Vocabulary of the GPT."""
-    device: str = "cpu"
-    """'cpu', or 'cuda[:i]' (allocator bytes instead of RSS)."""
-    shape: dict | None = None
-    """JSON {"n_layer", "n_embd", "n_head"} replacing gpt_config_for(params)."""
-    options: dict | None = None
-    """JSON of further ZeroConfig fields (e.g. {"activation_checkpointing": true})."""
-    mp: int = 1
-    """N_m: model-parallel degree. Above 1 the fake world has world_size·mp ranks, `rank` is a
-    global rank of that mesh (zero.mp.Mesh: rank = d·N_m + m) and the rank builds its TPGPT
-    slice; ZeRO runs in its DP group of N_d = world_size ranks ([Note: simulated MP rank])."""
-
-    def __post_init__(self):
-        for name in ("world_size", "steps", "seq", "batch", "vocab_size", "rank", "stage", "mp"):
-            if isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}: allowed are integers")
-        for name in ("world_size", "steps", "seq", "batch", "vocab_size", "mp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: allowed are integers >= 1")
-        if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size * self.mp):
-            raise ValueError(f"rank={self.rank!r}: allowed are 0 .. world_size·mp - 1")
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage={self.stage!r}: allowed are 0, 1, 2, 3")
-        if self.shape is None and not 0 < self.params < float("inf"):  # a shape makes it unused
-            raise ValueError(
-                f"params={self.params!r}: allowed are finite counts > 0 (or give shape)"
-            )
-        if self.shape is not None and (
-            set(self.shape) != {"n_layer", "n_embd", "n_head"}
-            or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 1
-                for v in self.shape.values()
-            )
-        ):
-            raise ValueError(
-                f"shape={self.shape!r}: allowed is {{'n_layer', 'n_embd', 'n_head'}}, integers >= 1"
-            )
-        check_device(self.device)
-        check_options(self.options, stage=self.stage, world_size=self.world_size, mp=self.mp)
 
 
 def simulate_rank(
@@ -376,6 +134,52 @@ def simulate_rank(
     """
     check_device(device)  # before the process group and the model: one line naming it
     check_options(options, stage=stage, world_size=world_size, mp=mp)
+    _join_fake_world(rank=rank, size=world_size * mp, device=device)
+    from zero.engine import ZeroEngine
+
+    cfg, count = gpt_for(params, seq=seq, vocab_size=vocab_size, shape=shape)
+    # the meta model before the baseline: it holds no tensor memory, but building the first one
+    # costs a process tens of MB of one-time setup that is no engine's (the rank's count used
+    # to build one before the baseline too)
+    det = (options or {}).get("deterministic", True)  # the MP sums' mode is the engine's
+    model, group, ctx = _meta_model(cfg, world_size=world_size, mp=mp, deterministic=det)
+    held = sum(p.numel() for p in model.parameters())  # Ψ_m: this rank's slice (Ψ at N_m = 1)
+    probe = MemoryProbe(device=device)
+    units = tuple(model.unit_names())
+    zcfg = zero_config(stage=stage, world_size=world_size, options=options, units=units)
+    t0 = time.perf_counter()
+    engine = ZeroEngine(model, zcfg, group=group, device=device, init_seed=None, mp=ctx)
+    built = probe.sample("after construction")
+    micro_steps = zcfg.micro_batches // world_size
+    after, seconds = _run_steps(engine, probe, steps, micro_steps, (batch, seq), device)
+    config = {
+        "params_requested": params,
+        "num_params": count,
+        "world_size": world_size,
+        "rank": rank,
+        "stage": stage,
+        "steps": steps,
+        "seq": seq,
+        "batch": batch,
+        "layers": cfg.n_layer,
+        "hidden": cfg.n_embd,
+        "vocab_size": vocab_size,
+        "precision": "bf16",
+        "reduce_dtype": "bf16",
+        "optimizer": "adam",
+        "device": device,
+        "n_head": cfg.n_head,
+        "options": dict(options or {}),
+        "mp": mp,
+        "slice_params": held,
+    }
+    sizes = {"count": count, "held": held, "world_size": world_size, "stage": stage}
+    return {"config": config, **_measured(engine, probe, built, after, seconds, t0=t0, **sizes)}
+
+
+def _join_fake_world(*, rank: int, size: int, device: str) -> None:
+    """This process as rank `rank` of a fake process group of `size` ranks (FakeStore), one
+    thread, its CUDA device set where it has one."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -384,32 +188,20 @@ def simulate_rank(
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size * mp)
-    from zero.common.memory import model_state_breakdown
-    from zero.engine import ZeroEngine
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
 
-    cfg, count = _gpt(params, seq=seq, vocab_size=vocab_size, shape=shape)
-    # the meta model before the baseline: it holds no tensor memory, but building the first one
-    # costs a process tens of MB of one-time setup that is no engine's (the rank's count used
-    # to build one before the baseline too)
-    det = (options or {}).get("deterministic", True)  # the MP sums' mode is the engine's
-    model, group, ctx = _meta_model(cfg, world_size=world_size, mp=mp, deterministic=det)
-    held = sum(p.numel() for p in model.parameters())  # Ψ_m: this rank's slice (Ψ at N_m = 1)
-    probe = MemoryProbe(device=device)
-    zcfg = zero_config(
-        stage=stage, world_size=world_size, options=options, units=tuple(model.unit_names())
-    )
-    t0 = time.perf_counter()
-    engine = ZeroEngine(model, zcfg, group=group, device=device, init_seed=None, mp=ctx)
-    built = probe.sample("after construction")
-    padded = sum(u.part.padded_numel for u in engine.units)
-    analytic = model_state_breakdown(num_params=padded, world_size=world_size, stage=stage)
-    tokens = torch.zeros((batch, seq), dtype=torch.long, device=device)
+
+def _run_steps(engine, probe, steps: int, micro_steps: int, shape: tuple, device: str):
+    """`steps` optimizer steps of `micro_steps` micro-steps each on zero tokens of `shape`
+    (B, T); (the probe's sample after each step, its peak reset before it; seconds per step)."""
+    import torch
+
+    tokens = torch.zeros(shape, dtype=torch.long, device=device)
     after, step_seconds = [], []
     for i in range(steps):
         probe.reset_peak()
         t_step = time.perf_counter()
-        for _k in range(zcfg.micro_batches // world_size):
+        for _k in range(micro_steps):
             _, loss = engine(tokens, tokens)
             engine.backward(loss)
         engine.step()
@@ -418,6 +210,17 @@ def simulate_rank(
         step_seconds.append(time.perf_counter() - t_step)
         del loss
         after.append(probe.sample(f"after step {i + 1}"))
+    return after, step_seconds
+
+
+def _measured(engine, probe, built: dict, after: list[dict], step_seconds: list[float], *,
+              count: int, held: int, world_size: int, stage: int, t0: float) -> dict:  # fmt: skip
+    """simulate_rank's measurements beside the engine's accounting and the analytic model
+    states: of the padded units (analytic) and of the paper's formula on Ψ_m (held)."""
+    from zero.common.memory import model_state_breakdown
+
+    padded = sum(u.part.padded_numel for u in engine.units)
+    analytic = model_state_breakdown(num_params=padded, world_size=world_size, stage=stage)
     report = engine.memory_report()
     # Activation checkpoints kept in host memory by offload_activations, per micro-step: all of
     # a micro-step's checkpoints are held at once, from their forward to their recomputation.
@@ -427,28 +230,8 @@ def simulate_rank(
         engine.counter.total("offload", phase=ph)["nbytes"]
         for ph in ("activation_down", "p_a_down")
     )
+    micro_steps = len(step_seconds) * engine.config.micro_batches // world_size
     return {
-        "config": {
-            "params_requested": params,
-            "num_params": count,
-            "world_size": world_size,
-            "rank": rank,
-            "stage": stage,
-            "steps": steps,
-            "seq": seq,
-            "batch": batch,
-            "layers": cfg.n_layer,
-            "hidden": cfg.n_embd,
-            "vocab_size": vocab_size,
-            "precision": "bf16",
-            "reduce_dtype": "bf16",
-            "optimizer": "adam",
-            "device": device,
-            "n_head": cfg.n_head,
-            "options": dict(options or {}),
-            "mp": mp,
-            "slice_params": held,
-        },
         "measurement": probe.describe(),
         "peak_resettable": probe.peak_resettable,
         "full_fp32_weights_bytes": 4 * count,
@@ -470,7 +253,7 @@ def simulate_rank(
         ).total,
         "step_seconds": step_seconds,
         "mp_traffic": _mp_traffic(engine.counter),
-        "activation_host_bytes": offloaded // max(1, steps * zcfg.micro_batches // world_size),
+        "activation_host_bytes": offloaded // max(1, micro_steps),
         "seconds": time.perf_counter() - t0,
     }
 
