@@ -312,34 +312,10 @@ def compare(
 
     Returns plain dicts (JSON-ready) with every probe."""
     say = log or (lambda _msg: None)
-    budget = setup.budget_bytes
-    probes: dict[tuple, Probe] = {}
-
-    def measured(conf: Configuration, layers: int, batch: int | None = None):
-        key = (conf.name, layers, setup.batch if batch is None else batch)
-        if key not in probes:
-            probes[key] = probe(setup, conf, layers=layers, batch=batch)
-            p = probes[key]
-            say(
-                f"{conf.name} L={layers} b={p.batch}: device peak {p.device_peak / 2**20:.1f} MiB "
-                f"({'fits' if p.fits(budget) else 'over'} {budget / 2**20:.0f} MiB)"
-            )
-        return probes[key]
-
+    probes = _Probes(setup, say)
     confs = configurations(setup.mp)
     distinct = [c for c in confs if c.same_as is None]
-    largest: dict[str, dict] = {}
-    for conf in distinct:
-        small, large = measured(conf, 8), measured(conf, 32)
-        guess = linear_guess(small, large, budget)
-        layers = largest_fitting(
-            lambda x, c=conf: measured(c, x).fits(budget), guess=guess, resolution=resolution
-        )
-        largest[conf.name] = {
-            "layers": layers,
-            "num_params": measured(conf, layers).num_params if layers else 0,
-            "guess": guess,
-        }
+    largest = _largest_models(probes, distinct, resolution)
     # B: beyond C3's largest, as the paper's 100B; with MP, where C4 and C5 fit as there
     other = "C4" if setup.mp > 1 else "C5"
     models = {
@@ -347,22 +323,10 @@ def compare(
         "B": (largest["C3"]["layers"] + largest[other]["layers"]) // 2,
     }
     memory = {
-        label: {c.name: asdict(measured(c, layers)) for c in distinct}
+        label: {c.name: asdict(probes(c, layers)) for c in distinct}
         for label, layers in models.items()
     }
-    timed: dict[str, dict] = {}
-    for label, layers in models.items() if throughput else ():
-        timed[label] = {}
-        for conf in distinct:  # fits is monotone in the batch: bisect the list
-            b = largest_of(
-                batches,
-                lambda b, c=conf, n=layers: measured(c, n, batch=b).fits(budget),
-            )
-            # timed on a probe of its own: [Note: step times]
-            best = None if b is None else probe(setup, conf, layers=layers, batch=b, steps=3)
-            timed[label][conf.name] = None if best is None else asdict(best)
-            if best is not None:
-                say(f"{conf.name} L={layers} b={b}: step {step_time(asdict(best)):.2f} s")
+    timed = _largest_batches(probes, distinct, models, batches) if throughput else {}
     return {
         "setup": setup.to_dict(),
         "fragmentation": fragmentation(setup, layers=largest["C3"]["layers"], log=say)
@@ -373,8 +337,66 @@ def compare(
         "models": models,
         "memory": memory,
         "throughput": timed,
-        "probes": [asdict(p) for p in probes.values()],
+        "probes": [asdict(p) for p in probes.taken.values()],
     }
+
+
+class _Probes:
+    """compare's probes, each (C, L, b) measured once and said as it is, kept in the order
+    taken; calling it gives the probe of configuration `conf` at `layers` blocks and `batch`
+    (the setup's batch if None)."""
+
+    def __init__(self, setup: Setup, say):
+        self.setup, self.say, self.budget = setup, say, setup.budget_bytes
+        self.taken: dict[tuple, Probe] = {}
+
+    def __call__(self, conf: Configuration, layers: int, batch: int | None = None) -> Probe:
+        key = (conf.name, layers, self.setup.batch if batch is None else batch)
+        if key not in self.taken:
+            self.taken[key] = p = probe(self.setup, conf, layers=layers, batch=batch)
+            self.say(
+                f"{conf.name} L={layers} b={p.batch}: device peak {p.device_peak / 2**20:.1f} MiB "
+                f"({'fits' if p.fits(self.budget) else 'over'} {self.budget / 2**20:.0f} MiB)"
+            )
+        return self.taken[key]
+
+
+def _largest_models(probes: _Probes, distinct: list, resolution: float) -> dict[str, dict]:
+    """Figure 6: each configuration's largest model (blocks) within the budget, by
+    largest_fitting, guided by the line through probes at 8 and 32 blocks."""
+    largest: dict[str, dict] = {}
+    for conf in distinct:
+        small, large = probes(conf, 8), probes(conf, 32)
+        guess = linear_guess(small, large, probes.budget)
+        layers = largest_fitting(
+            lambda x, c=conf: probes(c, x).fits(probes.budget), guess=guess, resolution=resolution
+        )
+        largest[conf.name] = {
+            "layers": layers,
+            "num_params": probes(conf, layers).num_params if layers else 0,
+            "guess": guess,
+        }
+    return largest
+
+
+def _largest_batches(probes: _Probes, distinct: list, models: dict, batches) -> dict[str, dict]:
+    """Figure 8: on each model, each configuration's largest batch in `batches` that fits and a
+    fresh three-step probe there ([Note: step times]); None where no batch fits."""
+    timed: dict[str, dict] = {}
+    for label, layers in models.items():
+        timed[label] = {}
+        for conf in distinct:  # fits is monotone in the batch: bisect the list
+            b = largest_of(
+                batches,
+                lambda b, c=conf, n=layers: probes(c, n, batch=b).fits(probes.budget),
+            )
+            # timed on a probe of its own: [Note: step times]
+            setup = probes.setup
+            best = None if b is None else probe(setup, conf, layers=layers, batch=b, steps=3)
+            timed[label][conf.name] = None if best is None else asdict(best)
+            if best is not None:
+                probes.say(f"{conf.name} L={layers} b={b}: step {step_time(asdict(best)):.2f} s")
+    return timed
 
 
 def step_time(p: dict) -> float:
