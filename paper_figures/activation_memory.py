@@ -173,14 +173,45 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         name: (min(c["constant"] for c in cs), max(c["constant"] for c in cs))
         for name, cs in (("plain", plain), ("ckpt", ckpt))
     }
+    e = _example_gb(example, plain)
 
     fig = new_figure((12, 5))
     left, right = fig.subplots(1, 2)
+    _scaling_panel(left, consts, plain, ckpt, spread)
+    _example_panel(right, e)
+    fig.suptitle("Residual memory: activations, formula against measurement", fontsize=11)
+    path = save_figure(fig, out.figure(NAME))
+    write_atomic(out.table(NAME), _table(consts, spread, e))
+    return path, (
+        f"footnote {e['footnote']:.1f} GB vs paper 60; checkpoints {e['ckpts']:.2f} GB "
+        f"(+recompute {e['ckpts'] + e['lo']:.1f}-{e['ckpts'] + e['hi']:.1f}) vs paper 8"
+    )
+
+
+def _example_gb(example: dict, plain: list[dict]) -> dict[str, float]:
+    """The paper's example in GB: the footnote's bytes, ours at the measured constant (mean
+    over the shapes without checkpointing), the checkpoints, and the recompute bracket (lo, hi)."""
+    gb = 1e9
+    lo, hi = example["recompute_bracket"]
+    footnote = example["footnote_bytes"] / gb
+    measured_c = sum(c["constant"] for c in plain) / len(plain)
+    return {
+        "footnote": footnote,
+        "measured_c": measured_c,
+        "ours_plain": footnote / 12 * measured_c,
+        "ckpts": example["checkpoint_bytes"] / gb,
+        "lo": lo / gb,
+        "hi": hi / gb,
+    }
+
+
+def _scaling_panel(ax, consts: list[dict], plain: list[dict], ckpt: list[dict], spread: dict):
+    """The small GPTs: bytes the layers save against b·s·h·l, beside the two formulas."""
     for cs, label, marker in (
         (plain, "no checkpointing", "o"),
         (ckpt, "one checkpoint per layer", "s"),
     ):
-        left.scatter(
+        ax.scatter(
             [c["bshl"] for c in cs],
             [c["constant"] * c["bshl"] * BYTES for c in cs],
             marker=marker,
@@ -189,60 +220,49 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         )
     xs = sorted({c["bshl"] for c in consts})
     span = [xs[0] / 1.5, xs[-1] * 1.5]
-    left.plot(span, [12 * x * BYTES for x in span], "k--", label="footnote: 12·b·s·h·l elements")
-    left.plot(span, [x * BYTES for x in span], "k:", label="checkpoints: b·s·h·l elements")
-    left.set_xscale("log")
-    left.set_yscale("log")
-    left.set_xlabel("b·s·h·l (batch · sequence · hidden · layers)")
-    left.set_ylabel("bytes saved for backward by the layers (bf16)")
-    left.set_title(
+    ax.plot(span, [12 * x * BYTES for x in span], "k--", label="footnote: 12·b·s·h·l elements")
+    ax.plot(span, [x * BYTES for x in span], "k:", label="checkpoints: b·s·h·l elements")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("b·s·h·l (batch · sequence · hidden · layers)")
+    ax.set_ylabel("bytes saved for backward by the layers (bf16)")
+    ax.set_title(
         f"small GPTs: {spread['plain'][0]:.2f}-{spread['plain'][1]:.2f} elements per b·s·h·l "
         f"without, {spread['ckpt'][0]:.2f}-{spread['ckpt'][1]:.2f} with checkpointing",
         fontsize=9,
     )
-    left.legend(fontsize=8)
-    left.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
 
-    gb = 1e9
-    lo, hi = example["recompute_bracket"]
-    labels = ["no checkpointing", "activation checkpointing"]
-    footnote = example["footnote_bytes"] / gb
-    measured_c = sum(c["constant"] for c in plain) / len(plain)
-    ours_plain = footnote / 12 * measured_c
-    ckpts = example["checkpoint_bytes"] / gb
-    right.bar([-0.3], [footnote], 0.2, color="#4878a8", label="footnote formula (12·bshl)")
-    right.bar(
-        [-0.1],
-        [ours_plain],
-        0.2,
-        color="#8c6bb1",
-        label=f"measured constant ({measured_c:.1f}·bshl)",
-    )
-    right.bar(
-        [0.1], [PAPER_GB["no_checkpointing"]], 0.2, color="#d9d9d9", hatch="..", label="paper"
-    )
-    right.bar([0.7], [ckpts], 0.2, color="#5a9e5a", label="checkpoints (bshl)")
-    right.bar(
-        [0.9], [ckpts + lo / gb], 0.2, color="#9fd39f", label="+ one layer recomputed (12·bsh)"
-    )
-    right.bar([1.1], [ckpts + hi / gb], 0.2, color="#c7e9c0", label="+ its attention scores")
-    right.bar([1.3], [PAPER_GB["checkpointing"]], 0.2, color="#d9d9d9", hatch="..")
-    for patch in right.patches:
+
+def _example_panel(ax, e: dict[str, float]) -> None:
+    """GPT-2 1.5B (paper §3.2): the formulas and ours beside the paper's 60 GB and 8 GB."""
+    ckpts = e["ckpts"]
+    ax.bar([-0.3], [e["footnote"]], 0.2, color="#4878a8", label="footnote formula (12·bshl)")
+    measured = f"measured constant ({e['measured_c']:.1f}·bshl)"
+    ax.bar([-0.1], [e["ours_plain"]], 0.2, color="#8c6bb1", label=measured)
+    ax.bar([0.1], [PAPER_GB["no_checkpointing"]], 0.2, color="#d9d9d9", hatch="..", label="paper")
+    ax.bar([0.7], [ckpts], 0.2, color="#5a9e5a", label="checkpoints (bshl)")
+    ax.bar([0.9], [ckpts + e["lo"]], 0.2, color="#9fd39f", label="+ one layer recomputed (12·bsh)")
+    ax.bar([1.1], [ckpts + e["hi"]], 0.2, color="#c7e9c0", label="+ its attention scores")
+    ax.bar([1.3], [PAPER_GB["checkpointing"]], 0.2, color="#d9d9d9", hatch="..")
+    for patch in ax.patches:
         label_above(
-            right,
+            ax,
             f"{patch.get_height():.1f}",
             (patch.get_x() + patch.get_width() / 2, patch.get_height()),
             points=2,
             fontsize=7,
         )
-    right.set_xticks([0, 1])
-    right.set_xticklabels(labels)
-    right.set_ylabel("activation memory (GB, fp16)")
-    right.set_title("GPT-2 1.5B, seq 1K, batch 32 (paper §3.2)", fontsize=10)
-    right.legend(fontsize=7, loc="upper right")
-    fig.suptitle("Residual memory: activations, formula against measurement", fontsize=11)
-    path = save_figure(fig, out.figure(NAME))
+    ax.set_xticks([0, 1])
+    ax.set_xticklabels(["no checkpointing", "activation checkpointing"])
+    ax.set_ylabel("activation memory (GB, fp16)")
+    ax.set_title("GPT-2 1.5B, seq 1K, batch 32 (paper §3.2)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
 
+
+def _table(consts: list[dict], spread: dict, e: dict[str, float]) -> str:
+    """tables/activation_memory.md: every measured shape, and the paper's example."""
     rows = [
         [
             str(c["batch"]),
@@ -255,6 +275,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         ]
         for c in consts
     ]
+    ckpts = e["ckpts"]
     lines = [
         "# Activation memory: the footnote's formula against measurement",
         "",
@@ -275,19 +296,16 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "Either way the bytes scale as b·s·h·l, which is the formula's claim.",
         "",
         "GPT-2 1.5B, seq 1K, batch 32 (fp16): footnote "
-        f"{footnote:.1f} GB (paper: about {PAPER_GB['no_checkpointing']:g} GB); our measured "
-        f"constant would give {ours_plain:.1f} GB. With checkpointing: checkpoints {ckpts:.2f} GB;",
+        f"{e['footnote']:.1f} GB (paper: about {PAPER_GB['no_checkpointing']:g} GB); our measured "
+        f"constant would give {e['ours_plain']:.1f} GB. With checkpointing: checkpoints "
+        f"{ckpts:.2f} GB;",
         "plus the one layer recomputed during backward "
-        f"{ckpts + lo / gb:.2f} GB, plus its attention scores {ckpts + hi / gb:.2f} GB",
+        f"{ckpts + e['lo']:.2f} GB, plus its attention scores {ckpts + e['hi']:.2f} GB",
         f"(paper: about {PAPER_GB['checkpointing']:g} GB; the paper does not say what its 8 GB",
         "holds beyond the checkpoints).",
         "",
     ]
-    write_atomic(out.table(NAME), "\n".join(lines))
-    return path, (
-        f"footnote {footnote:.1f} GB vs paper 60; checkpoints {ckpts:.2f} GB "
-        f"(+recompute {ckpts + lo / gb:.1f}-{ckpts + hi / gb:.1f}) vs paper 8"
-    )
+    return "\n".join(lines)
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:

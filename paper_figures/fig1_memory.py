@@ -122,78 +122,11 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         offset = (i - len(series) / 2) * width
         for stage in range(4):
             if kind == "memory.measured":
-                if stage in measured:
-                    value = measured[stage]["measured"]
-                    ax.bar(
-                        stage + offset,
-                        value,
-                        width,
-                        color="#8c6bb1",
-                        edgecolor="white",
-                        hatch="//",
-                        label="ours, measured (one simulated rank)"
-                        if stage == min(measured)
-                        else None,
-                    )
-                    label_above(ax, f"{value:.3g}", (stage + offset, value), va="bottom", **BOLD)
-                    top = max(top, value)
-                else:
-                    label_above(
-                        ax,
-                        "not\nmeasured",
-                        (stage + offset, 0),
-                        va="bottom",
-                        fontsize=7,
-                        color="#666666",
-                    )
-                continue
-            result = by_kind[kind][stage]
-            bottom = 0.0
-            for category, keys, colour in CATEGORIES:
-                height = sum(result[k] for k in keys) / GB
-                ax.bar(
-                    stage + offset,
-                    height,
-                    width,
-                    bottom=bottom,
-                    color=colour,
-                    edgecolor="white",
-                    linewidth=0.5,
-                    label=category if stage == 0 and i == 0 else None,
-                )
-                bottom += height
-            total = result["total"] / GB
-            label_above(
-                ax,
-                paper.format_number(paper.paper_round(total)),
-                (stage + offset, total),
-                va="bottom",
-                **BOLD,
-            )
-            top = max(top, total)
-
-    # The paper's printed totals: one neutral, hatched bar per stage, to the right of ours.
-    offset = (len(series) - len(series) / 2) * width
-    for stage in range(4):
-        value = paper.FIG1_GB[stage]
-        ax.bar(
-            stage + offset,
-            value,
-            width,
-            color="#d9d9d9",
-            edgecolor="#555555",
-            hatch="..",
-            linewidth=0.8,
-            label="paper, Figure 1 (printed)" if stage == 0 else None,
-        )
-        label_above(
-            ax,
-            paper.format_number(value),
-            (stage + offset, value),
-            va="bottom",
-            fontsize=9,
-            color="#444444",
-        )
+                top = max(top, _measured_bar(ax, stage, stage + offset, width, measured))
+            else:
+                first = stage == 0 and i == 0
+                top = max(top, _stacked_bar(ax, by_kind[kind][stage], stage + offset, width, first))
+    _paper_bars(ax, (len(series) - len(series) / 2) * width, width)
 
     ax.set_xticks(range(4))
     ax.set_xticklabels([f"{STAGE_TEX[s]}\n{FORMULAS[s]}" for s in range(4)])
@@ -203,6 +136,52 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     ax.legend(loc="upper right", fontsize=9, frameon=False, title="ours by category; paper total")
+    ax.set_title(_title(measured), fontsize=10)
+    path = save_figure(fig, out.figure(NAME))
+    return path, _matches(by_kind.get("memory.analytic", {}), measured)
+
+
+def _measured_bar(ax, stage: int, x: float, width: float, measured: dict) -> float:
+    """Stage `stage`'s measured bar at x (or "not measured"); its height, 0 for none."""
+    if stage not in measured:
+        label_above(ax, "not\nmeasured", (x, 0), va="bottom", fontsize=7, color="#666666")
+        return 0.0
+    value = measured[stage]["measured"]
+    first = stage == min(measured)
+    ax.bar(x, value, width, color="#8c6bb1", edgecolor="white", hatch="//",
+           label="ours, measured (one simulated rank)" if first else None)  # fmt: skip
+    label_above(ax, f"{value:.3g}", (x, value), va="bottom", **BOLD)
+    return value
+
+
+def _stacked_bar(ax, result: dict, x: float, width: float, first: bool) -> float:
+    """One analytic bar at x, stacked by CATEGORIES (labelled on the `first` bar), its total
+    above it as the paper prints it; returns the total (GB)."""
+    bottom = 0.0
+    for category, keys, colour in CATEGORIES:
+        height = sum(result[k] for k in keys) / GB
+        ax.bar(x, height, width, bottom=bottom, color=colour, edgecolor="white", linewidth=0.5,
+               label=category if first else None)  # fmt: skip
+        bottom += height
+    total = result["total"] / GB
+    shown = paper.format_number(paper.paper_round(total))
+    label_above(ax, shown, (x, total), va="bottom", **BOLD)
+    return total
+
+
+def _paper_bars(ax, offset: float, width: float) -> None:
+    """The paper's printed totals: one neutral, hatched bar per stage, to the right of ours."""
+    for stage in range(4):
+        value = paper.FIG1_GB[stage]
+        label = "paper, Figure 1 (printed)" if stage == 0 else None
+        ax.bar(stage + offset, value, width, color="#d9d9d9", edgecolor="#555555", hatch="..",
+               linewidth=0.8, label=label)  # fmt: skip
+        label_above(ax, paper.format_number(value), (stage + offset, value), va="bottom",
+                    fontsize=9, color="#444444")  # fmt: skip
+
+
+def _title(measured: dict) -> str:
+    """The figure's title: the paper's case, and which bars were measured, on what."""
     if measured:
         machines = sorted({m["machine"] for m in measured.values()})
         what = (
@@ -212,16 +191,16 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         )
     else:
         what = "no bar measured in this run (see tables/simulated_ranks.md)"
-    ax.set_title(
+    return (
         f"Figure 1: Ψ = {paper.FIG1_NUM_PARAMS / 1e9:g}B parameters, "
         f"$N_d$ = {paper.FIG1_WORLD_SIZE}, "
-        f"K = {paper.FIG1_K} (mixed-precision Adam)\n{what}",
-        fontsize=10,
+        f"K = {paper.FIG1_K} (mixed-precision Adam)\n{what}"
     )
-    path = save_figure(fig, out.figure(NAME))
 
+
+def _matches(analytic: dict, measured: dict) -> str:
+    """The match count: our analytic totals as the paper rounds them, against its bars."""
     # Figure 1 prints one decimal even under 2 GB (1.875 -> 1.9), hence fine_below=0.
-    analytic = by_kind.get("memory.analytic", {})
     matched = sum(
         paper.paper_round(analytic[s]["total"] / GB, fine_below=0) == paper.FIG1_GB[s]
         for s in range(4)
@@ -231,7 +210,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     if measured:
         worst = max(abs(m["measured"] / paper.FIG1_GB[s] - 1) for s, m in measured.items())
         line += f", {len(measured)} measured (within {100 * worst:.1f}% of the paper)"
-    return path, line
+    return line
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:

@@ -98,41 +98,8 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
             measured[key] = record
 
     columns = [(m, s) for m in paper.TABLE1_MODELS for s in paper.TABLE1_STAGES]
-    # Bold as the paper does: the smallest DP degree at which a column fits in a 32 GB V100.
-    bold = set()
-    for j, (num_params, stage) in enumerate(columns):
-        for dp in paper.TABLE1_DP:
-            key = (num_params, dp, stage)
-            if key in cells and cells[key]["result"]["bytes"] <= paper.TABLE1_DEVICE_GB * GB:
-                bold.add((dp, j))
-                break
-
-    matched = 0
-    rows = []
-    for dp in paper.TABLE1_DP:
-        row = [str(dp)]
-        sources = set()
-        for j, (num_params, stage) in enumerate(columns):
-            theirs = paper.table1_cell(dp, num_params, stage)
-            record = cells.get((num_params, dp, stage))
-            if record is None:
-                row.append(f"– ({paper.format_number(theirs)})")
-                continue
-            ours = paper.paper_round(record["result"]["bytes"] / GB)
-            matched += ours == theirs
-            key = (num_params, dp, stage)
-            if key in measured:
-                got = paper.paper_round(measured[key]["result"]["bytes"] / GB)
-                text = f"{paper.format_number(got)}† ({paper.format_number(theirs)})"
-                sources.add("measured")
-            else:
-                text = f"{paper.format_number(ours)} ({paper.format_number(theirs)})"
-                sources.add("analytic")
-            if ours != theirs:
-                text += " ≠"
-            row.append(f"**{text}**" if (dp, j) in bold else text)
-        row.append(", ".join(sorted(sources)) or "–")
-        rows.append(row)
+    bold = _bold(cells, columns)
+    rows, matched = _rows(cells, measured, columns, bold)
 
     total_cells = len(paper.TABLE1_DP) * len(columns)
     match_line = count_line(matched, total_cells, "cells equal the paper's printed value")
@@ -149,20 +116,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         for s in paper.TABLE1_STAGES
     ]
     header.append("source")
-    notes = []
-    for (num_params, dp, stage), record in sorted(measured.items()):
-        r = record["result"]
-        prov_m = record["provenance"]
-        notes.append(
-            f"- † {paper.format_number(num_params / 1e9)}B, N_d = {dp}, {STAGE_LABELS[stage]}: "
-            f"measured {r['bytes'] / GB:.4g} GB on one simulated rank of a "
-            f"{r['built_params'] / 1e9:.4g}B GPT ({r['device']}, {prov_m.get('cpu_count', '?')} "
-            f"cores, {prov_m.get('date_utc', '?')}); analytic at that Ψ "
-            f"{r['analytic_bytes'] / GB:.4g} GB "
-            f"(measured/analytic {r['bytes'] / r['analytic_bytes']:.3f}); paper "
-            f"{paper.format_number(paper.table1_cell(dp, num_params, stage))} GB "
-            f"(measured/paper {r['bytes'] / GB / paper.table1_cell(dp, num_params, stage):.3f})."
-        )
+    notes = _notes(measured)
     prov = payload["records"][0]["provenance"] if payload["records"] else {}
     lines = [
         "# Table 1: per-device model-state memory (GB) vs DP degree",
@@ -189,6 +143,70 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     path = write_atomic(out.table(NAME), "\n".join(lines))
     bold_count = len(bold & paper.TABLE1_BOLD)
     return path, f"{matched}/{total_cells} cells, {bold_count}/{len(paper.TABLE1_BOLD)} bold"
+
+
+def _bold(cells: dict, columns: list) -> set[tuple[int, int]]:
+    """(DP, column) cells bold as the paper has them: the smallest DP degree at which a column
+    fits in a 32 GB V100."""
+    bold = set()
+    for j, (num_params, stage) in enumerate(columns):
+        for dp in paper.TABLE1_DP:
+            key = (num_params, dp, stage)
+            if key in cells and cells[key]["result"]["bytes"] <= paper.TABLE1_DEVICE_GB * GB:
+                bold.add((dp, j))
+                break
+    return bold
+
+
+def _rows(cells: dict, measured: dict, columns: list, bold: set) -> tuple[list[list[str]], int]:
+    """The table's rows, each cell *ours (paper)* (measured where a record has it, marked †),
+    with the row's sources; and how many cells equal the paper's under its rounding."""
+    matched = 0
+    rows = []
+    for dp in paper.TABLE1_DP:
+        row = [str(dp)]
+        sources = set()
+        for j, (num_params, stage) in enumerate(columns):
+            theirs = paper.table1_cell(dp, num_params, stage)
+            record = cells.get((num_params, dp, stage))
+            if record is None:
+                row.append(f"– ({paper.format_number(theirs)})")
+                continue
+            ours = paper.paper_round(record["result"]["bytes"] / GB)
+            matched += ours == theirs
+            key = (num_params, dp, stage)
+            if key in measured:
+                got = paper.paper_round(measured[key]["result"]["bytes"] / GB)
+                text = f"{paper.format_number(got)}† ({paper.format_number(theirs)})"
+                sources.add("measured")
+            else:
+                text = f"{paper.format_number(ours)} ({paper.format_number(theirs)})"
+                sources.add("analytic")
+            if ours != theirs:
+                text += " ≠"
+            row.append(f"**{text}**" if (dp, j) in bold else text)
+        row.append(", ".join(sorted(sources)) or "–")
+        rows.append(row)
+    return rows, matched
+
+
+def _notes(measured: dict) -> list[str]:
+    """One note per measured cell: the measured, analytic and printed bytes, and the ratios."""
+    notes = []
+    for (num_params, dp, stage), record in sorted(measured.items()):
+        r = record["result"]
+        prov_m = record["provenance"]
+        notes.append(
+            f"- † {paper.format_number(num_params / 1e9)}B, N_d = {dp}, {STAGE_LABELS[stage]}: "
+            f"measured {r['bytes'] / GB:.4g} GB on one simulated rank of a "
+            f"{r['built_params'] / 1e9:.4g}B GPT ({r['device']}, {prov_m.get('cpu_count', '?')} "
+            f"cores, {prov_m.get('date_utc', '?')}); analytic at that Ψ "
+            f"{r['analytic_bytes'] / GB:.4g} GB "
+            f"(measured/analytic {r['bytes'] / r['analytic_bytes']:.3f}); paper "
+            f"{paper.format_number(paper.table1_cell(dp, num_params, stage))} GB "
+            f"(measured/paper {r['bytes'] / GB / paper.table1_cell(dp, num_params, stage):.3f})."
+        )
+    return notes
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
