@@ -237,7 +237,13 @@ def _bars(ax, groups, title):
 def render(payload: dict, out: Outputs) -> tuple[Path, str]:
     sums = [summarise(r) for r in payload["records"]]
     exact = sum(s["exact"] for s in sums)
+    path = save_figure(_figure(sums, exact), out.figure(NAME))
+    write_atomic(out.table(NAME), _table(sums, exact))
+    return path, f"{exact}/{len(sums)} cells exact"
 
+
+def _figure(sums: list[dict], exact: int):
+    """Left, M = N beside the paper's factors; right, M = 4N by stage and mode."""
     fig = new_figure((13, 5.8))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.6]})
     at_n = [s for s in sums if s["k"] == 1 and s["mode"] == "deterministic"]
@@ -272,8 +278,12 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         f"(root = {100 * root:.1f}% of Ψ)",
         fontsize=10,
     )
-    path = save_figure(fig, out.figure(NAME))
+    return fig
 
+
+def _table(sums: list[dict], exact: int) -> str:
+    """tables/comm_volume.md: every cell, and each stage's volume against baseline DP's."""
+    at_n = [s for s in sums if s["k"] == 1 and s["mode"] == "deterministic"]
     rows = []
     for s in sums:
         ops = ", ".join(f"{op} {v:.3f}" for op, v in s["by_op_psi"].items() if v)
@@ -303,10 +313,9 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "bytes rank 0",
         "exact",
     ]
-    at_paper = [s for s in at_n]
     ratio = {
-        st: sum(s["measured_psi"] for s in at_paper if s["stage"] == st)
-        / sum(s["measured_psi"] for s in at_paper if s["stage"] == 0)
+        st: sum(s["measured_psi"] for s in at_n if s["stage"] == st)
+        / sum(s["measured_psi"] for s in at_n if s["stage"] == 0)
         for st in range(4)
     }
     lines = [
@@ -330,8 +339,7 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "unit is gathered once).",
         "",
     ]
-    write_atomic(out.table(NAME), "\n".join(lines))
-    return path, f"{exact}/{len(sums)} cells exact"
+    return "\n".join(lines)
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:

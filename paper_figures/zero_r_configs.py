@@ -168,9 +168,20 @@ def _with_same(payload: dict, name: str) -> str:
 
 
 def table(payload: dict) -> str:
+    lines = _heading(payload)
+    lines += _fig6_lines(payload)
+    lines += _fragmentation_lines(payload)
+    lines += _fig7_lines(payload)
+    lines += _fig8_lines(payload)
+    lines += ["", *NOTES, ""]
+    return "\n".join(lines)
+
+
+def _heading(payload: dict) -> list[str]:
+    """The title, the setup and the provenance, and Figure 6's heading."""
     setup = payload["setup"]
     prov = payload.get("provenance", {})
-    lines = [
+    return [
         "# C1-C5 at our scale (the paper's Figures 6-8)",
         "",
         f"One simulated rank (rank 0 of N_d = {setup['world_size']}, fake process group), GPT "
@@ -187,6 +198,10 @@ def table(payload: dict) -> str:
         f"{setup['batch']} per rank (paper: MP 16, batch 16, 400 V100 32 GB)",
         "",
     ]
+
+
+def _fig6_lines(payload: dict) -> list[str]:
+    """Figure 6: each configuration's largest model, ours and the paper's, both ÷ C1's."""
     rows = [
         [
             r["name"] + (f" (= {r['same_as']})" if r["same_as"] else ""),
@@ -198,9 +213,13 @@ def table(payload: dict) -> str:
         ]
         for r in fig6(payload)
     ]
-    lines += markdown_table(["C", "blocks", "parameters", "÷ C1", "paper", "paper ÷ C1"], rows)
+    return markdown_table(["C", "blocks", "parameters", "÷ C1", "paper", "paper ÷ C1"], rows)
+
+
+def _fragmentation_lines(payload: dict) -> list[str]:
+    """C3's device peak with M_D on and off, under both allocators."""
     layers = payload["largest"]["C3"]["layers"]
-    lines += ["", f"## Fragmentation: C3 at {layers} blocks, device peak (MiB)", ""]
+    lines = ["", f"## Fragmentation: C3 at {layers} blocks, device peak (MiB)", ""]
     rows = [
         [
             "glibc default"
@@ -213,7 +232,13 @@ def table(payload: dict) -> str:
         for f in payload.get("fragmentation", [])
     ]
     lines += markdown_table(["allocator", "M_D", "device peak", "model states"], rows)
-    lines += ["", "## Figure 7: device peak (MiB) on two fixed models", ""]
+    return lines
+
+
+def _fig7_lines(payload: dict) -> list[str]:
+    """Figure 7: each configuration's device peak on the two fixed models."""
+    setup = payload["setup"]
+    lines = ["", "## Figure 7: device peak (MiB) on two fixed models", ""]
     rows = []
     for label, layers in payload["models"].items():
         for n in NAMES:
@@ -234,7 +259,13 @@ def table(payload: dict) -> str:
         ["model", "C", "device peak", "model states", "checkpoints on host", "paper (40B / 100B)"],
         rows,
     )
-    lines += ["", "## Figure 8: the largest batch that fits, and one rank's step", ""]
+    return lines
+
+
+def _fig8_lines(payload: dict) -> list[str]:
+    """Figure 8: the largest batch that fits on each model, and one rank's step there."""
+    setup = payload["setup"]
+    lines = ["", "## Figure 8: the largest batch that fits, and one rank's step", ""]
     rows = []
     for label, layers in payload["models"].items():
         for n in NAMES:
@@ -257,8 +288,7 @@ def table(payload: dict) -> str:
     lines += markdown_table(
         ["model", "C", "batch", "step s", "tokens/s", "paper TFLOP/s (60B / 170B)"], rows
     )
-    lines += ["", *NOTES, ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _tflops(x) -> str:
