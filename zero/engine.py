@@ -12,8 +12,7 @@ steps taken, R the reduced gradient. A step is exactly reference/step.py's, comp
   2. overflow: any non-finite in R on any rank ([Note: overflow detection], zero/control.py);
   3. g = fp32(R) · s(1/(S·M)); the global norm from chunk partials; clipping;
   4. the optimizer on this rank's extent (zero/optim/update.py), skipping parameters that no rank
-  had
-     a gradient for ([Note: unused parameters], reference/step.py), then the new working copy.
+     had a gradient for ([Note: unused parameters], reference/step.py); the new working copy.
 """
 
 from __future__ import annotations
@@ -57,20 +56,12 @@ class StepResult:
 
 class ZeroEngine(Introspection, nn.Module):
     def __init__(
-        self,
-        module,
-        config: ZeroConfig,
-        *,
-        group=None,
-        device=None,
-        init_seed=0,
-        init="auto",
-        mp=None,
+        self, module, config, *, group=None, device=None, init_seed=0, init="auto", mp=None
     ):
-        """module may live on the meta device: each unit is then materialised on `device`
-        alone, by the rule `init` names ("auto", "own", "counter" or fn(module): [Note: meta
-        start values] in zero/materialize.py) for `init_seed` (None: zeros, for a simulated
-        rank whose values do not matter); self.init_report says which rule gave each value.
+        """config: a ZeroConfig. module may live on the meta device: each unit is then
+        materialised on `device` alone, by the rule `init` names ("auto", "own", "counter" or
+        fn(module): [Note: meta start values] in zero/materialize.py) for `init_seed` (None:
+        zeros, for a simulated rank); self.init_report says which rule gave each value.
         mp: a TP module's MPContext; `group` is then its DP group (zero/mp/step.py).
         Construction is the named steps below, in this order; each rank makes the same
         collectives in it (the ranks-agree check, the watchdog's)."""
@@ -112,35 +103,28 @@ class ZeroEngine(Introspection, nn.Module):
         self.device = torch.device(device) if device is not None else first
         if first.type == "meta" and self.device.type == "meta":
             raise ValueError("device='meta': a meta-device model needs a real device to build on")
-        k = self.config.micro_batches // self.world_size
+        k, mode = self.config.micro_batches // self.world_size, self.config.watchdog
         self.watch = Watch(
-            self.group,
-            per_step=k,
-            mode=self.config.watchdog,
-            counter=self.counter,
-            device=self.device,
+            self.group, per_step=k, mode=mode, counter=self.counter, device=self.device
         )
 
     def _collect_units(self, init_seed, init):
         """(every unit, their trainable halves, their frozen halves, start values per unit): a
         unit's two halves take their start values from one pass over it (zero/build.py)."""
-        every = build.collect_units(self.module, self.config)
+        cfg = self.config
+        every = build.collect_units(self.module, cfg)
         named, frozen = build.split_frozen(every)
-        values = StartValues(
-            self.module, self.config.units, seed=init_seed, init=init, device=self.device
-        )
+        values = StartValues(self.module, cfg.units, seed=init_seed, init=init, device=self.device)
         return every, named, frozen, values.per_unit(every)
 
     def _partition(self, named, every):
         """Each unit's layout and shards ([Note: flat units], zero/partition.py), once the ranks
         agree on model, config and start values; and the stage class each unit runs under."""
-        self.group_index = build.group_index(self.config, named)
+        cfg, n = self.config, self.world_size
+        self.group_index = build.group_index(cfg, named)
         if not self.fake:
-            build.check_ranks_agree(self.config, every, self.group_index, engine_like=self)
-        parts = build.partitions(
-            self.config, named, self.group_index, world_size=self.world_size, rank=self.rank
-        )
-        cfg = self.config
+            build.check_ranks_agree(cfg, every, self.group_index, engine_like=self)
+        parts = build.partitions(cfg, named, self.group_index, world_size=n, rank=self.rank)
         return parts, [stage_class(cfg.stage, p.layout.numel, cfg.persist_below) for p in parts]
 
     def _build_stages(self, parts, kinds) -> None:
@@ -152,17 +136,9 @@ class ZeroEngine(Introspection, nn.Module):
         )
         self.grad_arena, self.host_grad_arena = self.placement.arenas()
         self.clock = Clock()
-        self.ctx = StageContext(
-            config=cfg,
-            group=self.group,
-            rank=self.rank,
-            world_size=n,
-            counter=self.counter,
-            clock=self.clock,
-            group_index=self.group_index,
-            placement=self.placement,
-            buckets=bucketing(cfg.bucket_elements, n),
-        )
+        same = ("group", "rank", "world_size", "counter", "clock", "group_index", "placement")
+        shared = {k: getattr(self, k) for k in same}  # the engine's own, under the same names
+        self.ctx = StageContext(config=cfg, buckets=bucketing(cfg.bucket_elements, n), **shared)
         self.accounting = self.ctx.accounting
         self.stages: dict[type, Stage0] = {k: k(self.ctx) for k in dict.fromkeys(kinds)}
         main = STAGE_CLASSES[cfg.stage]  # gathered_params' stage (at stage 3, not Persistent)
@@ -186,9 +162,8 @@ class ZeroEngine(Introspection, nn.Module):
             self.units.append(u)
             stage = self._assign(u, kinds[i])
             stage.allocate(u)
-            self.placement.place(
-                u, grad_on_host=stage.grad_on_host(part), extent=stage.extent(part)
-            )
+            on_host, extent = stage.grad_on_host(part), stage.extent(part)
+            self.placement.place(u, grad_on_host=on_host, extent=extent)
             u.initial = None  # the fp32 start values are now in the master
 
     def _finish_allocation(self, values_of) -> None:
@@ -318,70 +293,64 @@ class ZeroEngine(Introspection, nn.Module):
     @phased("update")
     def step(self) -> StepResult:
         self.at("step")
-        k = self.config.micro_batches // self.world_size
+        cfg, k = self.config, self.config.micro_batches // self.world_size
         if self.microstep != k:
             raise RuntimeError(
                 f"step() after {self.microstep} micro-steps on rank {self.rank}; "
-                f"micro_batches={self.config.micro_batches} at N="
-                f"{self.world_size} needs {k}"
+                f"micro_batches={cfg.micro_batches} at N={self.world_size} needs {k}"
             )
         with self.phase("update.reduce"):
             held = [self.stage_of(u).finish_reduction(u) for u in self.units]
         held = self.placement.to_optimizer(self.units, held)  # R's extent where the update runs
         scale = 1.0 if self.scaler is None else self.scaler.scale
-        inv = f32(1.0 / (scale * self.config.micro_batches))
-        c = torch.tensor(inv)  # [Note: host scalars] (zero/collectives.py)
-        g = control.ScaledGrads(held, c)  # g_u = fp32(R_u)·c, made per unit when read
+        inv = f32(1.0 / (scale * cfg.micro_batches))
+        g = control.ScaledGrads(held, torch.tensor(inv))  # g_u = fp32(R_u)·c: [Note: host scalars]
         with self.phase("update.control"):  # [Note: one control exchange] (zero/control.py)
             overflow, bad, loss, norm, used = control.step_exchange(self, held, g, inv)
         self._losses = []  # consumed by the exchange
-        if overflow:
-            if self.scaler is None and self.config.nonfinite == "raise":
-                raise FloatingPointError(
-                    f"non-finite gradient at data step {self.data_step} "
-                    f"(rank {self.rank} saw it: {bad}) with precision="
-                    f"{self.config.precision!r}; nonfinite='skip' skips"
-                )
-        else:
+        if overflow and self.scaler is None and cfg.nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite gradient at data step {self.data_step} (rank {self.rank} saw it: "
+                f"{bad}) with precision={cfg.precision!r}; nonfinite='skip' skips"
+            )
+        if not overflow:
             if self.keep_reduced:  # R as this rank holds it, valid until the next backward
                 self.last_reduced = held  # (it keeps the released gradient buffers alive)
-            coef = clip_coefficient(norm, self.config.clip_norm)
+            coef = clip_coefficient(norm, cfg.clip_norm)
             g.coef = None if coef is None else torch.tensor(coef)  # [Note: host scalars]
             self.t += 1
-            live = []
-            for u, runs, use in zip(self.units, self.runs, used, strict=True):
-                lo = self.master_extent(u).start
-                live.append(live_runs(runs, u.part.layout.slots, lo, use, u.steps))
-                u.steps = [t + x for t, x in zip(u.steps, use, strict=True)]
-            for batch in update_batches(self.units):  # the disk tier streams each batch's states
-                with self.placement.streamed([self.units[i] for i in batch]):
-                    with self.phase("update.optimizer"):
-                        step_shards(
-                            self.config.optimizer,
-                            self.config.groups,
-                            [
-                                Shard(self.units[i].master, g[i], self.units[i].opt, live[i])
-                                for i in batch
-                            ],  # fmt: skip
-                            deterministic=self.config.deterministic,
-                        )
-                    with self.phase("update.refresh"):
-                        for i in batch:  # may launch its all-gather and return
-                            self.stage_of(self.units[i]).refresh_working(self.units[i])
-            with self.phase("update.finish"):
-                for stage in self.stages.values():
-                    stage.finish_step()
+            self._update(g, used)
         for u in self.units:  # [Note: gradients live within a step] (zero/unit.py)
             u.release_grad()
         del held, g
-        norm = None if overflow else norm
         if self.scaler is not None:
-            self.scaler = scaler_update(self.scaler, overflow, self.config.scaler)
+            self.scaler = scaler_update(self.scaler, overflow, cfg.scaler)
         self.data_step, self.clock.microstep = self.data_step + 1, 0
         self.counter.step += 1
-        return StepResult(
-            loss=loss, norm=None if norm is None else float(norm), skipped=overflow, scale=scale
-        )
+        norm = None if overflow else float(norm)
+        return StepResult(loss=loss, norm=norm, skipped=overflow, scale=scale)
+
+    def _update(self, g, used) -> None:
+        """The optimizer on each unit's extent, skipping parameters no rank had a gradient for
+        (zero/optim/update.py), and the new working copies (the stages' refresh_working)."""
+        cfg, live = self.config, []
+        for u, runs, use in zip(self.units, self.runs, used, strict=True):
+            lo = self.stage_of(u).extent(u.part).start
+            live.append(live_runs(runs, u.part.layout.slots, lo, use, u.steps))
+            u.steps = [t + x for t, x in zip(u.steps, use, strict=True)]
+        for batch in update_batches(self.units):  # the disk tier streams each batch's states
+            units = [self.units[i] for i in batch]
+            with self.placement.streamed(units):
+                with self.phase("update.optimizer"):
+                    shards = [Shard(u.master, g[i], u.opt, live[i]) for u, i in zip(units, batch)]
+                    step_shards(cfg.optimizer, cfg.groups, shards, deterministic=cfg.deterministic)
+                    del shards  # [Note: one unit's fp32 gradient at a time] (zero/control.py)
+                with self.phase("update.refresh"):
+                    for u in units:  # may launch its all-gather and return
+                        self.stage_of(u).refresh_working(u)
+        with self.phase("update.finish"):
+            for stage in self.stages.values():
+                stage.finish_step()
 
     # -- checkpoints (zero/checkpoint/) -----------------------------------------------------
 
