@@ -1,13 +1,11 @@
 """SGD, Adam and AdamW on flat fp32 shards, run by parameter-group runs.
 
-Deterministic mode executes reference/optim.py's sequence ([Note: op-ordered optimizers] there)
-with primitive torch ops: tensor-tensor arithmetic, multiplication by float32 scalars computed
-once per step (reference.optim.step_scalars), no fused ops. On CPU, torch's float32 sqrt is not
-correctly rounded, so the sqrt is NumPy's, the reference's own ([Note: correctly rounded sqrt]).
-The result is the reference's bits.
-
-Fast mode hands the same shard to torch's own kernels (the fused Adam/AdamW on CPU and CUDA),
-whose bound against the reference is verify/bounds.optimizer_step_error.
+Deterministic mode executes reference/optim.py's sequence ([Note: op-ordered optimizers] there),
+with the reference's bits: Adam and AdamW in one Triton kernel on CUDA or one compiled loop on
+the CPU where they run (triton_kernels.py, native.py), else in primitive torch ops with the
+step's float32 scalars ([Note: correctly rounded sqrt]). Fast mode hands the same shard to
+torch's own kernels (the fused Adam/AdamW on CPU and CUDA), whose bound against the reference
+is verify/bounds.optimizer_step_error.
 
 Padding elements are zeros with zero gradients and zero states; every optimizer here maps them
 to zeros again (0·x = 0, 0/eps = 0), so a run may include alignment gaps. Parameters that had
@@ -67,18 +65,21 @@ def _sqrt(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def deterministic_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
-    """reference.optim.step, in place on tensors p (fp32 master), g and state (views allowed):
-    Adam and AdamW in one Triton kernel on CUDA where Triton runs (zero/optim/triton_kernels.py), in
-    one compiled loop on the CPU where it can run (zero/optim/native.py), else, and for SGD, in
-    torch ops ([Note: in-place blocks]). Every path gives the reference's bits."""
+    """reference.optim.step, in place on tensors p (fp32 master), g and state (views allowed),
+    by the first of the module docstring's paths that runs."""
     if kind != "sgd":
         on, s = bool(hp.weight_decay), step_scalars(kind, hp, t)
         moments = (state["exp_avg"], state["exp_avg_sq"])
-        whole = [(0, p.numel(), s, on)]
-        if optim_triton.adam_runs(kind, whole, p, g, *moments) or optim_native.adam(
-            kind, on, s, p, g, *moments
-        ):
+        if optim_triton.adam_runs(kind, [(0, p.numel(), s, on)], p, g, *moments):
             return
+        if optim_native.adam(kind, on, s, p, g, *moments):
+            return
+    torch_ops_step(kind, hp, t, p, g, state)
+
+
+def torch_ops_step(kind, hp: Hyper, t: int, p, g, state: dict[str, torch.Tensor]) -> None:
+    """deterministic_step in primitive torch ops, for SGD and where no kernel runs: the step's
+    float32 scalars, block by block ([Note: in-place blocks])."""
     s = _scalars(kind, hp, t)
     block = op_block(p)
     ws = _Workspace(min(block, p.numel()), p.device, kind, hp)
@@ -156,37 +157,28 @@ def fast_step(kind, hp: Hyper, t: int, ps, gs, states: list[dict[str, torch.Tens
     slices) with gradients gs and states, all of one group and one step count t, on one
     device: Adam and AdamW in one multi-tensor fused call ([Note: one update launch])."""
     if kind == "sgd":
-        for p, g, state in zip(ps, gs, states, strict=True):
-            buf = state.get("momentum_buffer")
-            bufs = [None if t == 1 else buf]  # torch creates the buffer on the first step
-            torch_sgd.sgd([p], [g], bufs, **torch_kwargs("sgd", hp), maximize=False, foreach=False)
-            if buf is not None and bufs[0] is not buf:
-                buf.copy_(bufs[0])
-        return
+        return _fast_sgd(hp, t, ps, gs, states)
     fn = torch_adamw.adamw if kind == "adamw" else torch_adam.adam
-    b1, b2 = hp.betas
-    device = ps[0].device
+    (b1, b2), device = hp.betas, ps[0].device
     # the step counts, before this step, on the device: made by a fill kernel, not copied
     # from the host; the fused kernel adds 1 to each in place
     counts = torch.full((len(ps),), float(t - 1), dtype=torch.float32, device=device)
-    fn(
-        list(ps),
-        list(gs),
-        [st["exp_avg"] for st in states],
-        [st["exp_avg_sq"] for st in states],
-        [],
-        list(counts.unbind()),
-        amsgrad=False,
-        beta1=b1,
-        beta2=b2,
-        lr=hp.lr,
-        weight_decay=hp.weight_decay,
-        eps=hp.eps,
-        maximize=False,
-        # the fused kernel (CPU and CUDA) is 3-4x faster than the single-tensor one on a
-        # 2M-element shard; the lock-step bound covers any implementation's rounding
-        fused=device.type in ("cpu", "cuda"),
-    )
+    m, v = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
+    hyper = {"lr": hp.lr, "weight_decay": hp.weight_decay, "eps": hp.eps, "beta1": b1, "beta2": b2}
+    # the fused kernel (CPU and CUDA) is 3-4x faster than the single-tensor one on a
+    # 2M-element shard; the lock-step bound covers any implementation's rounding
+    fused, steps = device.type in ("cpu", "cuda"), list(counts.unbind())
+    fn(list(ps), list(gs), m, v, [], steps, amsgrad=False, maximize=False, fused=fused, **hyper)
+
+
+def _fast_sgd(hp: Hyper, t: int, ps, gs, states) -> None:
+    """fast_step for SGD: torch's single-tensor kernel on each run."""
+    for p, g, state in zip(ps, gs, states, strict=True):
+        buf = state.get("momentum_buffer")
+        bufs = [None if t == 1 else buf]  # torch creates the buffer on the first step
+        torch_sgd.sgd([p], [g], bufs, **torch_kwargs("sgd", hp), maximize=False, foreach=False)
+        if buf is not None and bufs[0] is not buf:
+            buf.copy_(bufs[0])
 
 
 def live_runs(runs: list[Run], slots, lo: int, used, steps) -> list[tuple[Run, int]]:
@@ -261,15 +253,10 @@ def _whole_shard(kind: str, groups: tuple[Hyper, ...], sh: Shard) -> bool:
     it runs (CUDA); False, touching nothing, elsewhere."""
     if kind == "sgd" or not optim_triton.available(sh.master.device):
         return False
-    runs = [
-        (
-            run.start,
-            run.stop,
-            step_scalars(kind, groups[run.group], t),
-            bool(groups[run.group].weight_decay),
-        )
-        for run, t in sh.runs
-    ]
+    runs = []
+    for run, t in sh.runs:
+        hp = groups[run.group]
+        runs.append((run.start, run.stop, step_scalars(kind, hp, t), bool(hp.weight_decay)))
     moments = (sh.states["exp_avg"], sh.states["exp_avg_sq"])
     return optim_triton.adam_runs(kind, runs, sh.master, sh.grad.float(), *moments)
 
