@@ -43,9 +43,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 class Pending:
     """A launched collective; wait() completes it and returns its result."""
 
-    def __init__(
-        self, work, finish: Callable[[], torch.Tensor], record: CommRecord, keep=(), group=None
-    ):
+    def __init__(self, work, finish: Callable, record: CommRecord, keep=(), group=None):
         self._work, self._finish, self._record, self._result = work, finish, record, None
         self._keep = keep  # inputs an asynchronous collective still reads; released on wait
         self._group = group
@@ -80,9 +78,8 @@ def _abandon(parked: tuple) -> None:
 
 def count_call(counter: CommCounter, op: str, elements: int, padding: int, like, **tag):
     """Count one call: `elements` this rank sends (padding included), in like's dtype."""
-    return counter.add(
-        op=op, elements=elements, padding=padding, nbytes=elements * like.element_size(), **tag
-    )
+    nbytes = elements * like.element_size()
+    return counter.add(op=op, elements=elements, padding=padding, nbytes=nbytes, **tag)
 
 
 def launch(fn, *args, group, async_op, rec, **kwargs):
@@ -139,19 +136,10 @@ def all_reduce_sum(
 
 
 def all_gather(
-    out: torch.Tensor,
-    shard: torch.Tensor,
-    *,
-    group,
-    counter: CommCounter,
-    padding: int,
-    tag: dict,
-    async_op=False,
+    out, shard, *, group, counter: CommCounter, padding: int, tag: dict, async_op=False
 ) -> Pending:
     """out (N·L) <- every rank's shard (L) in rank order. Sends (N-1)·L = (N-1)/N·Ψ per rank.
-
-    padding: padding elements this rank sends, i.e. (N-1) times those in its own shard.
-    """
+    padding: padding elements this rank sends, i.e. (N-1) times those in its own shard."""
     n = dist.get_world_size(group)
     rec = count_call(counter, "all_gather", (n - 1) * shard.numel(), padding, shard, **tag)
     if n == 1:

@@ -232,17 +232,8 @@ class ZeroConfig:
 
     def step_config(self, world_size: int) -> StepConfig:
         """The reference configuration of one step of this engine at world size N."""
-        return StepConfig(
-            optimizer=self.optimizer,
-            groups=self.groups,
-            precision=self.precision,
-            reduce_dtype=self.reduce_dtype,
-            world_size=world_size,
-            micro_batches=self.micro_batches,
-            clip_norm=self.clip_norm,
-            scaler=self.scaler,
-            nonfinite=self.nonfinite,
-        )
+        same = "optimizer groups precision reduce_dtype micro_batches clip_norm scaler nonfinite"
+        return StepConfig(world_size=world_size, **{k: getattr(self, k) for k in same.split()})
 
     def releases_grads(self, device: torch.device) -> bool:
         """release_grads as it applies on `device` (None: on CUDA only)."""

@@ -67,10 +67,8 @@ class UnitPartition:
 
     def runs(self, *, whole: bool = False) -> list[Run]:
         """Maximal same-group runs of this rank's shard (or of the whole buffer), local offsets.
-
-        Padding between or after parameters joins the neighbouring run; elements before the
-        first parameter of the extent join the first run.
-        """
+        Padding between or after parameters joins the run before it; elements before the extent's
+        first parameter join the first run."""
         lo, hi = (0, self.padded_numel) if whole else (self.own.start, self.own.stop)
         runs: list[Run] = []
         for slot, group in zip(self.layout.slots, self.groups, strict=True):
@@ -80,9 +78,7 @@ class UnitPartition:
             if runs and runs[-1].group == group:
                 runs[-1] = Run(start=runs[-1].start, stop=b - lo, group=group)
             else:
-                runs.append(
-                    Run(start=(a - lo) if not runs else runs[-1].stop, stop=b - lo, group=group)
-                )
+                runs.append(Run(start=runs[-1].stop if runs else a - lo, stop=b - lo, group=group))
         if runs:  # stretch the first run back to the extent's start and the last to its end
             runs[0] = Run(start=0, stop=runs[0].stop, group=runs[0].group)
             runs[-1] = Run(start=runs[-1].start, stop=hi - lo, group=runs[-1].group)

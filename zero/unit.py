@@ -20,19 +20,23 @@ from .partition import UnitPartition
 class FlatUnit:
     """One unit's parameters, flattened into a working buffer that they become views of."""
 
+    # Set by some configurations only, None otherwise. offload_optimizer (zero/zero_r/offload.py),
+    # host memory: the reduced gradient's extent, and fast mode's addend.
+    host_grad: torch.Tensor | None = None  # 1D, reduction dtype, the master's extent
+    host_stage: torch.Tensor | None = None  # 1D, reduction dtype, L
+    # Stage 3 (zero/stages/stage3.py): the PartitionState (zero/stages/sharded.py), the resident
+    # shard of the working copy, and the autograd version counter a prefetch keeps ([Note:
+    # re-gathering under saved views]).
+    state = None
+    shard: torch.Tensor | None = None  # 1D, compute dtype, L
+    keep_version = None
+
     def __init__(
-        self,
-        index: int,
-        name: str,
-        params: list[tuple[str, nn.Parameter]],
-        part: UnitPartition,
-        dtype: torch.dtype,
-        device: torch.device,
-        values=None,
+        self, index: int, name: str, params: list, part: UnitPartition, dtype, device, values=None
     ):
-        """values(name, shape) -> fp32 tensor: the start value of each parameter, for a model
-        built on the meta device (one unit is materialised at a time); otherwise the parameters'
-        own values are used."""
+        """params: (name, nn.Parameter) pairs; dtype: the compute dtype. values(name, shape) ->
+        fp32 tensor: each parameter's start value, for a model built on the meta device (one
+        unit is materialised at a time); otherwise the parameters' own values are used."""
         self.index, self.name, self.part = index, name, part
         self.frozen = False  # a unit's frozen parameters (zero/build.py): no grad, no master
         # [Note: params as views] Each parameter's data becomes a view into `working`, at its
@@ -40,10 +44,7 @@ class FlatUnit:
         # that the all-gather writes, with no copy, and layouts are the same on every device.
         # the fp32 start values (1D, N·L); the stage takes the master from them, then drops them
         self.initial: torch.Tensor | None = torch.zeros(part.padded_numel, device=device)
-        if values is None:
-            start = {n: p.detach().float() for n, p in params}
-        else:
-            start = {n: values(n, tuple(p.shape)) for n, p in params}
+        start = {n: values(n, tuple(p.shape)) if values else p.detach().float() for n, p in params}
         part.flatten_into(self.initial, start)
         del start
         # 1D, compute dtype, N·L: the fp32 values rounded to nearest even (the same tensor in fp32)
@@ -69,19 +70,9 @@ class FlatUnit:
         self._grad: torch.Tensor | None = None
         self.renew_grad: Callable[[], torch.Tensor] | None = None  # set where it is releasable
         self.grad_nbytes = 0  # what u.grad holds within a step (counted while it is released)
-        # offload_optimizer only (zero/zero_r/offload.py), host memory, None otherwise:
-        self.host_grad: torch.Tensor | None = None  # 1D, reduction dtype, the master's extent
-        self.host_stage: torch.Tensor | None = None  # 1D, reduction dtype, L: fast-mode addend
         self.stream = StreamingTree()  # deterministic mode: B_k partial sums of this step
         self.pending = None  # fast mode: the reduction launched after the last micro-batch
         self.ready = 0  # parameters whose gradient arrived in the current backward
-        # stage 3 only (zero/stages/stage3.py), None otherwise: the PartitionState
-        # (zero/stages/sharded.py), the resident shard of the working copy (compute dtype, L),
-        # and the autograd version counter a prefetch keeps ([Note: re-gathering under saved
-        # views])
-        self.state = None
-        self.shard: torch.Tensor | None = None
-        self.keep_version = None
         # [Note: unused parameters] (reference/step.py), per parameter in slot order: whether
         # it had a gradient in some micro-batch of this step on this rank, and t_p, the
         # optimizer steps it has taken (the same on every rank)
@@ -91,13 +82,11 @@ class FlatUnit:
     @property
     def grad(self) -> torch.Tensor:
         """[Note: gradients live within a step] A unit's gradient buffer is needed from its first
-        gradient in a step's backward to the end of that step's update, and not between steps.
-        With ZeroConfig.release_grads the engine releases it after the update (as
-        zero_grad(set_to_none=True) releases .grad) and the first use in the next step allocates
-        it again, zeros, so every step starts from the buffer a fresh engine has: no bit moves.
-        A step's peak comes in backward while most gradients do not exist yet, so the buffer
-        stops adding to it in full. Without release_grads it is allocated at construction and
-        stays (a CPU's default: memory given back returns through page faults every step)."""
+        gradient in a step's backward to the end of that step's update. With release_grads the
+        engine releases it after the update (as zero_grad(set_to_none=True) releases .grad) and
+        its first use in the next step allocates it again, zeros: the buffer a fresh engine has,
+        so no bit moves, and it no longer adds to the peak, which comes in backward (costs and
+        defaults: docs/design.md §3.9)."""
         if self._grad is None:
             if self.renew_grad is None:
                 raise AttributeError(f"unit {self.name or '<root>'} has no gradient buffer")

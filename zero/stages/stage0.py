@@ -42,10 +42,7 @@ class Stage0:
     collective_forward = False  # whether forward makes collectives (stage 3 gathers there)
 
     def __init__(self, ctx: StageContext):
-        self.ctx = ctx
-        self.cfg = ctx.config
-        self.group = ctx.group
-        self.counter = ctx.counter
+        self.ctx, self.cfg, self.group, self.counter = ctx, ctx.config, ctx.group, ctx.counter
         self.placement = ctx.placement  # where buffers live (zero/zero_r/placement.py)
         self.buckets = ctx.buckets  # whole buffers or C_B pieces (zero/zero_r/buckets.py)
         self.reductions = ctx.reductions  # shared: [Note: bounded reductions in flight]
@@ -101,8 +98,7 @@ class Stage0:
         return contextlib.nullcontext()
 
     def register_hooks(self, modules) -> list:
-        """Module hooks (stage 3 gathers around each unit's forward and backward); returns
-        their handles."""
+        """Module hooks (stage 3 gathers around each unit's forward and backward): their handles."""
         return []
 
     def runs(self, u: FlatUnit):
@@ -155,14 +151,9 @@ class Stage0:
     def reduce_accumulated(self, u: FlatUnit) -> None:
         """Fast mode: one all-reduce of the locally accumulated sum (in place in u.grad), kept in
         u.pending and waited at step()."""
-        u.pending = C.all_reduce_sum(
-            u.grad,
-            group=self.group,
-            counter=self.counter,
-            padding=u.part.padding_scattered + u.part.padding_gathered,
-            tag=self.tag(u, "grad"),
-            async_op=self.cfg.overlap,
-        )
+        pad, tag = u.part.padding_scattered + u.part.padding_gathered, self.tag(u, "grad")
+        kw = {"group": self.group, "counter": self.counter, "async_op": self.cfg.overlap}
+        u.pending = C.all_reduce_sum(u.grad, padding=pad, tag=tag, **kw)
 
     def reduce_scatter(self, u: FlatUnit, flat: torch.Tensor | None, grads=None) -> C.Pending:
         """Reduce-scatter u's flat gradient `flat` (N·L), whole or in C_B pieces as the
@@ -176,22 +167,15 @@ class Stage0:
         return self.buckets.reduce_scatter(self.ctx, u, fn, flat, grads, self.tag(u, "grad"))
 
     def all_gather(self, u: FlatUnit, out, shard, phase: str, async_op=False) -> C.Pending:
-        return C.all_gather(
-            out,
-            shard,
-            group=self.group,
-            counter=self.counter,
-            padding=u.part.padding_gathered,
-            tag=self.tag(u, phase),
-            async_op=async_op,
-        )
+        pad, tag = u.part.padding_gathered, self.tag(u, phase)
+        kw = {"group": self.group, "counter": self.counter, "async_op": async_op}
+        return C.all_gather(out, shard, padding=pad, tag=tag, **kw)
 
     def tag(self, u: FlatUnit, phase: str) -> dict:
         return {"phase": phase, "unit": u.index, "kind": "model"}
 
     def end_microstep(self, u: FlatUnit) -> None:
-        """After the reductions drained: anything a stage does per unit at the end of a
-        micro-step."""
+        """After the reductions drained: a stage's work per unit at the end of a micro-step."""
 
     def end_backward(self) -> None:
         """After every unit's end_microstep, once per backward."""

@@ -53,8 +53,7 @@ class Stage1(Stage0):
         self.buckets.note(self.ctx, u)
 
     def land(self, u: FlatUnit, pending) -> None:
-        """R's shard r lands in the rank's own slice of u.grad (the collective has completed,
-        so its input may be written)."""
+        """R's shard r lands in this rank's slice of u.grad (the input, free once completed)."""
         u.grad[u.part.own].copy_(pending.wait())
 
     def refresh_working(self, u: FlatUnit) -> None:

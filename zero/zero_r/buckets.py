@@ -33,13 +33,9 @@ class WholeBuffers:
         return arrival
 
     def reduce_scatter(self, ctx, u: FlatUnit, fn, flat, grads, tag: dict) -> C.Pending:
+        pad, overlap = u.part.padding_scattered, ctx.config.overlap
         return fn(
-            flat,
-            group=ctx.group,
-            counter=ctx.counter,
-            padding=u.part.padding_scattered,
-            tag=tag,
-            async_op=ctx.config.overlap,
+            flat, group=ctx.group, counter=ctx.counter, padding=pad, tag=tag, async_op=overlap
         )
 
     def note(self, ctx, u: FlatUnit, arrival: torch.Tensor | None = None) -> None:
