@@ -1,4 +1,5 @@
-"""The paper's printed numbers, typed in once, and its rounding rules.
+"""The paper's printed numbers, typed in once, and its rounding rules; the throughput figures'
+points as Runs (their configurations), and the hardware the paper states.
 
 Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
 arXiv 1910.02054 (SC20); transcribed in docs/paper.md, whose section is cited at each
@@ -170,6 +171,78 @@ FIG3_ZERO = (
     ("256 GPUs", 256, 16, 75, 8192, 48, 39.0),
     ("400 GPUs", 400, 16, 75, 8192, 64, 36.5),
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """One bar or point of a paper figure: its configuration (docs/paper.md §1.9) and value
+    (§1.8)."""
+
+    figure: str
+    series: str
+    label: str
+    gpus: int
+    mp: int
+    layers: int
+    hidden: int
+    batch: int
+    """B: sequences per data-parallel rank per step (total batch / DP)."""
+    stage: int
+    paper_tflops: float
+    """Read off the paper's plot: approximate (docs/paper.md §1.8)."""
+    partitioned_activations: bool = False
+
+    def __post_init__(self):
+        if self.gpus % self.mp:
+            raise ValueError(f"mp={self.mp} is not allowed: expected a divisor of gpus={self.gpus}")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage={self.stage!r} is not allowed: expected 0, 1, 2 or 3")
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.mp
+
+
+def _z(fig, label, gpus, mp, layers, hidden, batch, tflops, series="ZeRO"):
+    return Run(figure=fig, series=series, label=label, gpus=gpus, mp=mp, layers=layers,
+               hidden=hidden, batch=batch, stage=2, paper_tflops=tflops,
+               partitioned_activations=mp > 1)  # fmt: skip
+
+
+def _b(fig, label, gpus, mp, layers, hidden, batch, tflops, series):
+    return Run(figure=fig, series=series, label=label, gpus=gpus, mp=mp, layers=layers,
+               hidden=hidden, batch=batch, stage=0, paper_tflops=tflops)  # fmt: skip
+
+
+FIGURE4 = tuple(_z("4", *r) for r in FIG4_ZERO) + tuple(
+    _b("4", *r, "Baseline DP") for r in FIG4_BASELINE_DP
+)
+FIGURE2 = tuple(_z("2", *r) for r in FIG2_ZERO) + tuple(
+    _b("2", *r, "Megatron") for r in FIG2_MEGATRON
+)
+FIGURE3 = tuple(_z("3", *r) for r in FIG3_ZERO)
+"""The rows above as Runs: the paper's values (docs/paper.md §1.8), each with its configuration
+(§1.9); paper_figures/throughput_model.py fits Figure 4 and predicts Figures 2 and 3."""
+
+
+# --- The stated hardware of Figures 2-4 (docs/paper.md §1.8, docs/perfmodel.md). -------------
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """The hardware of Figures 2-4, as stated (docs/perfmodel.md): DGX-2 nodes of V100s."""
+
+    peak_flops: float = 125e12
+    """V100 fp16 tensor-core peak, FLOP/s."""
+    nvswitch_bytes_s: float = 300e9
+    """DGX-2 NVSwitch bandwidth per GPU, bytes/s."""
+    node_bytes_s: float = 800e9 / 8
+    """Between nodes: 800 Gbps per node, bytes/s."""
+    hbm_bytes_s: float = 900e9
+    """V100 HBM2 bandwidth, bytes/s."""
+    gpus_per_node: int = 16
+    """A DGX-2 holds 16 V100s."""
+
+
+HARDWARE = Hardware()
 
 
 # --- The paper's rounding rules (docs/paper.md §1.2 and §1.3). ------------------------------------

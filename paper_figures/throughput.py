@@ -7,6 +7,7 @@ size to hours at the large one, and wants a quiet machine); --profile full measu
 again (N = 2 and 4, with --profile) and renders that. Writes results/throughput.json,
 figures/throughput_cpu.png (a row of panels per model size, a panel per N), tables/throughput.md
 and, from records with a profile, the per-phase figure figures/throughput_phases.png (phase_figure).
+Also here: the profiled steps in the performance model's terms (cpu_terms).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from paper_figures.common import (
     save_figure,
 )
 from zero.common.results import read_json, write_atomic
+from zero.workloads.models import gpt_flops
 
 NAME = "throughput"
 _DIR = Path(__file__).resolve().parent / "measured"
@@ -179,3 +181,46 @@ def index_rows(payload: dict) -> list[list[str]]:
                 ]
             )
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU measurements in the performance model's three terms (paper_figures/throughput_model.py)
+
+
+COMPUTE_PHASES = ("forward", "backward")
+COMM_PHASES = ("update.reduce", "update.refresh", "update.finish", "update.control")
+
+
+def cpu_terms(records: list[dict]) -> list[dict]:
+    """From measure.bench's profiled records (runs/paper_figures/results/bench_step_time.json): each
+    of our systems' measured step split as the performance model splits it (the banner's
+    module): compute (forward + backward),
+    communication in step() (the phases measure.bench_table.PROFILE_COLUMNS calls reduce,
+    all-gather, ag-wait and control: the norm's partials ride in the control exchange), optimizer
+    (its kernels), and the achieved FLOP/s of forward + backward (Megatron's count without
+    recomputation). A profile without one of those phases is refused: a renamed phase would
+    otherwise count as 0 ms."""
+    out = []
+    for r in records:
+        c, res = r["config"], r["result"]
+        prof = res.get("profile_ms")
+        if res.get("status") != "ok" or prof is None or c.get("family") != "ours":
+            continue
+        g = c["gpt"]
+        flops = gpt_flops(c["batch_size"], g["block_size"], g["n_layer"], g["n_embd"],
+                          g["vocab_size"], recompute=False)  # fmt: skip
+        missing = [k for k in (*COMPUTE_PHASES, *COMM_PHASES, "update.optimizer") if k not in prof]
+        if missing:
+            raise ValueError(
+                f"records: {c['system']} at N = {c['world_size']} has no phase {missing} in its "
+                f"profile_ms; allowed are measure.bench --profile records"
+            )
+        compute = sum(prof[k] for k in COMPUTE_PHASES)
+        comm = sum(prof[k] for k in COMM_PHASES)
+        opt = prof["update.optimizer"]
+        out.append({
+            "system": c["system"], "world_size": c["world_size"], "step_ms": prof.get("step"),
+            "median_ms": res["median_ms"], "compute_ms": compute, "comm_in_step_ms": comm,
+            "optimizer_ms": opt, "gflops_per_rank": flops / (compute / 1e3) / 1e9,
+        })  # fmt: skip
+    return out

@@ -10,6 +10,8 @@ the fit can and cannot tell apart are in docs/perfmodel.md.
 Legend: B sequences per DP rank per step, s sequence length, l layers, h hidden size, V
 vocabulary, MP the model-parallel degree, DP = GPUs / MP, Ψ parameters, x = B·s·h / MP the
 per-GPU size of a transformer GEMM, g GPUs of a group inside one node, k the nodes it spans.
+The paper's runs (Run, FIGURE2-4) and HARDWARE are paper_figures/paper.py's, the CPU
+measurements in the model's terms (cpu_terms) paper_figures/throughput.py's; all importable here.
 """
 
 # [Note: measured MP volume] The MP communication is no assumed count of all-reduces: it is the
@@ -37,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from paper_figures import paper
+from paper_figures.paper import FIGURE2, FIGURE3, FIGURE4, HARDWARE, Hardware, Run
+from paper_figures.throughput import COMM_PHASES, COMPUTE_PHASES, cpu_terms  # noqa: F401
 from zero.common.results import make_record, provenance, read_json, write_json
 from zero.workloads.models import gpt_flops
 
@@ -56,25 +59,6 @@ model's MP volume ([Note: measured MP volume])."""
 
 DP_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}
 """docs/design.md §2 at M = N: elements each rank sends per step, in units of Ψ·(N-1)/N."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Hardware:
-    """Stated hardware numbers (module docstring)."""
-
-    peak_flops: float = 125e12
-    """V100 fp16 tensor-core peak, FLOP/s."""
-    nvswitch_bytes_s: float = 300e9
-    """DGX-2 NVSwitch bandwidth per GPU, bytes/s."""
-    node_bytes_s: float = 800e9 / 8
-    """Between nodes: 800 Gbps per node, bytes/s."""
-    hbm_bytes_s: float = 900e9
-    """V100 HBM2 bandwidth, bytes/s."""
-    gpus_per_node: int = 16
-    """A DGX-2 holds 16 V100s."""
-
-
-HARDWARE = Hardware()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,55 +87,6 @@ class Params:
             raise ValueError(f"overlap={self.overlap!r} is not allowed: expected [0, 1]")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Run:
-    """One bar or point of a paper figure: its configuration (docs/paper.md §1.9) and value
-    (§1.8)."""
-
-    figure: str
-    series: str
-    label: str
-    gpus: int
-    mp: int
-    layers: int
-    hidden: int
-    batch: int
-    """B: sequences per data-parallel rank per step (total batch / DP)."""
-    stage: int
-    paper_tflops: float
-    """Read off the paper's plot: approximate (docs/paper.md §1.8)."""
-    partitioned_activations: bool = False
-
-    def __post_init__(self):
-        if self.gpus % self.mp:
-            raise ValueError(f"mp={self.mp} is not allowed: expected a divisor of gpus={self.gpus}")
-        if self.stage not in DP_VOLUME:
-            raise ValueError(f"stage={self.stage!r} is not allowed: expected 0, 1, 2 or 3")
-
-    @property
-    def dp(self) -> int:
-        return self.gpus // self.mp
-
-
-def _z(fig, label, gpus, mp, layers, hidden, batch, tflops, series="ZeRO"):
-    return Run(figure=fig, series=series, label=label, gpus=gpus, mp=mp, layers=layers,
-               hidden=hidden, batch=batch, stage=2, paper_tflops=tflops,
-               partitioned_activations=mp > 1)  # fmt: skip
-
-
-def _b(fig, label, gpus, mp, layers, hidden, batch, tflops, series):
-    return Run(figure=fig, series=series, label=label, gpus=gpus, mp=mp, layers=layers,
-               hidden=hidden, batch=batch, stage=0, paper_tflops=tflops)  # fmt: skip
-
-
-FIGURE4 = tuple(_z("4", *r) for r in paper.FIG4_ZERO) + tuple(
-    _b("4", *r, "Baseline DP") for r in paper.FIG4_BASELINE_DP
-)
-FIGURE2 = tuple(_z("2", *r) for r in paper.FIG2_ZERO) + tuple(
-    _b("2", *r, "Megatron") for r in paper.FIG2_MEGATRON
-)
-FIGURE3 = tuple(_z("3", *r) for r in paper.FIG3_ZERO)
-"""The paper's values (paper_figures/paper.py, docs/paper.md §1.8) as Runs."""
 FITTED, HELD_OUT = FIGURE4, FIGURE2 + FIGURE3
 
 SENSITIVITY = {"nvswitch_efficiency": 0.5, "internode_efficiency": 0.5}
@@ -522,45 +457,3 @@ def render(results_path, figure_path) -> Path:
 
     plt.close(fig)
     return write_atomic(figure_path, buf.getvalue())
-
-
-# ---------------------------------------------------------------------------------------------
-# The CPU measurements in the same three terms
-
-
-COMPUTE_PHASES = ("forward", "backward")
-COMM_PHASES = ("update.reduce", "update.refresh", "update.finish", "update.control")
-
-
-def cpu_terms(records: list[dict]) -> list[dict]:
-    """From measure.bench's profiled records (runs/paper_figures/results/bench_step_time.json): each
-    of our systems' measured step split as this model splits it: compute (forward + backward),
-    communication in step() (the phases measure.bench_table.PROFILE_COLUMNS calls reduce,
-    all-gather, ag-wait and control: the norm's partials ride in the control exchange), optimizer
-    (its kernels), and the achieved FLOP/s of forward + backward (Megatron's count without
-    recomputation). A profile without one of those phases is refused: a renamed phase would
-    otherwise count as 0 ms."""
-    out = []
-    for r in records:
-        c, res = r["config"], r["result"]
-        prof = res.get("profile_ms")
-        if res.get("status") != "ok" or prof is None or c.get("family") != "ours":
-            continue
-        g = c["gpt"]
-        flops = gpt_flops(c["batch_size"], g["block_size"], g["n_layer"], g["n_embd"],
-                          g["vocab_size"], recompute=False)  # fmt: skip
-        missing = [k for k in (*COMPUTE_PHASES, *COMM_PHASES, "update.optimizer") if k not in prof]
-        if missing:
-            raise ValueError(
-                f"records: {c['system']} at N = {c['world_size']} has no phase {missing} in its "
-                f"profile_ms; allowed are measure.bench --profile records"
-            )
-        compute = sum(prof[k] for k in COMPUTE_PHASES)
-        comm = sum(prof[k] for k in COMM_PHASES)
-        opt = prof["update.optimizer"]
-        out.append({
-            "system": c["system"], "world_size": c["world_size"], "step_ms": prof.get("step"),
-            "median_ms": res["median_ms"], "compute_ms": compute, "comm_in_step_ms": comm,
-            "optimizer_ms": opt, "gflops_per_rank": flops / (compute / 1e3) / 1e9,
-        })  # fmt: skip
-    return out
