@@ -149,9 +149,7 @@ def _run_job(rank: int, world_size: int, job: Job) -> RankRun:
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
-    from reference import working_copy
     from verify.compare import to_numpy
-    from verify.harness import microbatch_grads
     from zero.engine import ZeroEngine
     from zero.workloads.models import GPT, gpt_microbatches
 
@@ -161,41 +159,19 @@ def _run_job(rank: int, world_size: int, job: Job) -> RankRun:
     init = {k: v.detach().float().clone().numpy() for k, v in model.named_parameters()}
     cfg = _zero_config(job, model.unit_names(), world_size)
     eng = ZeroEngine(model, cfg)
-    m, per_rank = cfg.micro_batches, cfg.micro_batches // world_size
+    per_rank = cfg.micro_batches // world_size
     names = {u.index: (u.name or "root") for u in eng.units}
     events: list = []
     if job.trace:
         _attach_tracer(model, model.unit_names(), events)
-    want_grads = job.reference_grads and rank == 0
-    run = RankRun(
-        rank=rank,
-        world_size=world_size,
-        stage=job.stage,
-        volume=[],
-        control=[],
-        counts=[],
-        memory={},
-        blocks=[],
-        master={},
-        losses=[],
-        unit_names=[names[i] for i in sorted(names)],
-        shards=[u.part.shard_numel for u in eng.units],
-        numel=sum(u.numel for u in eng.units),
-        deterministic=job.deterministic,
-        micro_batches=m,
-    )
-    if want_grads:
-        spec = ModelSpec.build(eng.unit_specs(), eng.group_index, chunk=cfg.chunk)
-        rcfg = cfg.step_config(world_size)
-        ref, ref_model = init_state(init, spec, rcfg), GPT(gcfg, seed=0)
-        run.grads, run.spec, run.step_config, run.init = [], spec, rcfg, init
+    run = _new_run(rank, world_size, job, eng, names)
+    single = _SingleProcess(run, eng, init) if job.reference_grads and rank == 0 else None
     for step in range(job.steps):
-        batches = gpt_microbatches(gcfg, seed=0, data_step=step, count=m, batch_size=job.batch_size)
-        if want_grads:
-            work = working_copy(ref, rcfg)
-            grads = [microbatch_grads(ref_model, work, b, cfg.compute_dtype, None) for b in batches]
-            run.grads.append(grads)
-            ref, _ = train_step(ref, grads, spec, rcfg)
+        batches = gpt_microbatches(
+            gcfg, seed=0, data_step=step, count=cfg.micro_batches, batch_size=job.batch_size
+        )
+        if single is not None:
+            single.step(batches)
         # Tracing: FLOPs are counted in step 0 and the timeline is taken in the last step, so
         # the counter's dispatch overhead (and first-use costs) stay out of the timeline.
         count_flops, last = job.trace and step == 0, step == job.steps - 1
@@ -220,8 +196,71 @@ def _run_job(rank: int, world_size: int, job: Job) -> RankRun:
         run.volume.append(eng.counter.volume(s))
         run.control.append(eng.counter.volume(s, kind="control"))
         run.counts.append(eng.counter.counts(s))
+    run.records = _last_step_records(eng, names, t0)
+    run.events = [
+        {"phase": p, "name": nm, "start": a - t0, "end": b - t0}
+        for p, nm, a, b in events
+        if b is not None
+    ]
+    run.memory = eng.memory_report()
+    run.blocks = engine_blocks(eng)
+    master, _ = eng.gather_state()
+    run.master = {k: to_numpy(v).copy() for k, v in master.items()}
+    if job.trace and rank == 0:
+        run.single_process_flops = _plain_flops(job)
+    return run
+
+
+def _new_run(rank: int, world_size: int, job: Job, eng, names: dict[int, str]) -> RankRun:
+    """The RankRun of one job before its first step: the engine's units and their shards."""
+    return RankRun(
+        rank=rank,
+        world_size=world_size,
+        stage=job.stage,
+        volume=[],
+        control=[],
+        counts=[],
+        memory={},
+        blocks=[],
+        master={},
+        losses=[],
+        unit_names=[names[i] for i in sorted(names)],
+        shards=[u.part.shard_numel for u in eng.units],
+        numel=sum(u.numel for u in eng.units),
+        deterministic=job.deterministic,
+        micro_batches=eng.config.micro_batches,
+    )
+
+
+class _SingleProcess:
+    """The single-process run beside the engine (reference.train_step on one GPT from the same
+    start values): each step it records every micro-batch's gradients in `run`, the replay the
+    simulation needs, then takes the step."""
+
+    def __init__(self, run: RankRun, eng, init: dict[str, np.ndarray]):
+        from zero.workloads.models import GPT
+
+        cfg = eng.config
+        spec = ModelSpec.build(eng.unit_specs(), eng.group_index, chunk=cfg.chunk)
+        rcfg = cfg.step_config(eng.world_size)
+        self.state, self.model = init_state(init, spec, rcfg), GPT(eng.module.cfg, seed=0)
+        self.run, self.spec, self.rcfg, self.dtype = run, spec, rcfg, cfg.compute_dtype
+        run.grads, run.spec, run.step_config, run.init = [], spec, rcfg, init
+
+    def step(self, batches) -> None:
+        from reference import working_copy
+        from verify.harness import microbatch_grads
+
+        work = working_copy(self.state, self.rcfg)
+        grads = [microbatch_grads(self.model, work, b, self.dtype, None) for b in batches]
+        self.run.grads.append(grads)
+        self.state, _ = train_step(self.state, grads, self.spec, self.rcfg)
+
+
+def _last_step_records(eng, names: dict[int, str], t0: float) -> list[dict]:
+    """The counter's records of the last step, as plain data, times from t0."""
     s = eng.counter.step - 1
-    run.records = [
+    return [
         {
             "op": r.op,
             "phase": r.phase,
@@ -236,23 +275,21 @@ def _run_job(rank: int, world_size: int, job: Job) -> RankRun:
         for r in eng.counter.records
         if r.step == s
     ]
-    run.events = [
-        {"phase": p, "name": nm, "start": a - t0, "end": b - t0}
-        for p, nm, a, b in events
-        if b is not None
-    ]
-    run.memory = eng.memory_report()
-    run.blocks = engine_blocks(eng)
-    master, _ = eng.gather_state()
-    run.master = {k: to_numpy(v).copy() for k, v in master.items()}
-    if job.trace and rank == 0:
-        plain = GPT(gcfg, seed=0)
-        batch = gpt_microbatches(gcfg, seed=0, data_step=0, count=1, batch_size=job.batch_size)[0]
-        with FlopCounterMode(display=False) as fc:
-            _, loss = plain(*batch)
-            loss.backward()
-        run.single_process_flops = int(fc.get_total_flops())
-    return run
+
+
+def _plain_flops(job: Job) -> int:
+    """FLOPs of one micro-batch, forward and backward, on the plain GPT (no engine)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zero.workloads.models import GPT, gpt_microbatches
+
+    gcfg = _gpt_config(job)
+    plain = GPT(gcfg, seed=0)
+    batch = gpt_microbatches(gcfg, seed=0, data_step=0, count=1, batch_size=job.batch_size)[0]
+    with FlopCounterMode(display=False) as fc:
+        _, loss = plain(*batch)
+        loss.backward()
+    return int(fc.get_total_flops())
 
 
 def _run_jobs(rank: int, world_size: int, jobs: Sequence[Job]) -> list[RankRun]:
