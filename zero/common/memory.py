@@ -270,18 +270,18 @@ def model_state_breakdown(
         grads += (accumulation.bit_length() - 1) * numel * grad_bytes / n
     master = numel * master_bytes / (n if stage >= 1 else 1)
     optimizer = numel * states * state_bytes / (n if stage >= 1 else 1)
-    frozen = _real("frozen_params", frozen_params) + _integer(
-        "frozen_padding", frozen_padding, minimum=0
-    )
+    frozen = _real("frozen_params", frozen_params)
+    frozen += _integer("frozen_padding", frozen_padding, minimum=0)
     frozen = frozen * param_bytes / (n if stage == 3 else 1)
+    return _rounded_once(params, grads, master, optimizer, frozen)
 
-    exact = (params, grads, master, optimizer, frozen)
+
+def _rounded_once(*exact: Fraction) -> MemoryBreakdown:
+    """The breakdown of the exact categories (params, grads, master, optimizer, frozen), each
+    rounded to a float once; total sums the exact ones ([Note: exact arithmetic])."""
+    params, grads, master, optimizer, frozen = (float(x) for x in exact)
     out = MemoryBreakdown(
-        params=float(params),
-        grads=float(grads),
-        master=float(master),
-        optimizer=float(optimizer),
-        frozen=float(frozen),
+        params=params, grads=grads, master=master, optimizer=optimizer, frozen=frozen
     )
     object.__setattr__(out, "_exact", exact)  # frozen: set once, here, before anyone sees it
     return out
