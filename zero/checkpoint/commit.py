@@ -179,17 +179,8 @@ def _slice(engine, pre: str) -> dict:
             entry["frozen"] = True
         params.append(entry)
 
-    def layout(u) -> dict:  # what validate.py recomputes from the parameters' shapes
-        return {
-            "name": u.name,
-            "params": [s.name for s in u.part.layout.slots],
-            "layout_numel": u.part.layout.layout_numel,
-            "shard_numel": u.part.shard_numel,
-            "padded_numel": u.part.padded_numel,
-        }
-
     units = [
-        layout(u)
+        _layout(u)
         | {
             "master_whole": engine.master_extent(u) != u.part.own,
             "states": ["master", *sorted(u.opt)],
@@ -198,15 +189,42 @@ def _slice(engine, pre: str) -> dict:
         for u in engine.units
     ]
     frozen_units = [
-        layout(u)
+        _layout(u)
         | {
             "dtype": str(u.working.dtype).removeprefix("torch."),
             "files": [f"{pre}f{j:04d}-r{r:04d}.bin" for r in range(n)],
         }
         for j, u in enumerate(engine.frozen_units)
     ]
-    sd_keys = []  # state_dict() order: (key, parameter or buffer name)
-    for prefix, mod in engine.module.named_modules(remove_duplicate=False):
+    return {
+        "params": params,
+        "units": units,
+        **({"frozen_units": frozen_units} if frozen_units else {}),
+        "state_dict_keys": _state_dict_keys(engine.module, canonical),
+        "rng": {
+            "files": [f"{pre}r{r:04d}.bin" for r in range(n)],
+            "restored_at_same_world_size": True,
+        },
+    }
+
+
+def _layout(u) -> dict:
+    """A unit's layout as a manifest has it: what validate.py recomputes from the parameters'
+    shapes."""
+    return {
+        "name": u.name,
+        "params": [s.name for s in u.part.layout.slots],
+        "layout_numel": u.part.layout.layout_numel,
+        "shard_numel": u.part.shard_numel,
+        "padded_numel": u.part.padded_numel,
+    }
+
+
+def _state_dict_keys(module, canonical: dict[str, str]) -> list[tuple[str, str]]:
+    """(state_dict() key, the parameter's canonical name or "buffer:" and the buffer's), in
+    state_dict() order; a shared module's keys once."""
+    sd_keys = []
+    for prefix, mod in module.named_modules(remove_duplicate=False):
         for key, p in mod._parameters.items():
             if p is not None:
                 full = f"{prefix}.{key}" if prefix else key
@@ -215,16 +233,7 @@ def _slice(engine, pre: str) -> dict:
             if b is not None and key not in mod._non_persistent_buffers_set:
                 full = f"{prefix}.{key}" if prefix else key
                 sd_keys.append([full, f"buffer:{full}"])
-    return {
-        "params": params,
-        "units": units,
-        **({"frozen_units": frozen_units} if frozen_units else {}),
-        "state_dict_keys": list(dict(sd_keys).items()),  # a shared module once
-        "rng": {
-            "files": [f"{pre}r{r:04d}.bin" for r in range(n)],
-            "restored_at_same_world_size": True,
-        },
-    }
+    return list(dict(sd_keys).items())
 
 
 def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str, records, here):
