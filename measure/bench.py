@@ -60,12 +60,13 @@ from .bench_table import (  # noqa: F401  (OURS, analytic_states_bytes: importab
     merge_records,
 )
 from .parts import bench_ranks as in_rank
+from .parts.bench_config import MODELS, BenchConfig
 from .parts.bench_ranks import BUILD_WARMUP, MEMORY_STEPS, prepare_deepspeed  # noqa: F401
 from .parts.bench_ranks import make as _make  # noqa: F401  (a system in this rank, for tests)
 from .parts.bench_ranks import memory as _memory  # noqa: F401  ([Note: the memory pass])
 from .parts.bench_records import KIND, record
 from .parts.bench_records import record as _record  # noqa: F401  (one record, for tests)
-from .parts.trainers import MODELS, BenchConfig, rank_device
+from .parts.trainers import rank_device
 
 # ---------------------------------------------------------------------------------------------
 # The driver (the parent process, or every rank under torchrun)

@@ -33,7 +33,8 @@ from zero.collectives import CommCounter
 from zero.mp import TPGPT, Mesh, MPContext, tp_num_params
 from zero.workloads.models import gpt_microbatches
 
-from .parts.trainers import Ours, Trainer, layout, zero_config
+from .parts.bench_config import layout
+from .parts.trainers import Ours, Trainer, zero_config
 
 _GROUPS: dict = {}
 """Per worker process: this rank's MeshGroups by (N_d, N_m), created once (new_group is

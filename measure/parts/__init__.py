@@ -2,7 +2,8 @@
 command's own module reads as its driver; every public name is importable from the command's
 module too (measure.bench, measure.bench_table, measure.fake_rank).
 
-    trainers.py            the systems measure.bench times, inside one rank; BenchConfig, MODELS
+    bench_config.py        measure.bench's workloads (MODELS) and configuration (BenchConfig)
+    trainers.py            the systems measure.bench times, inside one rank
     bench_systems.py       the systems' names, sharding levels and analytic model states
     bench_ranks.py         what each rank runs: build, time, profile, the memory pass, the peak
     bench_records.py       one record per (system, N) from what the ranks measured

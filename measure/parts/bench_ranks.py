@@ -19,17 +19,9 @@ import torch.distributed as dist
 from zero.workloads.models import GPT
 
 from .. import mfu, tensor_memory
+from .bench_config import BenchConfig
 from .bench_systems import MP_SYSTEMS, OURS
-from .trainers import (
-    BenchConfig,
-    DeepSpeedPeer,
-    Ours,
-    Phases,
-    TorchPeer,
-    Trainer,
-    rank_device,
-    sync,
-)
+from .trainers import DeepSpeedPeer, Ours, Phases, TorchPeer, Trainer, rank_device, sync
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_WARMUP = 2

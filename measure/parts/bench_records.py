@@ -12,9 +12,9 @@ import numpy as np
 from zero.common.results import make_record
 
 from .. import mfu
+from .bench_config import BenchConfig
 from .bench_ranks import BUILD_WARMUP, MEMORY_STEPS
 from .bench_systems import MP_SYSTEMS, OURS, SHARDING_LEVEL, analytic_states_bytes
-from .trainers import BenchConfig
 
 KIND = "bench.step_time"
 """The results-record kind (zero.common.results) of one (system, N) measurement."""
