@@ -339,6 +339,15 @@ def table(payload: dict) -> str:
             "checkpoints on device (est.)", "host checkpoints: counted = estimate",
             "paper (40B / 100B)"]  # fmt: skip
     lines += markdown_table(head, rows)
+    lines += _slope_and_share_lines(payload)
+    lines += ["", *NOTES, ""]
+    return "\n".join(lines)
+
+
+def _slope_and_share_lines(payload: dict) -> list[str]:
+    """One more block's peak slope against the estimate, and P_a's share of the MP traffic,
+    where the records have them."""
+    lines: list[str] = []
     slopes = per_block(payload)
     if slopes:
         lines += ["", "## One more block: peak slope (L = 8 → 32) against the estimate", ""]
@@ -368,8 +377,7 @@ def table(payload: dict) -> str:
             f"elements sent per rank against {share['mp']:,} for the rest of MP: "
             f"{share['share']:.1%} (paper §7: < 10%).",
         ]
-    lines += ["", *NOTES, ""]
-    return "\n".join(lines)
+    return lines
 
 
 NOTES = (
