@@ -235,7 +235,29 @@ def cli_rows() -> list[tuple]:
     bad(b, "from_json", "--from-json", "{records}")  # JSON without step-time records
     bad("paper_figures", "out", "--out", "{file}/sub")
     bad("paper_figures", "profile", "--profile", "huge")
+    # one small model, its files in the row's own folder, a small probe: only the option is bad
+    # (were it accepted, the run would stay small and leave the working directory alone)
+    g, one = "measure.largest", ("--shape", "1", "128", "--dir", "{folder}", "--probe-gib", "0.001")
+    for v in ("0", "-5", "nan", "inf"):
+        bad(g, "host_gib", "--host-gib", v)
+    for layers, width in (("0", "128"), ("2", "100"), ("2", "-128")):
+        bad(g, "shape", "--shape", layers, width)
+    for v in ("0", "-1"):
+        bad(g, "steps", *one, "--steps", v)
+    bad(g, "probe_gib", *one, "--probe-gib", "nan")
+    bad(g, "json", *one, "--json", "/proc/no-such-folder/r.json")  # a missing parent, read-only
+    bad(g, "json", *one, "--json", "{file}/r.json")  # its parent is a file
+    bad(g, "json", *one, "--json", "{folder}")
+    bad(g, "dir", *one, "--dir", "{file}")
+    if not _has_cuda():  # where CUDA is, --device cuda is a good value
+        bad(g, "device", *one, "--device", "cuda")
     return rows
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def one_line_naming(text: str, field: str) -> bool:
@@ -249,7 +271,8 @@ def one_line_naming(text: str, field: str) -> bool:
 def paths(tmp: Path) -> dict[str, str]:
     """The paths the command-line rows name: a file (so FILE/sub cannot be a folder), a missing
     path, a small text whose three 64 KiB pieces are all held out at --val-fraction 0.99, a
-    binary file (not UTF-8) and a JSON file whose records are not step-time records."""
+    binary file (not UTF-8), a JSON file whose records are not step-time records and a folder
+    (where a file is expected)."""
     file = tmp / "a_file"
     file.write_text("not a folder")
     text = tmp / "small.txt"
@@ -264,6 +287,7 @@ def paths(tmp: Path) -> dict[str, str]:
         "text": str(text),
         "binary": str(binary),
         "records": str(records),
+        "folder": str(tmp),
     }
 
 

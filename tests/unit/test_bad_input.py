@@ -92,6 +92,7 @@ def test_torchrun_variables_pass():
 def _mains():
     from measure.bench import main as bench
     from measure.fake_rank import main as simulate
+    from measure.largest import main as largest
     from paper_figures.__main__ import main as figures
     from verify.__main__ import main as verify
     from verify.demo import main as demo
@@ -105,6 +106,7 @@ def _mains():
         "verify.demo": demo,
         "measure.fake_rank": simulate,
         "measure.bench": bench,
+        "measure.largest": largest,
         "paper_figures": figures,
     }
 
@@ -177,6 +179,7 @@ ENTRY_POINTS = {
     "measure.fake_rank": "measure/fake_rank.py",
     "measure.bench": "measure/bench.py",
     "measure.fragmentation": "measure/fragmentation.py",
+    "measure.largest": "measure/largest.py",
     "paper_figures": "paper_figures/__main__.py",
 }
 
@@ -190,8 +193,10 @@ def test_every_entry_point_runs_through_cli_run(module):
 
     source = (Path(__file__).resolve().parents[2] / ENTRY_POINTS[module]).read_text()
     # main itself, or a wrapper of it (zero.workloads.train's cli_main: a fault mid-run is one
-    # line and exit status 1)
-    assert re.search(rf'cli\.run\((main|cli_main), "python -m {re.escape(module)}"', source), module
+    # line and exit status 1); the program's name as a string, or a module constant holding it
+    prog = f'"python -m {re.escape(module)}"'
+    names = [prog] + re.findall(rf"^([A-Z_]+) = {prog}$", source, re.M)
+    assert re.search(rf"cli\.run\((main|cli_main), ({'|'.join(names)})", source), module
 
 
 def test_an_entry_point_exits_2_with_one_line():

@@ -2,7 +2,8 @@
 
 Runs the fault cases (verify/faults/__init__.py), one table row per case, then the figures. Exit
 status 1 if any case hung, gave a silent wrong result, lost a committed checkpoint's bytes, left an
-orphan or a temp dir, or gave an unclear error (a bad input included); 2 for bad options."""
+orphan, a temp dir or a leftover that its next run did not remove, or gave an unclear error (a bad
+input included); 2 for bad options."""
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def summary(f: Figures) -> str:
         f"  unclear errors: {f.unclear}",
         f"bytes lost (committed checkpoints that no longer verify): {f.bytes_lost}",
         f"orphan processes: {f.orphans}; temp dirs left: {f.temp_left}",
+        f"leftovers (files a crash left that the next run did not remove): {f.leftovers}",
         f"bad inputs tried: {f.bad_inputs}; clear one-line errors: {f.clear_errors}",
         "failing cases: " + (", ".join(f.failed_cases) or "none"),
     ])  # fmt: skip

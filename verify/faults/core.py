@@ -5,8 +5,11 @@ A case (`Case`) names one fault, says what the right outcome is and carries a de
 starts goes through `Job`: a new session, an environment variable of its own (MARK: so that it
 and every descendant, forked ranks and torchrun's workers included, can be found), its own
 TMPDIR, and output captured to files. At the end of a case every marked process still alive is
-counted as an orphan, killed and reaped, and the TMPDIR is checked for the launcher's
-rendezvous directories (`zero-spawn-*`, `zero-pool-*`) before it is removed. Nothing here
+counted as an orphan, killed and reaped, the TMPDIR is checked for the launcher's
+rendezvous directories (`zero-spawn-*`, `zero-pool-*`), and the case's directory for what a crash
+may leave that the next run must remove (`leftovers`: the disk tier's state folders, a prune's
+trash, a save that never committed), before both are removed. A case that runs a next run (a
+`--resume`) runs it before it returns, so what is counted is what outlived it. Nothing here
 trusts the code under test to clean up: that is what is being checked.
 """
 
@@ -40,20 +43,24 @@ leaves room for a loaded machine, and the orphans the issue found lived 20 s or 
 
 @dataclass
 class Result:
-    """What one case observed. `orphans` and `temp_left` are filled in by `Ctx.finish`."""
+    """What one case observed. `orphans`, `temp_left` and `leftovers` are filled in by
+    `Ctx.finish`."""
 
     verdict: str
     detail: str = ""
     bytes_lost: int = 0
     orphans: int = 0
     temp_left: int = 0
+    leftovers: int = 0
     bad_inputs: int = 0  # bad inputs tried (bad-input cases)
     clear: int = 0  # of those, refused with a one-line error naming the field
     seconds: float = 0.0
 
     @property
     def failed(self) -> bool:
-        return self.verdict in FAILING or bool(self.bytes_lost or self.orphans or self.temp_left)
+        return self.verdict in FAILING or bool(
+            self.bytes_lost or self.orphans or self.temp_left or self.leftovers
+        )
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,8 @@ class Ctx:
         return len(left)
 
     def finish(self, result: Result) -> Result:
-        """Count and kill what is left of every job, check TMPDIR, remove the case's dir."""
+        """Count and kill what is left of every job, check TMPDIR and the case's dir for what a
+        crash left (leftovers()), remove the case's dir."""
         time.sleep(0.2 if all(j.done() for j in self.jobs) else 0)
         orphans = set()
         for j in self.jobs:
@@ -113,13 +121,46 @@ class Ctx:
             j.kill()
         temps = [p.name for p in self.tmp.glob("zero-*")] if self.tmp.is_dir() else []
         result.orphans, result.temp_left = len(orphans) + self.orphans, len(temps)
+        left = leftovers(self.dir)
+        result.leftovers = len(left)
         if result.orphans:
             result.detail += f"; {result.orphans} orphan process(es) left after the launcher ended"
         if temps:
             result.detail += f"; temp dirs left: {temps}"
+        if left:
+            shown = [str(p.relative_to(self.dir)) for p in left]
+            result.detail += f"; left behind after the next run: {shown}"
         if os.environ.get("FAULTS_KEEP") is None:
             shutil.rmtree(self.dir, ignore_errors=True)
         return result
+
+
+STATE_FOLDER = "zero-states-"
+"""The prefix of the disk tier's state folders (zero.zero_r.disk.PREFIX: one per rank in its
+offload_dir)."""
+
+
+def leftovers(root: Path) -> list[Path]:
+    """What a crash may leave under `root` that the next run must have removed: the disk tier's
+    state folders (STATE_FOLDER*, anywhere), and under every `ckpt` folder a prune's trash
+    (`.trash-*`) and a step folder without manifest.json (a save that never committed). Links
+    are not followed."""
+    found = []
+    for top, dirs, _ in os.walk(root):
+        here = Path(top)
+        for name in dirs:
+            d = here / name
+            if d.is_symlink():
+                continue
+            if name.startswith(STATE_FOLDER):
+                found.append(d)
+            elif here.name == "ckpt" and name.startswith(".trash-"):
+                found.append(d)
+            elif here.name == "ckpt" and name.startswith("step-"):
+                if not os.path.lexists(d / "manifest.json"):
+                    found.append(d)
+        dirs[:] = [n for n in dirs if not n.startswith(STATE_FOLDER)]  # its files are its own
+    return sorted(found)
 
 
 MARK = "FAULTS_JOB"
@@ -272,6 +313,7 @@ class Figures:
     bytes_lost: int = 0
     orphans: int = 0
     temp_left: int = 0
+    leftovers: int = 0
     bad_inputs: int = 0
     clear_errors: int = 0
     failed_cases: list = field(default_factory=list)
@@ -287,6 +329,7 @@ class Figures:
         self.bytes_lost += r.bytes_lost
         self.orphans += r.orphans
         self.temp_left += r.temp_left
+        self.leftovers += r.leftovers
         if r.failed or (r.bad_inputs and r.clear != r.bad_inputs):
             self.failed_cases.append(name)
 

@@ -6,14 +6,19 @@ order, another micro-batch count. The right outcome: the run ends within the dri
 --timeout (plus start-up) with an error whose blame line (zero.ranks.watchdog.blamed) names exactly
 the diverging rank. A run that finishes anyway is a silent wrong result; one that outlives the
 case's deadline a hang; an error that blames no rank, or another, an unclear error.
+
+And the converse: a rank that is merely slow (it computes for longer than the watchdog's SILENT_S
+before a step's collectives, its heartbeats going on) diverges from nothing and must not be named:
+the run completes with the undisturbed run's bits.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from functools import partial
 
-from zero.ranks.watchdog import blamed
+from zero.ranks.watchdog import BLAME, SILENT_S, blamed
 
 from .core import PY, Case, Ctx, Result
 from .driver import AT_START
@@ -57,6 +62,44 @@ def diverge_case(ctx: Ctx, *, kind: str, stage: int, rank: int = 1, at: int = 2)
     return Result("unclear", f"blamed {sorted(who)}, not [{rank}]: {last[:160]}")
 
 
+SLOW_S = SILENT_S + 3
+"""How long the slow rank computes: longer than SILENT_S, after which a peer that does not beat
+is named whatever its state, so that only its beating heartbeat keeps it unnamed."""
+SLOW_TIMEOUT_S = 60
+"""The driver's --timeout in the slow-rank case: its peers wait SLOW_S in one collective, which
+must stay below it (a wait past the timeout is an error, rightly)."""
+
+
+def slow_rank_case(ctx: Ctx, *, stage: int = 2, rank: int = 1, at: int = 2) -> Result:
+    shas = {}
+    for kind in ("none", "slow"):
+        argv = [PY, "-m", "verify.faults.driver", "--diverge", kind, "--rank", str(rank),
+                "--at-step", str(at), "--stage", str(stage), "--timeout", str(SLOW_TIMEOUT_S),
+                "--slow-s", str(SLOW_S)]  # fmt: skip
+        job = ctx.job(argv, tag=kind)
+        if job.wait(ctx) is None:
+            return Result("hang", f"--diverge {kind}: no end within {ctx.case.deadline_s:g} s")
+        ctx.settle(job)
+        text = job.text()
+        if BLAME in text:
+            line = next(x for x in text.splitlines() if BLAME in x)
+            return Result("unclear", f"--diverge {kind}: a rank was blamed: {line.strip()[:160]}")
+        found = re.search(r"^ok ([0-9a-f]{64})$", text, re.M)
+        if job.proc.returncode != 0 or not found:
+            last = text.strip().splitlines()[-1] if text.strip() else ""
+            return Result("unclear", f"--diverge {kind}: exit {job.proc.returncode}: {last[:160]}")
+        shas[kind] = found.group(1)
+    slow = re.search(r"^slow (\{.*\})$", text, re.M)
+    took = json.loads(slow.group(1))["seconds"] if slow else None
+    if took is None or took < SILENT_S:
+        return Result("unclear", f"rank {rank} was not slow past SILENT_S {SILENT_S:g} s: {took}")
+    if shas["slow"] != shas["none"]:
+        return Result("silent_wrong", f"rank {rank} computed {took:g} s: other bits")
+    return Result("survived", f"rank {rank} computed {took:g} s (SILENT_S {SILENT_S:g} s) at "
+                  f"step {at}, stage {stage}: nobody blamed, the undisturbed run's "
+                  "bits")  # fmt: skip
+
+
 def cases(release: bool) -> list[Case]:
     out = []
     for stage in (2, 3):
@@ -77,4 +120,10 @@ def cases(release: bool) -> list[Case]:
         right = "error naming rank 1 (blame line, or the construction check)"
         out.append(Case(f"diverge_{kind}", "divergence", fault, right, TIMEOUT_S + 90, run,
                         fast=kind == "unit_order"))  # fmt: skip
+    if release:
+        out.append(Case("slow_rank_not_blamed", "divergence",
+                        f"rank 1 computes {SLOW_S:g} s (> SILENT_S {SILENT_S:g} s) before step 2's "
+                        "collectives, stage 2", "the run completes with the undisturbed run's "
+                        "bits; no rank blamed", 2 * SLOW_TIMEOUT_S + 120,
+                        slow_rank_case))  # fmt: skip
     return out

@@ -17,11 +17,15 @@ does what --diverge says and the other ranks go on as normal:
     early_exit      return from the run
     unit_order      (from the start) the engine built with its units in reverse order
     micro_batches   (from the start) twice the micro-batches per step
+    slow            no divergence: the rank computes for --slow-s seconds before the step's
+                    forwards (matrix products, its heartbeat thread beating on), then goes on
     none            nothing: the undisturbed run
 
 The right outcome of every divergence is an error naming the diverging rank within --timeout
-(zero.ranks.watchdog's blame line). On success it prints one line, `ok SHA` (the master's sha256 on
-rank 0), and with --rss each rank's resident set size after every step as JSON (`rss [...]`).
+(zero.ranks.watchdog's blame line); of a slow rank, the undisturbed run's bits and no blame. On
+success it prints one line, `ok SHA` (the master's sha256 on rank 0), `slow {...}` after it with
+the seconds the slow rank computed, and with --rss each rank's resident set size after every step
+as JSON (`rss [...]`).
 --leak-bytes keeps that many bytes per step alive on every rank: a planted leak, so that the
 suite's leak check is shown to fail on one."""
 
@@ -36,8 +40,22 @@ from pathlib import Path
 
 DIVERGENCES = ("none", "extra_backward", "skipped_step", "skipped_iteration", "save_alone",
                "load_alone",
-               "early_exit", "unit_order", "micro_batches")  # fmt: skip
+               "early_exit", "unit_order", "micro_batches", "slow")  # fmt: skip
 AT_START = ("unit_order", "micro_batches")
+
+
+def compute_for(seconds: float) -> float:
+    """Matrix products for `seconds` (no random numbers drawn: the run's bits stay its own);
+    returns the seconds spent."""
+    import time
+
+    import torch
+
+    start = time.monotonic()
+    a = torch.full((256, 256), 1 / 256)
+    while time.monotonic() - start < seconds:
+        a = torch.mm(a, a).clamp_(-1, 1)
+    return time.monotonic() - start
 
 
 def _rss_kib() -> int:
@@ -74,10 +92,12 @@ def worker(rank: int, n: int, args) -> dict:
     ckpt = Path(args.dir) / "ckpt"
     if args.diverge == "load_alone":
         engine.save(ckpt)  # every rank: a checkpoint for the lone load to read
-    keep, rss = [], []
+    keep, rss, slow = [], [], None
     per_rank = m // n
     for step in range(args.steps):
         if me and step == args.at_step:
+            if args.diverge == "slow":
+                slow = {"rank": rank, "step": step, "seconds": round(compute_for(args.slow_s), 2)}
             if args.diverge == "early_exit":
                 return {"rank": rank, "exited": step}
             if args.diverge == "skipped_iteration":
@@ -99,7 +119,7 @@ def worker(rank: int, n: int, args) -> dict:
     master, _ = engine.gather_state()
     sha = hashlib.sha256(b"".join(master[k].numpy().tobytes() for k in sorted(master)))
     del torch
-    return {"rank": rank, "sha": sha.hexdigest(), "rss": rss}
+    return {"rank": rank, "sha": sha.hexdigest(), "rss": rss, "slow": slow}
 
 
 def parse(argv=None):
@@ -113,7 +133,10 @@ def parse(argv=None):
     p.add_argument("--timeout", type=float, default=15.0, help="seconds (--timeout of a run)")
     p.add_argument("--rss", action="store_true", help="report each rank's RSS after each step")
     p.add_argument("--leak-bytes", type=int, default=0, help="a planted leak per step and rank")
+    p.add_argument("--slow-s", type=float, default=0.0, help="seconds a slow rank computes")
     args = p.parse_args(argv)
+    if not 0 <= args.slow_s < args.timeout:  # nan fails too
+        raise ValueError(f"slow_s={args.slow_s} is not allowed: expected 0 <= slow_s < timeout")
     for name, low in (("steps", 1), ("nproc", 1), ("at_step", 0), ("leak_bytes", 0)):
         if getattr(args, name) < low:
             raise ValueError(f"{name}={getattr(args, name)} is not allowed: expected >= {low}")
@@ -138,6 +161,9 @@ def main(argv=None) -> int:
         print(f"ranks disagree: {[r.get('sha', r) for r in results]}")
         return 3
     print(f"ok {results[0]['sha']}")
+    for r in results:
+        if r.get("slow"):
+            print("slow " + json.dumps(r["slow"]))
     if args.rss:
         print("rss " + json.dumps([r["rss"] for r in results]))
     return 0

@@ -67,6 +67,7 @@ FAST_CLI = {
     ("zero.workloads.train", "lr"),
     ("verify", "world_sizes"),
     ("measure.fake_rank", "params"),
+    ("measure.largest", "host_gib"),
 }
 """The command-line rows of the fast subset: one per issue-named regression, first of each."""
 

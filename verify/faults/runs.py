@@ -37,11 +37,14 @@ class Shared:
         self.data.write_bytes(b"\n".join(p.read_bytes() for p in sorted(REPO.glob("zero/*.py"))))
         self._baseline: dict = {}
 
-    def argv(self, out: Path, *extra: str, nproc=2, torchrun=False, steps=STEPS) -> list[str]:
+    def argv(self, out: Path, *extra: str, nproc=2, torchrun=False, steps=STEPS,
+             module="zero.workloads.train") -> list[str]:  # fmt: skip
+        """The training run's command line; `module` another entry point that takes the same
+        options (verify/faults/hooks.py)."""
         args = [*TRAIN, "--steps", str(steps), "--data", str(self.data), "--out", str(out), *extra]
         if torchrun:
-            return torchrun_argv("zero.workloads.train", args, nproc)
-        return [PY, "-m", "zero.workloads.train", "--nproc", str(nproc), *args]
+            return torchrun_argv(module, args, nproc)
+        return [PY, "-m", module, "--nproc", str(nproc), *args]
 
     def baseline(self, ctx: Ctx, steps: int = STEPS) -> tuple[str, Path]:
         """(final master sha256, a finished run's OUT) of the undisturbed run, run once."""
