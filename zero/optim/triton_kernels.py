@@ -9,16 +9,6 @@ zero/optim/update.py falls back to its torch ops (the same bits); on a CPU the c
 (zero/optim/native.py) does the job. With TRITON_INTERPRET=1 Triton runs the kernels in NumPy on
 CPU tensors: tests/unit/test_optim_blocks.py checks their operations that way, tests/gpu compiled.
 
-[Note: a kernel with the reference's roundings]); and the norm's chunk partials
-(reference.tree.chunk_sumsq) in one pass, one program per chunk.
-
-zero/optim/update.py's torch ops make fourteen passes (and fourteen launches) per run; this kernel
-makes one. It is used on CUDA where Triton imports; elsewhere, or with ENABLED False, `adam` returns
-False and zero/optim/update.py falls back to its torch ops (the same bits). On a CPU the compiled
-loop (zero/optim/native.py) does the same job. With TRITON_INTERPRET=1 Triton runs the kernel in
-NumPy on CPU tensors, which is how tests/unit/test_optim_blocks.py checks its operation order
-without a GPU; tests/gpu checks the compiled kernel's bits.
-
 [Note: a kernel with the reference's roundings] Each statement is one of the reference's float32
 operations, rounded once: enable_fp_fusion=False forbids contracting a·b + c into an FMA (Triton
 contracts by default); tl.div_rn and tl.sqrt_rn are the correctly rounded division and square
