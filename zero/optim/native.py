@@ -130,12 +130,8 @@ def _build(source: str = _SOURCE, flags: tuple[str, ...] = _FLAGS) -> ctypes.CDL
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                 src, out = Path(tmp) / "adam.c", Path(tmp) / "adam.so"
                 src.write_text(source)
-                subprocess.run(
-                    [cc, *flags, "-o", str(out), str(src), "-lm"],
-                    check=True,
-                    capture_output=True,
-                    timeout=60,
-                )
+                cmd = [cc, *flags, "-o", str(out), str(src), "-lm"]
+                subprocess.run(cmd, check=True, capture_output=True, timeout=60)
                 os.replace(out, lib)  # atomic: a rank never loads a half-written library
         handle = ctypes.CDLL(str(lib))
     except (OSError, subprocess.SubprocessError):
@@ -153,6 +149,11 @@ def _build(source: str = _SOURCE, flags: tuple[str, ...] = _FLAGS) -> ctypes.CDL
 _LIB: list = []  # [the loaded library or None], filled on first use
 
 
+def _cpu(t: torch.Tensor, dtype=torch.float32) -> bool:
+    """Whether the loop can take t: a contiguous CPU tensor of `dtype`."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
 def available() -> bool:
     """Whether the compiled loop can be used in this process (built on first call)."""
     if not _LIB:
@@ -164,50 +165,27 @@ def adam(kind: str, decay_on: bool, s: dict, p, g, m, v) -> bool:
     """One deterministic Adam/AdamW step on p, m, v in place, from g; `s` the step's float32
     scalars (reference.optim.step_scalars). False, touching nothing, where it cannot run."""
     tensors = (p, g, m, v)
-    if (
-        not all(
-            t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-            for t in tensors
-        )
-        or not available()
-    ):
+    if not all(_cpu(t) for t in tensors) or not available():
         return False
     n = p.numel()
     if any(t.numel() != n for t in tensors):
         raise ValueError(f"adam: tensors of {[t.numel() for t in tensors]} elements, not equal")
-    _LIB[0].adam_step(
-        *(t.data_ptr() for t in tensors),
-        n,
-        int(kind == "adamw"),
-        int(decay_on),
-        *(float(s.get(k, 0.0)) for k in ADAM_SCALARS),  # float32 -> double -> float: exact
-    )
+    scalars = (float(s.get(k, 0.0)) for k in ADAM_SCALARS)  # float32 -> double -> float: exact
+    ptrs = (t.data_ptr() for t in tensors)
+    _LIB[0].adam_step(*ptrs, n, int(kind == "adamw"), int(decay_on), *scalars)
     return True
 
 
 def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None) -> torch.Tensor | None:
     """zero/control.py's chunk partials (float64, one per chunk) from the loop, or None where it
     cannot run (then the torch ops run: the same bits, tests/unit/test_optim_blocks.py)."""
-    if (
-        x.device.type != "cpu"
-        or (keep is not None and keep.device.type != "cpu")
-        or x.dtype != torch.float32
-        or not x.is_contiguous()
-        or (keep is not None and (keep.dtype != torch.bool or not keep.is_contiguous()))
-        or not available()
-    ):
+    if not _cpu(x) or (keep is not None and not _cpu(keep, torch.bool)) or not available():
         return None
     n = chunked_numel(x, chunk, keep)
     out = torch.empty(n // chunk, dtype=torch.float64)
     buf = torch.empty(chunk, dtype=torch.float64)
-    _LIB[0].chunk_sumsq(
-        x.data_ptr(),
-        None if keep is None else keep.data_ptr(),
-        n,
-        chunk,
-        buf.data_ptr(),
-        out.data_ptr(),
-    )
+    mask = None if keep is None else keep.data_ptr()
+    _LIB[0].chunk_sumsq(x.data_ptr(), mask, n, chunk, buf.data_ptr(), out.data_ptr())
     return out
 
 
