@@ -8,9 +8,11 @@ check_ranks_agree, which exchanges digests as control traffic before any step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import operator
+import warnings
 from dataclasses import fields
 
 import torch
@@ -43,9 +45,6 @@ def resolve_units(module: nn.Module, config: ZeroConfig) -> ZeroConfig:
     """config with units="auto" spelled out (zero/build.py), and a warning when stage 3 would
     gather the whole model as one root unit for all of forward and backward. Refuses a module
     without parameters and arguments of the wrong type."""
-    import dataclasses
-    import warnings
-
     if not isinstance(module, nn.Module):
         raise ValueError(f"module={type(module).__name__}: must be a torch.nn.Module")
     if not isinstance(config, ZeroConfig):
@@ -57,15 +56,20 @@ def resolve_units(module: nn.Module, config: ZeroConfig) -> ZeroConfig:
     if config.units == "auto":
         config = dataclasses.replace(config, units=tuple(auto(module)))
     if config.stage == 3 and not config.units:
-        warnings.warn(
-            "stage 3 with units=(): the whole model is one root unit, gathered for all of "
-            "forward and backward, so stage 3 saves no parameter memory; name the repeated "
-            "blocks (units=('blocks.0', 'blocks.1', ...)) or pass units='auto' "
-            "(zero.build.auto(model))",
-            UserWarning,
-            stacklevel=3,
-        )
+        _warn_one_root_unit()
     return config
+
+
+def _warn_one_root_unit() -> None:
+    """resolve_units' warning: stage 3 with no unit named gathers the whole model at once."""
+    warnings.warn(
+        "stage 3 with units=(): the whole model is one root unit, gathered for all of "
+        "forward and backward, so stage 3 saves no parameter memory; name the repeated "
+        "blocks (units=('blocks.0', 'blocks.1', ...)) or pass units='auto' "
+        "(zero.build.auto(model))",
+        UserWarning,
+        stacklevel=4,  # ZeroEngine.__init__ (here, resolve_units, _validate, __init__)
+    )
 
 
 def check_units(module: nn.Module, units) -> None:
@@ -192,34 +196,32 @@ def rebind(module: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
 
 
 def group_index(config: ZeroConfig, named) -> dict[str, int]:
-    """Parameter name -> its optimizer parameter group (config.group_of, else 0). A group_of
-    that raises, or returns anything but an int index into config.groups, is refused by name:
-    a ValueError naming the parameter and the value (the exception it raised chained)."""
+    """Parameter name -> its optimizer parameter group (config.group_of, else 0)."""
     fn, k = config.group_of, len(config.groups)
-    out = {}
-    for _, ps in named:
-        for pn, p in ps:
-            if fn is None:
-                out[pn] = 0
-                continue
-            try:
-                g = fn(pn, p)
-            except Exception as exc:  # the user's function: its error, with where it happened
-                why = " ".join(str(exc).split())
-                raise ValueError(
-                    f"group_of({pn!r}) raised {type(exc).__name__}: {why}; allowed is a function "
-                    f"of (name, parameter) returning 0..{k - 1} (an int index into groups)"
-                ) from exc
-            try:  # an int, or an integer type that says it is one (numpy's); not a bool
-                index = None if isinstance(g, bool) else operator.index(g)
-            except TypeError:
-                index = None
-            if index is None or not 0 <= index < k:
-                raise ValueError(
-                    f"group_of({pn!r})={g!r}: allowed are 0..{k - 1} (an int index into groups)"
-                )
-            out[pn] = index
-    return out
+    return {pn: 0 if fn is None else _group_of(fn, k, pn, p) for _, ps in named for pn, p in ps}
+
+
+def _group_of(fn, k: int, pn: str, p) -> int:
+    """fn(pn, p), the user's group_of, checked: one that raises, or returns anything but an int
+    index into the k groups, is refused by name: a ValueError naming the parameter and the value
+    (the exception it raised chained)."""
+    try:
+        g = fn(pn, p)
+    except Exception as exc:  # the user's function: its error, with where it happened
+        why = " ".join(str(exc).split())
+        raise ValueError(
+            f"group_of({pn!r}) raised {type(exc).__name__}: {why}; allowed is a function "
+            f"of (name, parameter) returning 0..{k - 1} (an int index into groups)"
+        ) from exc
+    try:  # an int, or an integer type that says it is one (numpy's); not a bool
+        index = None if isinstance(g, bool) else operator.index(g)
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < k:
+        raise ValueError(
+            f"group_of({pn!r})={g!r}: allowed are 0..{k - 1} (an int index into groups)"
+        )
+    return index
 
 
 def check_ranks_agree(config: ZeroConfig, named, groups: dict[str, int], *, engine_like) -> None:
@@ -230,19 +232,15 @@ def check_ranks_agree(config: ZeroConfig, named, groups: dict[str, int], *, engi
     group, world_size = engine_like.group, engine_like.world_size
     counter, device = engine_like.counter, engine_like.device
     cfg = {f.name: repr(getattr(config, f.name)) for f in fields(config) if f.name != "group_of"}
-    rows = [("config", json.dumps(cfg, sort_keys=True))]
+    rows = [("config", json.dumps(cfg, sort_keys=True).encode())]
     for uname, ps in named:
         shape = [(pn, tuple(p.shape), str(p.dtype), groups.get(pn, -1)) for pn, p in ps]
-        rows.append((f"unit {uname or '<root>'} structure", repr(shape)))
+        rows.append((f"unit {uname or '<root>'} structure", repr(shape).encode()))
         if not any(p.is_meta for _, p in ps):  # meta values come from (seed, name) alone
             vals = b"".join(p.detach().float().cpu().numpy().tobytes() for _, p in ps)
             rows.append((f"unit {uname or '<root>'} initial values", vals))
     digests = [
-        int.from_bytes(
-            hashlib.blake2b(v if isinstance(v, bytes) else v.encode(), digest_size=7).digest(),
-            "little",
-        )
-        for _, v in rows
+        int.from_bytes(hashlib.blake2b(v, digest_size=7).digest(), "little") for _, v in rows
     ]
     mine = torch.tensor([len(named), *digests], dtype=torch.int64, device=device)
     counts = control.gather_control(mine[:1], group=group, counter=counter, phase="agree")
