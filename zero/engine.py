@@ -73,7 +73,9 @@ class ZeroEngine(Introspection, nn.Module):
         parts, kinds = self._partition(named, every)
         self._build_stages(parts, kinds)
         self._allocate(named, parts, kinds, values_of)
-        self.frozen_units = build_frozen_units(self, frozen, values_of, self._assign)
+        self.frozen_units = (
+            build_frozen_units(self, frozen, values_of, self._assign) if frozen else []
+        )
         self._finish_allocation(values_of)
         self._start_training_state()
         self.called, self.activation_arena = hooks.install(self, mp)
