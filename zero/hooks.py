@@ -67,9 +67,7 @@ def install(engine, mp) -> tuple[CalledCheck, CheckpointArena | None]:
     called = CalledCheck(list(dict.fromkeys(u.name for u in every_unit)), mods)
     undo = [functools.partial(_remove_hooks, hooks), called.stop]
     for stage in engine.stages.values():
-        handles = stage.register_hooks(
-            {u.name: mods[u.name] for u in every_unit} | {"": engine.module}
-        )
+        handles = stage.register_hooks({u.name: mods[u.name] for u in every_unit} | {"": mods[""]})
         undo.append(functools.partial(_remove_hooks, handles))
     arena = None
     if engine.config.activation_checkpointing:  # ZeRO-R (zero/zero_r/activations.py)

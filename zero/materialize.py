@@ -100,12 +100,8 @@ class StartValues:
             if not p.is_meta:
                 values[n], how[n] = p.detach().float(), "given"
         self.report[unit] = {n: how[n] for n, _ in params}
-        counts = Counter(how.values())
-        log.info(
-            "unit %s: start values by %s",
-            unit or "<root>",
-            ", ".join(f"{r} ({c} parameters)" for r, c in sorted(counts.items())),
-        )
+        rules = ", ".join(f"{r} ({c} parameters)" for r, c in sorted(Counter(how.values()).items()))
+        log.info("unit %s: start values by %s", unit or "<root>", rules)
         return lambda name, shape: values.pop(name)  # held by FlatUnit alone from then on
 
     def per_unit(self, every) -> PerUnit:

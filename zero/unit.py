@@ -115,12 +115,8 @@ class FlatUnit:
         """This backward's gradients by parameter name (zeros for unused parameters). The zeros
         are built from metadata alone: at stage 3 an unused unit is sharded, and reading its
         parameters (zeros_like does) would raise."""
-        return {
-            n: p.grad
-            if p.grad is not None
-            else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            for n, p in self.params
-        }
+        zeros = lambda p: torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        return {n: zeros(p) if p.grad is None else p.grad for n, p in self.params}
 
     def real_in(self, lo: int, hi: int) -> int:
         """Non-padding elements of the padded flat buffer in [lo, hi)."""
