@@ -148,7 +148,7 @@ def _fault(exc: Exception, cfg: TrainConfig, at: dict, detail: str) -> Exception
         if saved is None or not isinstance(exc, (CheckpointError, ValueError, OSError)):
             return None
         return ResumeRefused(f"resume from {saved}: {exc}; nothing was run or removed", detail)
-    left = f"the last checkpoint, {saved}, is intact" if saved else "no checkpoint was made"
+    left = _left(saved)
     if isinstance(exc, CollectiveError):  # a rank stopped, died or diverged: the blame line
         return RunFault(f"step {n} of {cfg.steps}: {str(exc).splitlines()[0]}; {left}", detail)
     if isinstance(exc, FloatingPointError):
@@ -161,6 +161,11 @@ def _fault(exc: Exception, cfg: TrainConfig, at: dict, detail: str) -> Exception
     if isinstance(exc, (OSError, CheckpointError)):
         return RunFault(f"step {n} of {cfg.steps}: {exc}; {left}", detail)
     return None
+
+
+def _left(saved: Path | None) -> str:
+    """What a failed run leaves, for its line: `saved`, the last checkpoint, or none."""
+    return f"the last checkpoint, {saved}, is intact" if saved else "no checkpoint was made"
 
 
 class _Run:
@@ -346,24 +351,21 @@ FAULT_LINE = re.compile(r"^(?:[\w.]+\.)?(RunFault|ResumeRefused): (.*)$", re.M)
 """The last line of a rank's traceback that carries a fault (a spawned rank sends only text)."""
 
 
-def _left(cfg: TrainConfig) -> str:
-    now = latest_checkpoint(Path(cfg.out) / "ckpt")
-    return f"the last checkpoint, {now}, is intact" if now else "no checkpoint was made"
-
-
 def _spawn(cfg: TrainConfig, step_dir: Path | None, corpus: Corpus):
-    before = latest_checkpoint(Path(cfg.out) / "ckpt")
+    ckpt = Path(cfg.out) / "ckpt"
+    before = latest_checkpoint(ckpt)
     try:
         return spawn(run_rank, cfg.nproc, cfg, corpus, timeout_s=cfg.timeout_s, deadline_s=None)
     except Exception as exc:
         found = FAULT_LINE.findall(exc.child_traceback) if isinstance(exc, RankError) else []
         if not found or found[-1][0] != "ResumeRefused":  # that one ran nothing: nothing to tidy
-            tidy_after_failure(Path(cfg.out) / "ckpt", step_dir, before)
+            tidy_after_failure(ckpt, step_dir, before)
         if not found:
             line = next((x.strip() for x in str(exc).splitlines() if BLAME in x), None)
             if line is None:  # a bug in a rank: its traceback
                 raise
-            raise RunFault(f"{line}; {_left(cfg)}", str(exc)) from None  # a rank that died
+            left = _left(latest_checkpoint(ckpt))
+            raise RunFault(f"{line}; {left}", str(exc)) from None  # a rank that died
         kind, line = found[-1]
         raise (RunFault if kind == "RunFault" else ResumeRefused)(line, str(exc)) from None
 
