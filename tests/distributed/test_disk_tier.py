@@ -1,9 +1,11 @@
 """ZeRO-Infinity's disk tier (zero/zero_r/disk.py): the master and the optimizer states in
 memory-mapped files under ZeroConfig.offload_dir. What is tested: the bits (the same as host
 offload's, which are the reference's), where every byte is reported (memory_split's "disk"),
-the counted disk traffic, a full disk and a state file changed from outside refused by name, the
-files removed with the engine, and the configuration's refusals. verify's DISK cells and disk
-resume row run the same at every stage (verify/matrix.py, verify/resume.py)."""
+the counted disk traffic, a full disk refused in one line (before any file, or at allocation, the
+folder then removed), a state file changed from outside refused by name, the files removed with
+the engine, and the configuration's refusals (how a process's end removes them:
+tests/distributed/test_disk_exits.py, tests/unit/test_disk_cleanup.py). verify's DISK cells and
+disk resume row run the same at every stage (verify/matrix.py, verify/resume.py)."""
 
 import errno
 import gc
@@ -12,38 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from verify.cell import GROUPS
+from tests.helpers.disk_child import engine, train
 from zero.config import ZeroConfig
-from zero.engine import ZeroEngine
 from zero.ranks.local import get_pool
-from zero.workloads.models import MLP, MLPConfig, mlp_microbatches
+from zero.zero_r.disk import disk_bytes
 
 pytestmark = pytest.mark.timeout(600)
-CFG = MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)
-
-
-def engine(stage, directory, *, offload_dir=True, precision="bf16"):
-    model = MLP(CFG, seed=5)
-    return ZeroEngine(
-        model,
-        ZeroConfig(
-            stage=stage, precision=precision, optimizer="adamw", groups=GROUPS["adamw"][:1],
-            micro_batches=2 * dist.get_world_size(), units=tuple(model.unit_names()), chunk=128,
-            offload_optimizer=True, offload_dir=str(directory) if offload_dir else None,
-        ),
-    )  # fmt: skip
-
-
-def train(eng, steps=3):
-    n, r = eng.world_size, eng.rank
-    for s in range(steps):
-        batches = mlp_microbatches(CFG, seed=0, data_step=s, count=2 * n, batch_size=4)
-        for k in range(2):
-            _, loss = eng(*batches[k * n + r])
-            eng.backward(loss)
-        eng.step()
 
 
 def states(eng) -> list[bytes]:
@@ -70,6 +47,8 @@ def _same_bits_as_host_offload(rank, n, stage, directory):
         "per_step": per_step,
         "extent_bytes": extent_bytes,
         "files": sorted(os.listdir(disk.placement.offload.root)),
+        "file_bytes": sum(p.stat().st_size for p in disk.placement.offload.root.glob("*.f32")),
+        "needed": disk.placement.offload.needed,
     }
 
 
@@ -93,7 +72,11 @@ def test_the_disk_tier_has_host_offloads_bits_and_reports_every_byte(stage, tmp_
             for op in ("disk_read", "disk_write")
         )  # fmt: skip
         assert row["per_step"] == [want] * 3
-        assert len(row["files"]) == 3 * len(row["extent_bytes"])  # master, exp_avg, exp_avg_sq
+        # master, exp_avg, exp_avg_sq of each unit, and the owner's record
+        assert (
+            len(row["files"]) == 3 * len(row["extent_bytes"]) + 1 and "owner.json" in row["files"]
+        )
+        assert row["file_bytes"] == row["needed"] == 3 * sum(row["extent_bytes"])  # disk_bytes
 
 
 def _one_engine(rank, n, directory):
@@ -138,28 +121,58 @@ def test_a_state_file_changed_from_outside_is_refused_by_name(how, tmp_path):
     assert ("removed" in message) if how == "remove" else ("resized" in message)
 
 
-def _full_disk(rank, n, directory):
+def _full_disk(rank, n, directory, how):
+    """Engine construction over a disk found short before any file (statvfs), or whose
+    allocation fails all the same (posix_fallocate: another process took the space)."""
+
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    real, os.posix_fallocate = os.posix_fallocate, no_space
+    def small(path):
+        return os.statvfs_result((4096, 4096, 1000, 10, 10, 100, 50, 50, 0, 255))
+
+    name = "posix_fallocate" if how == "fallocate" else "statvfs"
+    real = getattr(os, name)
+    setattr(os, name, no_space if how == "fallocate" else small)
     err = (None, "built")
     try:
-        engine(1, directory)
-    except OSError as exc:
-        err = (exc.errno, str(exc))
+        eng = engine(1, directory)
+        err = (eng.placement.offload.needed, "built")
+    except ValueError as exc:
+        err = (type(exc).__name__, str(exc))
     finally:
-        os.posix_fallocate = real
-    gc.collect()  # the half-built engine, and with it its directory
-    return *err, sorted(str(p) for p in Path(directory).rglob("*"))
+        setattr(os, name, real)
+    # no gc.collect(): the folder goes with the error, not with the half-built engine
+    needed = disk_bytes(*_parts_and_stages(directory))
+    return *err, needed, sorted(str(p) for p in Path(directory).rglob("*"))
+
+
+def _parts_and_stages(directory):
+    """disk_bytes's arguments for engine(1, directory) at this world size."""
+    eng = engine(1, directory, offload_dir=False)
+    return eng.config, [u.part for u in eng.units], [type(eng.stage_of(u)) for u in eng.units]
 
 
 @pytest.mark.dist
-def test_a_full_disk_is_an_error_at_construction_naming_the_file(tmp_path):
-    code, message, left = get_pool(1).run(_full_disk, str(tmp_path))[0]
-    assert code == errno.ENOSPC
-    assert "cannot allocate" in message and "u0000-master.f32" in message
-    assert left == []  # no half-made file, and the engine's directory removed
+@pytest.mark.parametrize("how", ["statvfs", "fallocate"])
+def test_a_full_disk_is_refused_in_one_line_at_construction(how, tmp_path):
+    """Short before any file: refused naming offload_dir, the bytes needed and the bytes free,
+    nothing written. Short all the same at allocation: refused naming offload_dir, the bytes
+    needed and the file, and the rank's folder removed at once. One line each (ValueError: a
+    CLI prints it as `prog: error: ...`, exit status 2)."""
+    kind, message, needed, left = get_pool(1).run(_full_disk, str(tmp_path), how)[0]
+    assert kind == "ValueError" and "\n" not in message, message
+    assert message.startswith(f"offload_dir={str(tmp_path)!r}: ")
+    if how == "statvfs":
+        free = 10 * 4096  # f_bavail x f_frsize
+        assert f"need {needed:,} bytes there and {free:,} bytes are free" in message
+        assert "nothing was written" in message
+    else:
+        assert f"({needed:,} bytes in all; No space left on device allocating u0000-master" in (
+            message
+        )
+        assert "zero-states-" in message and "is removed" in message
+    assert left == []  # no file and no folder
 
 
 @pytest.mark.parametrize(

@@ -2,18 +2,19 @@
 
 Legend: OUT the run's output directory; OUT/run.lock the lock, a JSON record of its holder: pid,
 host, start time (`started`, wall clock; `proc_start`, the process's start in clock ticks after
-boot, and `boot_id`, which tell a reused pid or a rebooted machine from the holder) and command
-line. Two runs writing one OUT would prune and overwrite each other's checkpoints and logs, so
-the second is refused before it does any work, naming the holder. The file appears whole and
-atomically (a hard link to a written temp file, atomic on local and NFS file systems; else
-O_CREAT | O_EXCL | O_NOFOLLOW) and is removed by its holder at exit.
+boot, and `boot_id`, which tell a reused pid or a rebooted machine from the holder: the record
+of zero/common/owner.py) and command line. Two runs writing one OUT would prune and overwrite
+each other's checkpoints and logs, so the second is refused before it does any work, naming the
+holder. The file appears whole and atomically (a hard link to a written temp file, atomic on
+local and NFS file systems; else O_CREAT | O_EXCL | O_NOFOLLOW) and is removed by its holder at
+exit.
 
 [Note: stale locks] A holder killed without its cleanup (SIGKILL, an OOM kill of the whole job)
 leaves the file behind. A lock whose holder is gone from this host (its pid runs no more, or runs
-another process: a different start time or boot) is stale: it is cleared, with one line saying
-whose it was, and the run goes on. A lock whose holder runs, or one made on another host (whose
-pids cannot be checked from here), still refuses, naming pid, host and start time. Clearing
-holds flock on OUT itself while it reads the record again and unlinks that very file (same
+another process: a different start time or boot; owner.is_dead_here) is stale: it is cleared, with
+one line saying whose it was, and the run goes on. A lock whose holder runs, or one made on another
+host (whose pids cannot be checked from here), still refuses, naming pid, host and start time.
+Clearing holds flock on OUT itself while it reads the record again and unlinks that very file (same
 inode), so two runs clearing one stale lock at once cannot remove the lock the first of them has
 just made; where the file system offers no flock, the stale lock is named and left to the user.
 """
@@ -30,25 +31,11 @@ import sys
 import time
 from pathlib import Path
 
+from ..common import owner
+
 LOCK = "run.lock"
 CLEAR_WAIT_S = 5.0
 """How long a run waits for another that is clearing the same stale lock (microseconds' work)."""
-
-
-def _proc_start(pid) -> int | None:
-    """Start time of process `pid` in clock ticks after boot (/proc/PID/stat field 22)."""
-    try:
-        raw = Path(f"/proc/{int(pid)}/stat").read_text()
-        return int(raw[raw.rindex(")") + 2 :].split()[19])
-    except (OSError, ValueError, TypeError, IndexError):
-        return None
-
-
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
 
 
 def _read(path: Path) -> tuple[dict | None, tuple | None]:
@@ -70,26 +57,8 @@ def _holder(path: Path) -> dict | None:
     return _read(path)[0]
 
 
-def _alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError, OverflowError):
-        return True  # another user's process, or no pid to check: assume it runs
-    return True
-
-
-def _gone(h: dict) -> bool:
-    """The holder made its lock on this host and is no longer running ([Note: stale locks])."""
-    if h.get("host") != socket.gethostname():
-        return False
-    if h.get("boot_id") and _boot_id() and h["boot_id"] != _boot_id():
-        return True  # this host rebooted since: every process of then is gone
-    if not _alive(h.get("pid")):
-        return True
-    start = _proc_start(h.get("pid"))
-    return h.get("proc_start") is not None and start is not None and start != h["proc_start"]
+_gone = owner.is_dead_here  # [Note: stale locks]: its holder made it here and runs no more
+_proc_start = owner.proc_start  # the record's start time, read by the tests under this name
 
 
 def _who(h: dict) -> str:
@@ -152,14 +121,7 @@ def _clear_stale(path: Path, seen: tuple) -> bool:
 
 
 def _record() -> dict:
-    return {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "proc_start": _proc_start(os.getpid()),
-        "boot_id": _boot_id(),
-        "argv": sys.argv,
-    }
+    return {**owner.identity(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv}
 
 
 def _say(line: str) -> None:
@@ -200,7 +162,7 @@ def acquire(directory, *, field: str = "out", say=_say) -> Path:
         raise ValueError(f"{field}={str(d)!r} is in use: {held_by(path)}")
     for f in d.glob(f".{LOCK}.*.tmp"):  # _create's temp files of killed runs on this host
         host, _, pid = f.name[len(LOCK) + 2 : -4].rpartition(".")
-        if host == socket.gethostname() and pid.isdigit() and not _alive(pid):
+        if host == socket.gethostname() and pid.isdigit() and not owner.alive(pid):
             with contextlib.suppress(FileNotFoundError):
                 f.unlink()
     return path

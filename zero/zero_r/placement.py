@@ -18,7 +18,7 @@ import torch
 
 from ..unit import FlatUnit
 from .contiguous import Arena, grad_arenas
-from .disk import DiskOffload
+from .disk import DiskOffload, disk_bytes
 from .offload import HostOffload
 
 
@@ -49,7 +49,8 @@ class Placement:
             if config.offload_dir is None:
                 offload = HostOffload(**host)
             else:
-                offload = DiskOffload(directory=config.offload_dir, **host)
+                need = disk_bytes(config, parts, stages)  # refused before any file if short
+                offload = DiskOffload(directory=config.offload_dir, needed=need, **host)
         arenas = None, None
         if config.contiguous_memory:  # M_D (zero/zero_r/contiguous.py)
             arenas = grad_arenas(
