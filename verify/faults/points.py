@@ -232,19 +232,20 @@ def small_dir_case(ctx: Ctx, *, tmpfs: bool) -> Result:
     left = listing.read_text().split()
     if code == 0:
         return Result("silent_wrong", f"{how}: the run trained on a too-small offload_dir")
+    trained = steps_done(out) or list((out / "ckpt").glob("step-*"))
+    facts = (f"exit {code}, {'after training began' if trained else 'before training'}, "
+             + (f"{left} left in the folder" if left else "the folder left empty"))  # fmt: skip
     if line is None:
-        tail = text.strip().splitlines()[-1:] or [""]
-        return Result("unclear", f"{how}: exit {code}, not one line: {tail[0][:160]}")
+        last = [x for x in text.strip().splitlines() if "offload_dir=" in x][-1:] or [""]
+        return Result("unclear", f"{how}: {facts}; not one line (a traceback): "
+                      f"{last[0].strip()[:150]}")  # fmt: skip
     if str(offload) not in line or not re.search(r"\d[\d,]* bytes", line):
-        return Result("unclear", f"{how}: the line does not name the folder and the bytes "
-                      f"needed: {line[:200]}")  # fmt: skip
-    if steps_done(out) or list((out / "ckpt").glob("step-*")):
-        return Result("unclear", f"{how}: refused only after training began: {line[:120]}")
-    if left:
-        return Result("unclear", f"{how}: refused, but left {left} in the folder")
-    return Result("refused", f"{how}: exit {code} before training, one line naming the folder "
-                  f"and the bytes ({line.split(': error: ', 1)[-1][:110]}...); the folder left "
-                  "empty")  # fmt: skip
+        return Result("unclear", f"{how}: {facts}; the line does not name the folder and the "
+                      f"bytes needed: {line[:200]}")  # fmt: skip
+    if trained or left:
+        return Result("unclear", f"{how}: {facts}: {line[:120]}")
+    return Result("refused", f"{how}: {facts}; one line naming the folder and the bytes "
+                  f"({line.split(': error: ', 1)[-1][:110]}...)")  # fmt: skip
 
 
 def cases(release: bool) -> list[Case]:
