@@ -9,6 +9,8 @@
   (RSS on CPU, the allocator on CUDA).
 - ``measure.budget``: ZeRO-R's C1-C5 configurations under a per-rank memory budget.
 - ``measure.fragmentation``: allocator fragmentation with and without contiguous buffers (CUDA).
+- ``measure.parts``: what measure.bench and measure.fake_rank are built from (their systems,
+  configurations, records and tables), each name also importable from the command's module.
 
 Layering: ``measure`` imports ``reference`` and ``zero``; ``zero`` never imports ``measure``.
 """
