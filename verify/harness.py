@@ -257,7 +257,7 @@ def injected_delays(enabled: bool, seed: int, rank: int):
     if not enabled:
         yield count
         return
-    original = collectives._launch
+    original = collectives.launch
     rng = random.Random(f"delays:{seed}:{rank}")
 
     def late(*a, **kw):
@@ -265,11 +265,11 @@ def injected_delays(enabled: bool, seed: int, rank: int):
         time.sleep(rng.uniform(0, DELAY_S))
         return original(*a, **kw)
 
-    collectives._launch = late
+    collectives.launch = late
     try:
         yield count
     finally:
-        collectives._launch = original
+        collectives.launch = original
 
 
 def _bits(t: torch.Tensor) -> bytes:
