@@ -8,14 +8,21 @@ N = 2, a 2-2 split at N = 4), every rank, with a first line that says there was 
 majority; and no rank hangs or goes on training. Before the watchdog each of these hung until
 the timeout, aborted a healthy rank inside gloo, or (equal-size units reduced in another order)
 summed the wrong units silently. The cells exercise the watchdog's boundary check, its legality
-rules, the majority rule, its ties and the trace to the first differing collective; stalls and
-deaths, which need a timeout to pass, are the fault suite's (python -m verify.faults).
+rules, the majority rule, its ties and the trace to the first differing collective. One cell
+stops rank 1 (SIGSTOP) at the default collective timeout: the others must name it, as stopped,
+within the heartbeat bound ([Note: a stopped rank named in seconds] in zero/ranks/watchdog.py),
+after which rank 0 lets it continue and it leaves. Deaths, and stalls under the launchers, are
+the fault suite's (python -m verify.faults).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,7 +57,7 @@ def expected_blame(cell: WatchCell) -> list[int]:
     on either side (a tie) every rank."""
     n, bad = cell.world_size, sorted(set(cell.ranks))
     good = [r for r in range(n) if r not in bad]
-    if cell.fault in NOT_ALLOWED or 2 * len(good) > n:
+    if cell.fault in (*NOT_ALLOWED, "stopped") or 2 * len(good) > n:  # stopped: by heartbeat
         return bad
     return good if 2 * len(bad) > n else list(range(n))
 
@@ -67,13 +74,15 @@ CELLS = (
     WatchCell(fault="unit_order_sizes", world_size=4, stage=1, mode="collectives"),
     WatchCell(fault="extra_eval", world_size=2, stage=3),
     WatchCell(fault="extra_eval", world_size=4, stage=3, ranks=(2, 3)),
+    WatchCell(fault="stopped", world_size=2, stage=2),
 )
 """One cell per rule: a call the step does not allow (backward beyond M/N; step() before
 them), a majority against one rank (an evaluation forward the others do not make), and the
 trace of equal calls with other collectives, at the boundaries ('calls') and before every
 collective ('collectives', where the units' sizes differ and a boundary check would come too
 late); and two ties, where each side is as large as the other: two legal but different calls
-at N = 2, and a 2-2 split at N = 4 (every rank named, the first line saying why)."""
+at N = 2, and a 2-2 split at N = 4 (every rank named, the first line saying why); and a stopped
+rank, named in seconds at the default timeout."""
 
 
 def _engine(cell: WatchCell, n: int):
@@ -89,9 +98,16 @@ def _engine(cell: WatchCell, n: int):
     return model, ZeroEngine(model, cfg)
 
 
-def diverge(rank: int, n: int, cell: WatchCell) -> dict:
+STOP_SLACK_S = 10.0
+"""Beyond the watchdog's own bound (STOPPED_S + SLICE_S), what a loaded machine may add between
+the stop and the error: scheduling and one step's collective. Still 50x below the timeout."""
+
+
+def diverge(rank: int, n: int, cell: WatchCell, scratch: str | None = None) -> dict:
     """One rank's part of a cell: its verdict of what the watchdog said on this rank."""
     model, eng = _engine(cell, n)
+    if cell.fault == "stopped":
+        return _stopped(rank, cell, model, eng, Path(scratch))
     bad = rank in cell.ranks
     if bad and cell.fault.startswith("unit_order"):
         i, j = (next(k for k, u in enumerate(eng.units) if u.name == x) for x in model.unit_names())
@@ -117,6 +133,47 @@ def diverge(rank: int, n: int, cell: WatchCell) -> dict:
     return {"blamed": None, "message": "trained on: no rank was named"}
 
 
+def _stopped(rank: int, cell: WatchCell, model, eng, scratch: Path) -> dict:
+    """Rank 1 notes its pid and the time, and stops itself after a clean step; the others step
+    on and must name it within the bound. Rank 0 then continues it (SIGCONT): it returns
+    without another collective, and the world ends (the others' waits are left in flight:
+    watchdog.stranded())."""
+    n = eng.world_size
+
+    def step(k: int) -> None:
+        batches = mlp_microbatches(model.cfg, seed=0, data_step=k, count=2 * n, batch_size=4)
+        for x in (batches[rank], batches[n + rank]):
+            _, loss = eng(*x)
+            eng.backward(loss)
+        eng.step()
+
+    step(0)
+    if rank in cell.ranks:
+        (scratch / "stopped").write_text(f"{os.getpid()} {time.monotonic()!r}")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return {"blamed": None, "message": "stopped, then continued", "stopped": True}
+    try:
+        step(1)
+    except CollectiveError as exc:
+        pid, at = (scratch / "stopped").read_text().split()
+        took = time.monotonic() - float(at)
+        if rank == 0:
+            os.kill(int(pid), signal.SIGCONT)
+        return {"blamed": list(exc.blamed), "message": str(exc).splitlines()[0][:200], "s": took}
+    return {"blamed": None, "message": "trained on: no rank was named"}
+
+
+def _run_stopped(cell: WatchCell, timeout_s: float) -> list[dict]:
+    """A stopped cell on a world of its own (a pool's would be left broken), at the default
+    collective timeout (600 s): a naming at the timeout would fail the cell's bound."""
+    import tempfile
+
+    from zero.ranks.local import spawn
+
+    with tempfile.TemporaryDirectory(prefix="verify-stop-") as scratch:
+        return spawn(diverge, cell.world_size, cell, scratch, timeout_s=600, deadline_s=timeout_s)
+
+
 def run_section(*, timeout_s: float, say, cells=CELLS) -> list[dict]:
     """Every cell on its pool; a row per cell: passed when every rank named exactly
     expected_blame(cell), and a tie's first line says there was no strict majority.
@@ -131,7 +188,10 @@ def run_section(*, timeout_s: float, say, cells=CELLS) -> list[dict]:
         return []
     rows = []
     for cell in cells:
-        per_rank = get_pool(cell.world_size).run(diverge, cell, timeout_s=timeout_s)
+        if cell.fault == "stopped":
+            per_rank = _run_stopped(cell, timeout_s)
+        else:
+            per_rank = get_pool(cell.world_size).run(diverge, cell, timeout_s=timeout_s)
         why = verdict(cell, per_rank)
         passed = not why
         rows.append({"cell": cell.label, "passed": passed, "message": per_rank[0]["message"]})
@@ -141,10 +201,18 @@ def run_section(*, timeout_s: float, say, cells=CELLS) -> list[dict]:
 
 def verdict(cell: WatchCell, per_rank: list[dict]) -> str:
     """'' when every rank named expected_blame(cell) (and, at a tie, said so); else why not."""
+    from zero.ranks.watchdog import SLICE_S, STOPPED_S
+
     want = expected_blame(cell)
     for rank, r in enumerate(per_rank):
+        if r.get("stopped"):
+            continue  # the stopped rank itself names no one
         if r["blamed"] != want:
             return f"rank {rank} named {r['blamed']}, not {want}: {r['message']}"
         if is_tie(cell) and "no strict majority" not in r["message"]:
             return f"rank {rank}: a tie not stated as one: {r['message']}"
+        if cell.fault == "stopped" and "its process is stopped" not in r["message"]:
+            return f"rank {rank}: not named as stopped: {r['message']}"
+        if cell.fault == "stopped" and r["s"] > STOPPED_S + SLICE_S + STOP_SLACK_S:
+            return f"rank {rank}: named after {r['s']:.1f} s, beyond the heartbeat bound"
     return ""

@@ -109,3 +109,19 @@ def test_the_kernels_oom_counter_is_read_where_linux_has_it():
     except OSError:
         found = None
     assert signals.oom_kills() == (int(found.group(1)) if found else None)
+
+
+def test_verifys_stopped_cell_fails_late_or_unnamed_verdicts():
+    from verify.watchdog_cells import CELLS, STOP_SLACK_S, verdict
+
+    cell = next(c for c in CELLS if c.fault == "stopped")
+    stopped = {"blamed": None, "message": "stopped, then continued", "stopped": True}
+    named = "watchdog blames rank 1: not responding (its process is stopped); ..."
+    ok = {"blamed": [1], "message": named, "s": 2.0}
+    assert verdict(cell, [ok, stopped]) == ""
+    late = {**ok, "s": STOPPED_S + watchdog.SLICE_S + STOP_SLACK_S + 0.1}
+    assert "beyond the heartbeat bound" in verdict(cell, [late, stopped])
+    assert "not named as stopped" in verdict(
+        cell, [{**ok, "message": "watchdog blames rank 1"}, stopped]
+    )
+    assert "not [1]" in verdict(cell, [{**ok, "blamed": [0, 1]}, stopped])

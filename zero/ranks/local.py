@@ -140,7 +140,7 @@ def _spawn_child(fn, rank, world_size, args, store_dir, where, timeout_s, conn, 
     message = _run_one(fn, rank, world_size, args)
     _send(conn, message)
     conn.close()
-    if message[0] == "ok":
+    if message[0] == "ok" and not watchdog.stranded():  # stranded: the group is broken
         try:
             # Nobody leaves while a peer may still be reading its last collective's data; and a
             # rank that returns while others still train is named by them (zero/ranks/watchdog.py).
