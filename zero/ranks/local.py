@@ -43,10 +43,12 @@ from .signals import (
     Janitor,
     SignalGuard,
     before_fork,
+    clear_dead_launchers,
     close_fds,
     guard_child,
     how_it_ended,
     oom_kills,
+    own_folder,
     stopped_by_signal,
 )
 
@@ -294,7 +296,9 @@ def spawn(
     ctx, oom = mp.get_context("fork"), oom_kills()
     # Signals wait (recorded, not raised) until every process is started and the janitor
     # knows them, and again during the cleanup: see zero/ranks/signals.py.
+    clear_dead_launchers()  # [Note: rendezvous folders of a job killed whole]
     with SignalGuard() as guard, tempfile.TemporaryDirectory(prefix="zero-spawn-") as store_dir:
+        own_folder(store_dir)
         procs, conns = _start(
             ctx,
             _spawn_child,
@@ -354,7 +358,9 @@ class WorkerPool:
         self._broken: str | None = None
         # mkdtemp, not TemporaryDirectory: the latter's finalizer may run at exit before
         # _close_pools and pull the store from under live workers.
+        clear_dead_launchers()  # [Note: rendezvous folders of a job killed whole]
         self._store_dir = store = tempfile.mkdtemp(prefix="zero-pool-")
+        own_folder(store)
         ctx = mp.get_context("fork")
         self._procs, self._conns = _start(
             ctx,

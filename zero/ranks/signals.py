@@ -19,9 +19,11 @@ and no rendezvous directory is left in the temporary folder (docs/design.md §5,
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -197,6 +199,56 @@ def close_fds() -> None:
         except OSError:
             pass
     _JANITOR_FDS.clear()
+
+
+# [Note: rendezvous folders of a job killed whole] The janitor cleans up after a launcher that
+# dies alone; a job killed whole (SIGKILL to its process group, an OOM kill of the job, a lost
+# machine) takes the janitor with it and leaves the launcher's folder in the temporary folder.
+# So each launcher writes its owner's record there (zero/common/owner.py) as soon as it makes
+# the folder, and each launch first removes the launchers' folders whose owner is dead on this
+# host, one `note:` line each. A live owner's, another host's or a record-less one is left.
+OWNER = "launcher.json"
+PREFIXES = ("zero-spawn-", "zero-pool-")
+
+
+def own_folder(directory: str) -> None:
+    """Write this launcher's record into its new rendezvous folder (see the Note above)."""
+    from ..common import owner
+
+    with open(os.path.join(directory, OWNER), "w") as f:
+        json.dump(owner.identity(), f)
+
+
+def clear_dead_launchers(say=None) -> list[str]:
+    """Remove the rendezvous folders in the temporary folder whose launcher is dead on this host
+    (the Note above); returns them, each named in one line to say() (stderr by default)."""
+    import tempfile
+
+    from ..common import owner
+
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    root, removed = tempfile.gettempdir(), []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        if not name.startswith(PREFIXES) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, OWNER)) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue  # no record: being made now, or not ours to judge
+        if not isinstance(record, dict) or not owner.is_dead_here(record):
+            continue
+        taken = f"{path}.removing-{os.getpid()}"
+        try:
+            os.rename(path, taken)  # one remover wins; the others find it gone
+        except OSError:
+            continue
+        shutil.rmtree(taken, ignore_errors=True)
+        removed.append(path)
+        say(f"note: removed {path}, the rendezvous folder of launcher pid {record.get('pid')}, "
+            "which was killed with its ranks")  # fmt: skip
+    return removed
 
 
 class Janitor:
