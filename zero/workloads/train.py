@@ -349,6 +349,8 @@ class _Run:
 
 FAULT_LINE = re.compile(r"^(?:[\w.]+\.)?(RunFault|ResumeRefused): (.*)$", re.M)
 """The last line of a rank's traceback that carries a fault (a spawned rank sends only text)."""
+BAD_INPUT = re.compile(r"(?:^|\n)(?:[\w.]+\.)?ValueError: ([^\n]*)$")
+"""A rank's traceback that ends in a ValueError: input the rank refused (the project's rule)."""
 
 
 def _spawn(cfg: TrainConfig, step_dir: Path | None, corpus: Corpus):
@@ -361,6 +363,13 @@ def _spawn(cfg: TrainConfig, step_dir: Path | None, corpus: Corpus):
         if not found or found[-1][0] != "ResumeRefused":  # that one ran nothing: nothing to tidy
             tidy_after_failure(ckpt, step_dir, before)
         if not found:
+            bad = (
+                BAD_INPUT.search(exc.child_traceback.strip())
+                if isinstance(exc, RankError)
+                else None
+            )
+            if bad:  # a rank refused its input (an offload_dir without room): one line, exit 2
+                raise ValueError(bad.group(1)) from None
             line = next((x.strip() for x in str(exc).splitlines() if BLAME in x), None)
             if line is None:  # a bug in a rank: its traceback
                 raise
