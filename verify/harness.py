@@ -35,11 +35,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
+import json
 import math
 import random
+import subprocess
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,6 +53,7 @@ from reference import init_state, train_step, working_copy
 from reference.precision import DTYPES, cast, f32
 from reference.tree import chunk_sumsq, global_norm
 from zero import collectives
+from zero.common import owner
 from zero.config import TORCH_DTYPES, ZeroConfig
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
 from zero.hooks import forward_rng
@@ -506,6 +512,7 @@ class CellRun:
     start: object  # the reference's initial TrainState
     ref_model: object  # the reference side's copy of the model (None for injected cells)
     device: torch.device
+    stale: Path | None = None  # DISK cells, rank 0: a dead owner's folder the start must remove
 
 
 def build_cell(rank: int, cell: Cell) -> CellRun:
@@ -521,7 +528,8 @@ def build_cell(rank: int, cell: Cell) -> CellRun:
     frozen = frozen_layouts(model, ref_cfg)
     rcfg = reference_step_config(ref_cfg, cell.world_size)
     start = init_state(init, spec, rcfg)
-    with warnings.catch_warnings():  # 'huge' cells are one root unit on purpose
+    stale = _dead_owners_folder(cfg.offload_dir) if cell.disk and rank == 0 else None
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # its note
         warnings.filterwarnings("ignore", message="stage 3 with units=", category=UserWarning)
         if cell.meta:  # the same initial values, never materialised whole
             init_rule = "own" if cell.init == "own" else "auto"
@@ -530,7 +538,19 @@ def build_cell(rank: int, cell: Cell) -> CellRun:
             eng = ZeroEngine(model.to(device), cfg)
     eng.keep_reduced = True  # the reduced-gradient and norm checks read R after each step
     ref_model = None if cell.injected else build().to(device)
-    return CellRun(cell, rank, eng, ref_cfg, spec, frozen, rcfg, start, ref_model, device)
+    return CellRun(cell, rank, eng, ref_cfg, spec, frozen, rcfg, start, ref_model, device, stale)
+
+
+def _dead_owners_folder(offload_dir: str) -> Path:
+    """A disk-tier folder as a process killed outright leaves it (its owner's record, a state
+    file), whose owner has exited: each DISK cell's engine must remove it at start, naming it."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid runs no more
+    folder = Path(tempfile.mkdtemp(prefix=f"zero-states-{dead.pid}-", dir=offload_dir))
+    record = {**owner.identity(), "pid": dead.pid, "proc_start": None}
+    (folder / "owner.json").write_text(json.dumps(record))
+    (folder / "u0000-master.f32").write_bytes(bytes(64))
+    return folder
 
 
 def check_structure(run: CellRun, v: Verdict) -> bool:
@@ -636,6 +656,8 @@ def run_cell(rank: int, world_size: int, cell: Cell) -> dict:
     memory and the frozen parameters."""
     assert cell.world_size == world_size, (cell.world_size, world_size)
     run, v = build_cell(rank, cell), Verdict(rank)
+    if run.stale is not None and run.stale.exists():  # a rank's own check: no collective
+        v.fail(f"disk tier: a dead owner's folder, {run.stale}, was not removed at the start")
     if not check_structure(run, v):
         return v.as_dict(cell.mode)
     source = (
