@@ -23,29 +23,12 @@ from zero.ranks.watchdog import SLICE_S, STOPPED_S
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(3600)]
 
-_JANITOR = (
-    "a SIGKILL to the whole job kills the launcher's janitor with it (zero/ranks/signals.py), so "
-    "the rendezvous folder (TMPDIR/zero-spawn-*) stays, and the next run does not remove it"
-)
-_RANK_REFUSAL = (
-    "python -m zero.workloads.train with local ranks shows the offload_dir refusal, a ValueError "
-    "raised in a rank's engine construction, as the launcher's RankError traceback with exit "
-    "status 1, not as one line (the folder is left empty, before training)"
-)
-EXPECTED_TO_FAIL: dict[str, str] = {
-    "disk_sigkill_job_backward": _JANITOR,
-    "disk_sigkill_job_update": _JANITOR,
-    "disk_sigkill_job_mid_save": _JANITOR,
-    "offload_dir_too_small": _RANK_REFUSAL,
-    "offload_dir_file_limit": _RANK_REFUSAL,
-}
-"""Cases known to fail, by name, with the reason (xfail strict). Before the collective
+EXPECTED_TO_FAIL: dict[str, str] = {}
+"""Cases known to fail, by name, with the reason (xfail strict): none. Before the collective
 watchdog and the clean shutdown, the divergences, the stopped ranks and the signals to the
-launcher were here; a case that must be listed again says why. A temp dir left after a whole
-job's SIGKILL is the launcher's (zero/ranks/local.py), not the disk tier's: the state folders
-those cases leave are removed at the next start. The too-small offload_dir is refused before
-training with nothing left in it, but the command line's message is a traceback
-(zero/workloads/train.py's _spawn passes on a rank's ValueError as it is)."""
+launcher were here; then a whole job's SIGKILL (its rendezvous folder, now removed by the next
+launch) and a too-small offload_dir (a traceback, now one line); a case that must be listed
+again says why."""
 RACY: dict[str, str] = {}
 """Cases whose outcome depends on timing (xfail, not strict): none. The launcher used to name
 whichever rank reported first, sometimes the survivor of a killed rank; the watchdog's blame
