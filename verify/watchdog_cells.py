@@ -17,6 +17,8 @@ the fault suite's (python -m verify.faults).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import time
@@ -57,7 +59,7 @@ def expected_blame(cell: WatchCell) -> list[int]:
     on either side (a tie) every rank."""
     n, bad = cell.world_size, sorted(set(cell.ranks))
     good = [r for r in range(n) if r not in bad]
-    if cell.fault in (*NOT_ALLOWED, "stopped") or 2 * len(good) > n:  # stopped: by heartbeat
+    if cell.fault in (*NOT_ALLOWED, "stopped", "killed") or 2 * len(good) > n:  # not by vote
         return bad
     return good if 2 * len(bad) > n else list(range(n))
 
@@ -75,14 +77,16 @@ CELLS = (
     WatchCell(fault="extra_eval", world_size=2, stage=3),
     WatchCell(fault="extra_eval", world_size=4, stage=3, ranks=(2, 3)),
     WatchCell(fault="stopped", world_size=2, stage=2),
+    WatchCell(fault="killed", world_size=2, stage=2),
 )
 """One cell per rule: a call the step does not allow (backward beyond M/N; step() before
 them), a majority against one rank (an evaluation forward the others do not make), and the
 trace of equal calls with other collectives, at the boundaries ('calls') and before every
 collective ('collectives', where the units' sizes differ and a boundary check would come too
 late); and two ties, where each side is as large as the other: two legal but different calls
-at N = 2, and a 2-2 split at N = 4 (every rank named, the first line saying why); and a stopped
-rank, named in seconds at the default timeout."""
+at N = 2, and a 2-2 split at N = 4 (every rank named, the first line saying why); a stopped
+rank, named in seconds at the default timeout; and a killed rank, named by the launcher with its
+signal, whose launch also removes the rendezvous folder a job killed whole left."""
 
 
 def _engine(cell: WatchCell, n: int):
@@ -163,6 +167,53 @@ def _stopped(rank: int, cell: WatchCell, model, eng, scratch: Path) -> dict:
     return {"blamed": None, "message": "trained on: no rank was named"}
 
 
+def _killed(rank: int, n: int, cell: WatchCell) -> str:
+    """Rank 1 kills itself (SIGKILL) after a clean step; the others go on and fail."""
+    model, eng = _engine(cell, n)
+    batches = mlp_microbatches(model.cfg, seed=0, data_step=0, count=2 * n, batch_size=4)
+    for step in range(2):
+        if step == 1 and rank in cell.ranks:
+            os.kill(os.getpid(), signal.SIGKILL)
+        for x in (batches[rank], batches[n + rank]):
+            _, loss = eng(*x)
+            eng.backward(loss)
+        eng.step()
+    return "trained on"
+
+
+def _run_killed(cell: WatchCell, timeout_s: float) -> list[dict]:
+    """The launcher's report of a rank killed by SIGKILL: it must name the rank and its signal.
+    Before it, a rendezvous folder as a job killed whole leaves it (its launcher's record, a
+    pid that runs no more) is planted: the launch must remove it ([Note: rendezvous folders of a
+    job killed whole] in zero/ranks/signals.py)."""
+    import json
+    import subprocess
+    import tempfile
+
+    from zero.common import owner
+    from zero.ranks.launch import RankError
+    from zero.ranks.local import spawn
+    from zero.ranks.signals import OWNER
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = Path(tempfile.mkdtemp(prefix="zero-spawn-", dir=tempfile.gettempdir()))
+    (left / OWNER).write_text(json.dumps({**owner.identity(), "pid": gone.pid}))
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # the launch's note on the folder it removed
+            spawn(_killed, cell.world_size, cell, timeout_s=60, deadline_s=timeout_s)
+        text = "the run ended without an error"
+    except RankError as exc:
+        text = str(exc)
+    blame = next((x for x in text.splitlines() if "watchdog blames" in x), text[:200])
+    named = [r for r in range(cell.world_size) if f"watchdog blames rank {r}:" in blame]
+    rows = [{"blamed": named, "message": blame.strip()[:200], "killed": True}]
+    if left.exists() or str(left) not in said.getvalue():
+        rows[0]["message"] = f"a dead launcher's folder {left} was not removed with a note"
+    return rows
+
+
 def _run_stopped(cell: WatchCell, timeout_s: float) -> list[dict]:
     """A stopped cell on a world of its own (a pool's would be left broken), at the default
     collective timeout (600 s): a naming at the timeout would fail the cell's bound."""
@@ -190,6 +241,8 @@ def run_section(*, timeout_s: float, say, cells=CELLS) -> list[dict]:
     for cell in cells:
         if cell.fault == "stopped":
             per_rank = _run_stopped(cell, timeout_s)
+        elif cell.fault == "killed":
+            per_rank = _run_killed(cell, timeout_s)
         else:
             per_rank = get_pool(cell.world_size).run(diverge, cell, timeout_s=timeout_s)
         why = verdict(cell, per_rank)
@@ -211,6 +264,8 @@ def verdict(cell: WatchCell, per_rank: list[dict]) -> str:
             return f"rank {rank} named {r['blamed']}, not {want}: {r['message']}"
         if is_tie(cell) and "no strict majority" not in r["message"]:
             return f"rank {rank}: a tie not stated as one: {r['message']}"
+        if cell.fault == "killed" and "signal 9 (SIGKILL)" not in r["message"]:
+            return f"the launcher did not name the signal: {r['message']}"
         if cell.fault == "stopped" and "its process is stopped" not in r["message"]:
             return f"rank {rank}: not named as stopped: {r['message']}"
         if cell.fault == "stopped" and r["s"] > STOPPED_S + SLICE_S + STOP_SLACK_S:

@@ -125,3 +125,14 @@ def test_verifys_stopped_cell_fails_late_or_unnamed_verdicts():
         cell, [{**ok, "message": "watchdog blames rank 1"}, stopped]
     )
     assert "not [1]" in verdict(cell, [{**ok, "blamed": [0, 1]}, stopped])
+
+
+def test_verifys_killed_cell_fails_without_the_signal_or_the_folder():
+    from verify.watchdog_cells import CELLS, verdict
+
+    cell = next(c for c in CELLS if c.fault == "killed")
+    line = "watchdog blames rank 1: its process ended without reporting: signal 9 (SIGKILL), ..."
+    assert verdict(cell, [{"blamed": [1], "message": line}]) == ""
+    assert "did not name the signal" in verdict(cell, [{"blamed": [1], "message": "exit code 1"}])
+    folder = "a dead launcher's folder /tmp/x was not removed with a note"
+    assert verdict(cell, [{"blamed": [1], "message": folder}]) != ""
