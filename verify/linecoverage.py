@@ -39,6 +39,8 @@ NOT_LIBRARY = {
     "test_bounded_memory.py)",
     "zero/checkpoint/lock.py": "the training command line's run lock (tests/distributed/"
     "test_checkpoint_safety.py)",
+    "zero/checkpoint/leftovers.py": "the training command line's removal, under its run lock, of "
+    "what a killed run left (tests/distributed/test_checkpoint_safety.py)",
 }
 """[Note: the library] What the figure measures: every module of zero/ except the files above
 (command lines, workloads and instruments built on the library, each with its own tests), and
