@@ -59,6 +59,12 @@ def api_rows() -> list[tuple]:
         for v in values:
             rows.append((make, field, v))
 
+    for part in (_optimizer_fields, _zero_fields, _command_fields):
+        part(bad)
+    return rows
+
+
+def _optimizer_fields(bad) -> None:
     for f in ("lr", "weight_decay", "momentum"):
         bad(Hyper, f, INF, NAN, -1.0, "0.1", None)
     bad(Hyper, "dampening", 2.0, NAN, -INF)
@@ -70,6 +76,9 @@ def api_rows() -> list[tuple]:
     bad(ScalerConfig, "backoff", 1.0, 0.0, NAN)
     bad(ScalerConfig, "growth", 1.0, INF, NAN)
     bad(ScalerConfig, "growth_interval", 0, 1.5, True)
+
+
+def _zero_fields(bad) -> None:
     bad(ZeroConfig, "stage", 4, -1, True, "2", 2.0)  # 2.0 was accepted (2.0 in (0, 1, 2, 3))
     bad(ZeroConfig, "precision", "fp8", None)
     bad(ZeroConfig, "reduce_dtype", "fp64")
@@ -94,6 +103,9 @@ def api_rows() -> list[tuple]:
     bad(ZeroConfig, "release_grads", "yes")
     bad(ZeroConfig, "watchdog", True, "every", None)
     bad(ZeroConfig, "partition_activations", "yes")
+
+
+def _command_fields(bad) -> None:
     for f in ("lr",):
         bad(TrainConfig, f, INF, NAN, 0.0, -1.0)
     bad(TrainConfig, "weight_decay", INF, -0.1)
@@ -141,7 +153,6 @@ def api_rows() -> list[tuple]:
     bad(BenchConfig, "world_sizes", (0,), ())
     bad(BenchConfig, "watchdog", "sometimes", False)
     bad(BenchConfig, "malloc", "never", None)
-    return rows
 
 
 def cli_rows() -> list[tuple]:
@@ -152,6 +163,12 @@ def cli_rows() -> list[tuple]:
     def bad(prog, field, *argv):
         rows.append((prog, list(argv), field))
 
+    for part in (_training_options, _verify_options, _measure_options, _largest_options):
+        part(bad)
+    return rows
+
+
+def _training_options(bad) -> None:
     t = "zero.workloads.train"
     for v in ("inf", "nan", "-1", "0"):
         bad(t, "lr", "--lr", v)
@@ -189,6 +206,9 @@ def cli_rows() -> list[tuple]:
     bad(d, "test_fraction", "--test-fraction", "1")
     bad(d, "steps", "--steps", "0")
     bad(d, "out", "--out", "{file}/sub")
+
+
+def _verify_options(bad) -> None:
     v = "verify"
     bad(v, "world_sizes", "--quick", "--world-sizes", "7", "--list")  # was "0/0 cells", exit 1
     bad(v, "world_sizes", "--world-sizes", "0", "--list")
@@ -202,6 +222,9 @@ def cli_rows() -> list[tuple]:
     bad(v, "device", "--device", "tpu", "--list")
     bad("verify.demo", "world_size", "--world-size", "0")
     bad("verify.demo", "steps", "--steps", "0")
+
+
+def _measure_options(bad) -> None:
     s = "measure.fake_rank"
     bad(s, "steps", "--steps", "0")
     bad(s, "params", "--params", "1e15")  # was minutes building a million-layer model
@@ -235,6 +258,9 @@ def cli_rows() -> list[tuple]:
     bad(b, "from_json", "--from-json", "{records}")  # JSON without step-time records
     bad("paper_figures", "out", "--out", "{file}/sub")
     bad("paper_figures", "profile", "--profile", "huge")
+
+
+def _largest_options(bad) -> None:
     # one small model, its files in the row's own folder, a small probe: only the option is bad
     # (were it accepted, the run would stay small and leave the working directory alone)
     g, one = "measure.largest", ("--shape", "1", "128", "--dir", "{folder}", "--probe-gib", "0.001")
@@ -251,7 +277,6 @@ def cli_rows() -> list[tuple]:
     bad(g, "dir", *one, "--dir", "{file}")
     if not _has_cuda():  # where CUDA is, --device cuda is a good value
         bad(g, "device", *one, "--device", "cuda")
-    return rows
 
 
 def _has_cuda() -> bool:
