@@ -9,7 +9,6 @@ decayed, biases and norms not). verify/harness.py runs a cell; verify/matrix.py 
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import asdict, dataclass
 
 import torch
@@ -19,7 +18,9 @@ from reference.precision import ScalerConfig
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.workloads.models import GPT, MLP, GPTConfig, MLPConfig, gpt_microbatches, mlp_microbatches
 
+from . import features
 from .branch import BranchMLP, branch_microbatches, skip_microbatches
+from .features.frozen import frozen_mlp
 from .inject import GradientDraw, ParamModel, draw_for
 
 
@@ -47,15 +48,6 @@ class NormMLP(MLP):
         return x, loss
 
 
-def frozen_mlp(device=None) -> MLP:
-    """The MLP with its middle layer frozen (requires_grad=False): the frozen parameters of
-    docs/design.md §2 (a buffer of their own per unit, gathered at stage 3 in forward and, as
-    the layer before it trains, in backward; no gradient, master or optimizer state)."""
-    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3), device=device)
-    model.layers[1].requires_grad_(False)
-    return model
-
-
 MODELS = {  # build(device=None): on the CPU, or on the meta device (Cell.meta)
     "mlp": (
         lambda device=None: MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3), device=device),
@@ -72,15 +64,7 @@ MODELS = {  # build(device=None): on the CPU, or on the meta device (Cell.meta)
         ),
         gpt_microbatches,
     ),
-    # dropout 0.1 in attention, residuals and embeddings: each micro-batch's forward draws its
-    # masks from (dropout_seed, data step, j) ([Note: seeded forward] in zero/hooks.py)
-    "gpt-dropout": (
-        lambda device=None: GPT(
-            GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1),
-            device=device,
-        ),
-        gpt_microbatches,
-    ),
+    # kept for verify/refusal_ranks.py's engines; a Cell says model="mlp", features=("frozen",)
     "mlp-frozen": (frozen_mlp, mlp_microbatches),
     "mlp-bn": (
         lambda device=None: NormMLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3)),
@@ -145,22 +129,12 @@ class Cell:
     """Sleep 0-4 ms (seeded per rank) before every collective launch, so that asynchronous
     collectives complete in other orders and interleavings."""
     nonfinite: str = "raise"  # fp32/bf16: 'skip' steps with non-finite gradients instead
-    checkpointing: bool = False
-    """ZeRO-R: every unit's forward under activation checkpointing (with `offload` too, the
-    checkpoints are kept in host memory)."""
-    offload: bool = False
-    """ZeRO-Offload: master, optimizer states and the gradient shard in host memory."""
-    disk: bool = False
-    """With `offload`, ZeRO-Infinity's disk tier: master and optimizer states in files under the
-    temporary directory (ZeroConfig.offload_dir; zero/zero_r/disk.py)."""
-    contiguous: bool = False
-    """ZeRO-R's M_D: gradient buffers (and, with `checkpointing`, the checkpoints) in
-    pre-allocated contiguous arenas (ZeroConfig.contiguous_memory)."""
-    bucket_elements: int | None = None
-    """ZeRO-R's C_B: reduce-scatters in pieces of at most this many elements."""
-    release_grads: bool | None = None
-    """Gradient buffers released after every update and allocated again in the next step
-    (ZeroConfig.release_grads; None: the engine's default for the device)."""
+    features: tuple[str, ...] = ()
+    """The options verified beside the base axes, by name (verify/features/: offload, disk,
+    checkpointing, offload_activations, contiguous, release_grads, bucket_elements=<C_B>,
+    frozen, dropout): each one's ZeroConfig fields, model and checks come from its record.
+    Read one as an attribute: cell.offload, cell.bucket_elements (its `absent` value where the
+    cell does not ask for it)."""
     meta: bool = False
     """The engine's model is built on the meta device and materialised unit by unit with the
     models' counter-based initial values (ZeroEngine's init_seed); the reference side starts
@@ -177,6 +151,10 @@ class Cell:
     2^16. Below 1/M the engine checks R itself for overflow ([Note: overflow detection])."""
 
     def __post_init__(self):
+        object.__setattr__(self, "features", features.parse_features(self.features))
+        if self.model in LEGACY_MODELS:
+            base, name = LEGACY_MODELS[self.model]
+            raise ValueError(f"model={self.model!r}: say model={base!r}, features=({name!r},)")
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r}: allowed are {sorted(MODELS)}")
         if self.gradients not in GRADIENTS:
@@ -187,20 +165,29 @@ class Cell:
             raise ValueError(f"mode={self.mode!r}: allowed are 'deterministic', 'fast'")
         if self.gradients == "backward" and MODELS[self.model][1] is None:
             raise ValueError(f"model={self.model!r} has no forward: use injected gradients")
-        if self.checkpointing and self.injected:
-            raise ValueError("checkpointing=True: recomputation needs a forward, not injection")
         if self.model == "mlp-bn" and (self.precision != "fp32" or self.meta):
             raise ValueError("model='mlp-bn': fp32 and a CPU-built model only (see NormMLP)")
         if self.init not in ("auto", "own") or (self.init == "own" and not self.meta):
             raise ValueError(f"init={self.init!r}: 'auto', or 'own' with meta=True")
         if self.units == "auto" and self.model != "gpt":
             raise ValueError(f"units='auto' with model={self.model!r}: only the GPT's blocks")
-        if self.disk and not self.offload:
-            raise ValueError("disk=True: the disk tier holds offloaded states; needs offload=True")
         if self.groups not in ("one", "two"):
             raise ValueError(f"groups={self.groups!r}: allowed are 'one', 'two'")
         if (self.gradients == "drawn") != (self.draw is not None):
             raise ValueError("draw: give a GradientDraw exactly when gradients='drawn'")
+        features.check(self)
+
+    def __getattr__(self, name: str):
+        """A feature's value (verify/features/), e.g. cell.offload; only names the registry
+        holds, so a misspelt field still raises AttributeError."""
+        if name.startswith("_") or name not in features.FEATURES:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return features.value_of(self.__dict__.get("features", ()), name)
+
+    def builder(self):
+        """(build(device=None), micro-batches) of the cell's model under its features."""
+        build, data = MODELS[self.model]
+        return features.builder(self.model, self.features) or build, data
 
     @property
     def micro_batches(self) -> int:
@@ -237,14 +224,8 @@ class Cell:
             chunk=UNIT_SIZES[self.units],
             persist_below=self.persist_below,
             nonfinite=self.nonfinite,
-            activation_checkpointing=self.checkpointing,
-            offload_activations=self.checkpointing and self.offload,
-            offload_optimizer=self.offload,
-            offload_dir=tempfile.gettempdir() if self.disk else None,
-            contiguous_memory=self.contiguous,
-            bucket_elements=self.bucket_elements,
-            release_grads=self.release_grads,
             scaler=self.scaler_config(),
+            **features.config_of(self.features),
         )
 
     def scaler_config(self) -> ScalerConfig:
@@ -255,13 +236,16 @@ class Cell:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d["features"] = list(self.features)
         d["micro_batches"] = self.micro_batches
         return d
 
     @classmethod
     def from_config(cls, config: dict) -> Cell:
         """The cell of a JSON record's `config` (as_dict's output), e.g. to re-run a failure."""
-        d = {k: v for k, v in config.items() if k != "micro_batches"}
+        d = legacy(dict(config))
+        d.pop("micro_batches", None)
+        d["features"] = tuple(d.get("features") or ())
         if d.get("draw") is not None:
             g = d["draw"]
             d["draw"] = GradientDraw(
@@ -271,3 +255,35 @@ class Cell:
                 specials=tuple(tuple(x) for x in g["specials"]),
             )
         return cls(**d)
+
+
+LEGACY_MODELS = {"mlp-frozen": ("mlp", "frozen"), "gpt-dropout": ("gpt", "dropout")}
+LEGACY_FIELDS = {
+    "offload": "offload", "disk": "disk", "checkpointing": "checkpointing",
+    "contiguous": "contiguous", "release_grads": "release_grads",
+    "bucket_elements": "bucket_elements",
+}  # fmt: skip
+"""A record's config from before the feature registry (reports and digest files of older
+runs): its option fields, and models that were a feature of a base model."""
+
+
+def legacy(config: dict) -> dict:
+    """`config` with the fields of older records turned into features: a set flag becomes the
+    feature, a value "name=value"; checkpointing with offload was P_a+cpu on one rank."""
+    if "features" in config:
+        return config
+    found = []
+    for field_name, name in LEGACY_FIELDS.items():
+        value = config.pop(field_name, None)
+        if value is True:
+            found.append(name)
+        elif value not in (None, False):
+            found.append(f"{name}={value}")
+    if "checkpointing" in found and "offload" in found:
+        found.append("offload_activations")
+    model = config.get("model")
+    if model in LEGACY_MODELS:
+        config["model"], name = LEGACY_MODELS[model]
+        found.append(name)
+    config["features"] = tuple(found)
+    return config

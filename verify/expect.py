@@ -377,22 +377,6 @@ def expected_offload_copies(config, spec, n: int, *, skipped: bool) -> list[tupl
     return sorted(out)
 
 
-def expected_disk_traffic(config, spec, n: int, *, skipped: bool) -> dict[str, int]:
-    """The disk tier's counted bytes of one step as {"op:u<index>": float32 elements}: per
-    unit, its master and optimizer states over the master's extent (as in
-    expected_offload_copies) read once before its update and written once after; nothing in
-    a skipped step, whose update does not run. Empty without offload_dir."""
-    if config.offload_dir is None or skipped:
-        return {}
-    out = {}
-    for i, lay in enumerate(spec.layouts):
-        stage = 0 if persistent(config, lay) else config.stage
-        extent = lay.padded_numel(n) if stage == 0 else lay.shard_numel(n)
-        for op in ("disk_read", "disk_write"):
-            out[f"{op}:u{i}"] = (1 + optimizer_states(config)) * extent
-    return out
-
-
 def arena_span(numel: int, precision: str, align: int = 256) -> int:
     """Bytes one checkpoint of numel elements takes in a CheckpointArena: its bytes rounded up
     to the arenas' 256-byte alignment (docs/design.md §2's layout alignment)."""

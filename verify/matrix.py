@@ -44,7 +44,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 
-from . import interactions
+from . import features, interactions
 from .cell import Cell
 from .covering import covering_array
 from .inject import GradientDraw
@@ -198,14 +198,14 @@ def _branch(**fields) -> Cell:
 # branch where the norm is below the limit (coefficient capped at 1) would never run.
 BRANCHES = (
     # stage 0: C_B pieces; clips steps 1-2, not step 0
-    _branch(stage=0, precision="fp32", optimizer="adamw", clip_norm=1.6, bucket_elements=256,
-            seed=6000),
+    _branch(stage=0, precision="fp32", optimizer="adamw", clip_norm=1.6,
+            features=("bucket_elements=256",), seed=6000),
     # fast mode with optimizer offload; clips step 1 only
-    _branch(stage=1, precision="bf16", optimizer="adam", mode="fast", offload=True,
+    _branch(stage=1, precision="bf16", optimizer="adam", mode="fast", features=("offload",),
             clip_norm=1.8, seed=6001),
     # C_B pieces at stage 2 (injected, uneven sizes); clips steps 0 and 2
     _branch(stage=2, precision="fp32", optimizer="adamw", model="params-uneven",
-            gradients="random", bucket_elements=512, clip_norm=58.0, seed=6002),
+            gradients="random", features=("bucket_elements=512",), clip_norm=58.0, seed=6002),
     # fast mode with persistent stage-3 units; clips steps 0-1
     _branch(stage=3, precision="bf16", optimizer="adamw", mode="fast", persist_below=1000,
             clip_norm=1.5, seed=6003),
@@ -234,24 +234,6 @@ UNUSED = tuple(
 ) + (  # one unit holding used and unused parameters: the optimizer's runs cut inside a unit
     _branch(stage=1, precision="fp32", optimizer="adam", model="mlp-branch", units="huge",
             seed=6104),
-)  # fmt: skip
-
-# ZeRO-Infinity's disk tier (zero/zero_r/disk.py): master and states in files, at every stage,
-# and in fast mode at stage 2 (the running sum on the host beside files)
-DISK = tuple(
-    _branch(stage=s, precision=p, optimizer=o, mode=mode, offload=True, disk=True, seed=8000 + s)
-    for s, p, o, mode in ((0, "bf16", "adamw", "deterministic"),
-                          (1, "fp32", "adam", "deterministic"),
-                          (2, "fp16", "sgd", "deterministic"),
-                          (3, "bf16", "adamw", "deterministic"), (2, "bf16", "adamw", "fast"))
-)  # fmt: skip
-
-# Frozen parameters (docs/design.md §2): the MLP's middle layer frozen, at stage 3 (its own
-# sharded buffer, gathered in forward and backward) and at stage 1 in fast mode.
-FROZEN = tuple(
-    _branch(stage=s, precision=p, optimizer="adamw", mode=mode, seed=6200 + s, model="mlp-frozen",
-            meta=meta)
-    for s, p, mode, meta in ((3, "bf16", "deterministic", True), (1, "fp32", "fast", False))
 )  # fmt: skip
 
 
@@ -313,15 +295,12 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     # resident bytes are compared in every cell; the streaming tree (deterministic mode, every
     # stage) reports its partial sums each step
     "extra_partial_sum": _det,
-    # the counted reduce-scatter calls of C_B cells
-    "half_width_pieces": lambda c: c.bucket_elements is not None,
     # the reported norm is compared in fast mode too (bitwise against the pinned order)
     "fast_norm_misreported": lambda c: c.mode == "fast" and _optimizer_steps(c) >= 1,
     # the step count is compared after every step; needs a skipped step
     "t_advances_on_skip": lambda c: c.gradients == "nonfinite" or c.loss_scale is not None,
     # a branch whole steps skip: the skipped parameters are compared (fast mode: bound 0)
     "unused_updated": lambda c: c.model in ("mlp-branch", "mlp-skip"),
-    "frozen_drift": lambda c: c.model == "mlp-frozen",
 }
 
 
@@ -334,13 +313,12 @@ def _units_of(c: Cell) -> tuple[tuple[int, ...], bool]:
     """(numel of each unit, whether a parameter of a new group starts strictly inside some
     rank's master extent) of a cell's model, from the reference side's layout
     (verify/expect.py): a group boundary exactly at a shard start has no run before it."""
-    from .cell import MODELS
     from .expect import expected_extents, reference_spec
     from .harness import reference_config
 
-    key = (c.model, c.units, c.stage, c.world_size, c.persist_below)
+    key = (c.model, c.features, c.units, c.stage, c.world_size, c.persist_below)
     if key not in _UNITS:
-        model = MODELS[c.model][0]()
+        model = c.builder()[0]()
         spec = reference_spec(model, reference_config(c, model))
         inside = False
         for lay in spec.layouts:
@@ -386,14 +364,6 @@ OBSERVABLE.update({
     "group_run_boundary": lambda c: (
         _det(c) and _optimizer_steps(c) >= 1 and c.groups == "two" and _units_of(c)[1]
     ),
-    # a later checkpoint overwrites an earlier one, which the recomputation then reads
-    "arena_slots_overlap": lambda c: _det(c) and c.contiguous and c.checkpointing,
-    # the optimizer's host gradient lags one copy: from the second step on
-    "offload_grad_one_late": lambda c: c.offload and _optimizer_steps(c) >= 2,
-    # fp32 and fp16 checkpoints change when rounded to bf16
-    "offloaded_checkpoints_rounded": lambda c: (
-        _det(c) and c.checkpointing and c.offload and c.precision != "bf16"
-    ),
     # the counted all-gathers: a unit gathered again after its backward
     "prefetch_wrong_unit": lambda c: (
         c.stage == 3 and c.overlap and not c.injected and c.units == "tiny"
@@ -403,23 +373,19 @@ OBSERVABLE.update({
     "persist_threshold_off_by_one": lambda c: (
         c.stage == 3 and c.persist_below in _units_of(c)[0]
     ),
-    "piece_drops_boundary": lambda c: _det(c) and c.bucket_elements is not None,
     # an fp32 input is not copied by the cast: the engine's forward sees the reference's halving
     "model_scales_input_in_place": lambda c: (
         not c.injected and c.model in ("mlp", "mlp-uneven") and c.precision == "fp32"
     ),
 })  # fmt: skip
-OBSERVABLE.update(interactions.OBSERVABLE)  # the feature pairs' bugs
-# the states read back from the files are compared after every step: the second shows it
-OBSERVABLE["disk_mapped_private"] = lambda c: c.disk and _det(c) and _optimizer_steps(c) >= 2
+OBSERVABLE.update(interactions.OBSERVABLE)  # the base pairs' bugs
+OBSERVABLE.update({b.name: b.observable for b in features.bugs() if b.kind == "cells"})
 
 
 BRANCH_PREDICATES: dict[str, Callable[[Cell], bool]] = {
     "clips on some steps, not on others": clips_on_some_steps,
     "clips on every step (CLIP_NORM)": lambda c: c.clip_norm == CLIP_NORM,
     "no clipping": lambda c: c.clip_norm is None,
-    "bucket_elements (C_B pieces)": lambda c: c.bucket_elements is not None,
-    "fast mode + optimizer offload": lambda c: c.mode == "fast" and c.offload,
     "fast mode + persistent stage-3 units": lambda c: (
         c.mode == "fast" and c.stage == 3 and c.persist_below > 0
     ),
@@ -434,9 +400,6 @@ BRANCH_PREDICATES: dict[str, Callable[[Cell], bool]] = {
         c.model in ("mlp-branch", "mlp-skip")
     ),
     "reduction in the compute dtype": lambda c: c.reduce_dtype not in (None, "fp32"),
-    "activation checkpointing": lambda c: c.checkpointing,
-    "contiguous memory": lambda c: c.contiguous,
-    "gradient buffers released between steps": lambda c: bool(c.release_grads),
     "non-finite gradients skipped": lambda c: c.gradients == "nonfinite",
     "injected delays": lambda c: c.delays,
     "stage 3 with a forward and overlap (prefetch)": lambda c: (
@@ -448,8 +411,7 @@ BRANCH_PREDICATES: dict[str, Callable[[Cell], bool]] = {
 LISTED_FIELDS = (
     "stage", "world_size", "precision", "optimizer", "mode", "model", "accumulation",
     "clip_norm", "units", "gradients", "overlap", "delays", "reduce_dtype", "persist_below",
-    "bucket_elements", "loss_scale", "offload", "checkpointing", "contiguous", "nonfinite",
-    "release_grads",
+    "loss_scale", "nonfinite", "features",
 )  # fmt: skip
 
 
@@ -508,6 +470,13 @@ def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
             options = ((True, False, False), (False, True, False), (True, True, False))
             options += ((True, s % 2 == 1, True),)
             for i, (ckpt, off, contiguous) in enumerate(options):
+                named = {
+                    "checkpointing": ckpt,
+                    "offload": off,
+                    "contiguous": contiguous,
+                    "offload_activations": ckpt and off,
+                    "release_grads": i == 0,
+                }
                 out.append(
                     Cell(
                         stage=s,
@@ -516,10 +485,7 @@ def zero_r_cells(world_sizes=(2,)) -> list[Cell]:
                         optimizer="adam",
                         mode="deterministic",
                         model="mlp",
-                        checkpointing=ckpt,
-                        offload=off,
-                        contiguous=contiguous,
-                        release_grads=True if i == 0 else None,
+                        features=tuple(k for k, on in named.items() if on),
                         seed=5000 + s,
                     )
                 )
@@ -543,8 +509,8 @@ COVERAGE_CELLS = (
     # a model with buffers (BatchNorm statistics), broadcast from rank 0 before every forward
     _branch(stage=2, precision="fp32", optimizer="sgd", model="mlp-bn", steps=2, seed=7003),
     # fast mode + offload at stage 2: the running sum of reduced shards kept on the host
-    _branch(stage=2, precision="bf16", optimizer="adamw", mode="fast", offload=True, steps=2,
-            seed=7002),
+    _branch(stage=2, precision="bf16", optimizer="adamw", mode="fast", features=("offload",),
+            steps=2, seed=7002),
 )  # fmt: skip
 BRANCH_PREDICATES.update(
     {
@@ -552,21 +518,17 @@ BRANCH_PREDICATES.update(
         "model built on the meta device": lambda c: c.meta,
         "meta model with its own initialisation (init='own')": lambda c: c.init == "own",
         "buffers (BatchNorm), broadcast before forward": lambda c: c.model == "mlp-bn",
-        "frozen parameters (requires_grad=False)": lambda c: c.model == "mlp-frozen",
-        "the disk tier (offload_dir)": lambda c: c.disk,
-        "fast mode + offload, stage >= 2 (host running sum)": lambda c: (
-            c.mode == "fast" and c.offload and c.stage >= 2 and c.accumulation > 1
-        ),
     }
 )
-LISTED_FIELDS += ("meta", "init", "groups", "disk")
+BRANCH_PREDICATES.update(features.branches())
+LISTED_FIELDS += ("meta", "init", "groups")
 
 
 def quick() -> tuple[list[Cell], list[dict]]:
     """The CI preset: (cells, invariance runs)."""
     cells = covering_cells(2) + slice_cells() + list(TEETH) + extras()[::3] + zero_r_cells()
     extra = list(BRANCHES) + list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED)
-    extra += list(FROZEN) + list(interactions.CELLS) + list(DISK)
+    extra += list(interactions.CELLS) + feature_cells("quick")
     return cells + extra, invariance_runs(full=False)
 
 
@@ -623,5 +585,11 @@ def complete() -> tuple[list[Cell], list[dict]]:
         out += slice_cells(gradients=kind, accumulation=4 if kind == "random" else 1)
     out += slice_cells(mode="fast", sizes="even") + gpt_cells
     out += extras() + list(TEETH) + zero_r_cells((2, 3, 4)) + list(BRANCHES)
-    out += list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED) + list(FROZEN)
-    return out + list(interactions.CELLS) + list(DISK), invariance_runs(full=True)
+    out += list(PLANTED_GAPS) + list(COVERAGE_CELLS) + list(UNUSED)
+    return out + list(interactions.CELLS) + feature_cells("complete"), invariance_runs(full=True)
+
+
+def feature_cells(preset: str) -> list[Cell]:
+    """The cells the feature registry adds to a preset (verify/features/), over _branch's
+    defaults."""
+    return [_branch(**fields) for fields in features.cells_for(preset)]

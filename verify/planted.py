@@ -24,140 +24,101 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from . import matrix, plants
+from . import features, matrix, plants
 from . import resume as resume_mod
 from .cell import Cell
+from .features import Bug
 from .harness import run_cells
 from .plants import Patch
 from .report import merge
 
-
-@dataclass(frozen=True, kw_only=True)
-class Bug:
-    """One planted bug."""
-
-    breaks: str
-    """What it breaks, in one line (the table's second column)."""
-    where: str
-    """Where it is observable, in words (the predicate's summary)."""
-    plant: Callable[[Patch], None]
-    """Patches the library; Patch undoes it."""
-    kind: str = "cells"
-    """'cells': run on --quick cells (matrix.OBSERVABLE); 'resume': on --resume rows."""
-
-
 _TABLE = (
-    # name, what it breaks, where it is observable, kind (the plant: plants.plant_<name>)
+    # name, what it breaks, where it is observable, kind, the check that must catch it (the
+    # plant: plants.plant_<name>; where: matrix.OBSERVABLE or RESUME_OBSERVABLE)
     ("one_ulp", "one master element on rank N-1 one ULP off",
-     "deterministic, N ≥ 2", "cells"),
+     "deterministic, N ≥ 2", "cells", "state"),
     ("shard_offset", "ranks >= 1 take their shard one element early",
-     "deterministic, N ≥ 2, stage ≥ 1", "cells"),
+     "deterministic, N ≥ 2, stage ≥ 1", "cells", "state"),
     ("one_over_n_for_m", "averages by 1/(S·N), not 1/(S·M)",
-     "deterministic, M > N, clipping off", "cells"),
+     "deterministic, M > N, clipping off", "cells", "reported"),
     ("bias_correction_t_minus_1", "Adam's bias corrections use step t-1",
-     "deterministic, Adam(W), two optimizer steps", "cells"),
+     "deterministic, Adam(W), two optimizer steps", "cells", "state"),
     ("reduce_order", "reduce-scatter sums in ring order, not the tree T",
-     "deterministic, N ≥ 3, fp32 or widely spread gradients", "cells"),
+     "deterministic, N ≥ 3, fp32 or widely spread gradients", "cells", "reported"),
     ("stale_prefetch", "stage 3: a prefetched unit keeps its previous gather",
-     "stage 3, overlap, real forward, tiny units", "cells"),
+     "stage 3, overlap, real forward, tiny units", "cells", "traffic"),
     ("overflow_one_rank", "ranks 1..N-1 ignore the agreed overflow flag",
-     "stage 0, non-finite gradients", "cells"),
+     "stage 0, non-finite gradients", "cells", "reported"),
     ("loss_m_over_n", "the reported loss is M/N times the mean",
-     "M > N (any mode)", "cells"),
+     "M > N (any mode)", "cells", "reported"),
     ("extra_all_gather_stage3", "stage 3 gathers one unit too many per step",
-     "stage 3 (counted collectives)", "cells"),
+     "stage 3 (counted collectives)", "cells", "traffic"),
     ("decay_on_biases", "the engine's grouping decays every parameter",
-     "every cell (groups compared)", "cells"),
+     "every cell (groups compared)", "cells", "structure"),
     ("decay_rule_vectors", "zero.config.decay_matrices_only decays biases and norms too",
-     "every cell (groups against verify/expect.py's table)", "cells"),
+     "every cell (groups against verify/expect.py's table)", "cells", "structure"),
     ("uncapped_clip", "clip coefficient not capped at 1 (norm below the limit)",
-     "clipping on some steps only (BRANCHES)", "cells"),
+     "clipping on some steps only (BRANCHES)", "cells", "state"),
     ("unchecked_reduced_overflow", "R unchecked for overflow when S < 1/M",
-     "loss scale < 1/M, overflow in R only", "cells"),
+     "loss scale < 1/M, overflow in R only", "cells", "reported"),
     ("extra_partial_sum", "the streaming tree keeps one partial-sum shard too many",
-     "deterministic (resident bytes)", "cells"),
-    ("half_width_pieces", "C_B pieces half as wide as allowed",
-     "bucket_elements set (reduce-scatter calls)", "cells"),
+     "deterministic (resident bytes)", "cells", "memory"),
     ("fast_norm_misreported", "fast mode reports its norm 1e-6 too large",
-     "fast mode (norm bitwise against the pinned order)", "cells"),
+     "fast mode (norm bitwise against the pinned order)", "cells", "reported"),
     ("t_advances_on_skip", "a skipped step counts as an optimizer step",
-     "a skipped step", "cells"),
+     "a skipped step", "cells", "reported"),
     ("unused_updated", "a parameter no micro-batch had a gradient for is updated with zeros",
-     "a model with a branch whole steps skip", "cells"),
-    ("frozen_drift", "a frozen parameter moves by one ULP per step",
-     "a model with frozen parameters", "cells"),
-    # the features: ZeRO-R, offload, prefetch, C_B, scaler, clipping, groups, data, model
+     "a model with a branch whole steps skip", "cells", "state"),
     ("microbatch_rank_major", "rank r runs micro-batch r·K + k, not k·N + r",
-     "deterministic, backward, N ≥ 2, M > N, fp32", "cells"),
+     "deterministic, backward, N ≥ 2, M > N, fp32", "cells", "reported"),
     ("clip_first_unit_only", "clipping (norm above the limit) scales the first unit only",
-     "deterministic, tiny units, steps that clip", "cells"),
+     "deterministic, tiny units, steps that clip", "cells", "state"),
     ("scaler_backoff_quarter", "the loss scaler backs off by 1/4, not 1/2",
-     "fp16 with a skipped step", "cells"),
+     "fp16 with a skipped step", "cells", "reported"),
     ("group_run_boundary", "a group's first element gets the previous group's hypers",
-     "deterministic, a group starting inside a shard", "cells"),
-    ("arena_slots_overlap", "M_D checkpoint arena: consecutive slots overlap",
-     "deterministic, contiguous memory + checkpointing", "cells"),
-    ("offload_grad_one_late", "offload: the host gradient is one copy behind",
-     "optimizer offload, two optimizer steps", "cells"),
-    ("offloaded_checkpoints_rounded", "offloaded activation checkpoints kept in bf16",
-     "deterministic, checkpointing + offload, fp32/fp16", "cells"),
+     "deterministic, a group starting inside a shard", "cells", "state"),
     ("prefetch_wrong_unit", "stage 3 backward prefetches the unit just done",
-     "stage 3, overlap, real forward, tiny units", "cells"),
+     "stage 3, overlap, real forward, tiny units", "cells", "traffic"),
     ("persist_threshold_off_by_one", "stage 3 persists numel < persist_below, not <=",
-     "stage 3, a unit of exactly persist_below (PLANTED_GAPS)", "cells"),
-    ("piece_drops_boundary", "C_B: each piece's last column is not reduced",
-     "deterministic, bucket_elements set", "cells"),
+     "stage 3, a unit of exactly persist_below (PLANTED_GAPS)", "cells", "traffic"),
     ("model_scales_input_in_place", "model code: the MLP halves its input in place",
-     "the MLP's own backward in fp32", "cells"),
-    # feature pairs (verify/interactions.py): each only where the two meet
-    ("dropout_mask_per_micro_step", "dropout seeded by micro-step, not j = k·N + r",
-     "dropout × N ≥ 2 (interactions)", "cells"),
+     "the MLP's own backward in fp32", "cells", "reported"),
     ("runs_cut_on_use_only", "optimizer runs not cut where t_p changes",
-     "unused × one group × one unit (interactions)", "cells"),
-    ("release_arena_views", "release_grads releases contiguous arena views",
-     "release_grads × contiguous_memory (interactions)", "cells"),
-    ("release_host_shards", "release_grads releases offload's host shards",
-     "release_grads × offload, stage 2-3 (interactions)", "cells"),
-    ("release_ignored", "release_grads=True keeps every gradient buffer",
-     "release_grads, outside arenas and host shards", "cells"),
-    ("frozen_saved_from_start", "a whole frozen buffer saved from its start on every rank",
-     "frozen × a save at stage 0-2, N ≥ 2 (interactions)", "resume"),
-    ("disk_mapped_private", "the disk tier's state files mapped copy-on-write",
-     "the disk tier, two optimizer steps", "cells"),
+     "unused × one group × one unit (interactions)", "cells", "state"),
     ("load_scaler_fresh", "load restores everything but the loss scaler",
-     "fp16 resume rows", "resume"),
+     "fp16 resume rows", "resume", "state"),
     ("consolidate_swaps_moments", "consolidation swaps exp_avg and exp_avg_sq",
-     "Adam(W) resume rows (consolidation)", "resume"),
+     "Adam(W) resume rows (consolidation)", "resume", "consolidation"),
 )  # fmt: skip
-BUGS: dict[str, Bug] = {
-    name: Bug(breaks=breaks, where=where, plant=getattr(plants, f"plant_{name}"), kind=kind)
-    for name, breaks, where, kind in _TABLE
-}
-"""The planted bugs by name, in the order of the table."""
-
 
 RESUME_OBSERVABLE: dict[str, Callable] = {
     # the scaler is compared after the resume; only fp16 has one
     "load_scaler_fresh": lambda case: case.precision == "fp16",
-    # frozen buffers held whole when saved (stages 0-2) on N >= 2 ranks: the loaded values
-    # are compared with the saving run's
-    "frozen_saved_from_start": lambda case: (
-        case.model == "mlp-frozen" and case.s1 <= 2 and case.n1 >= 2
-    ),
     # the consolidated states are compared with the engine's bit for bit; Adam and AdamW only
     "consolidate_swaps_moments": lambda case: case.optimizer in ("adam", "adamw"),
 }
 
 
+def _base(name, breaks, where, kind, check) -> Bug:
+    seen = RESUME_OBSERVABLE[name] if kind == "resume" else matrix.OBSERVABLE[name]
+    plant = getattr(plants, f"plant_{name}")
+    return Bug(name=name, breaks=breaks, where=where, plant=plant, observable=seen, kind=kind,
+               check=check)  # fmt: skip
+
+
+BUGS: dict[str, Bug] = {row[0]: _base(*row) for row in _TABLE}
+BUGS.update({bug.name: bug for bug in features.bugs()})
+"""The planted bugs by name: the base ones, then each feature's (verify/features/)."""
+
+
 def observable(name: str, *, quick=None) -> list:
     """The --quick cells (or --resume quick cases) where bug `name` must show."""
     if BUGS[name].kind == "resume":
-        return [c for c in resume_mod.resume_cases(quick=True) if RESUME_OBSERVABLE[name](c)]
+        return [c for c in resume_mod.resume_cases(quick=True) if BUGS[name].observable(c)]
     cells = quick if quick is not None else matrix.quick()[0]
-    return [c for c in cells if matrix.OBSERVABLE[name](c)]
+    return [c for c in cells if BUGS[name].observable(c)]
 
 
 def cost(c) -> int:
@@ -223,6 +184,7 @@ def run_bug(name: str, chosen: list, *, timeout_s: float = 300) -> list[dict]:
                         {
                             "passed": False,
                             "first_mismatch": first,
+                            "checks": ["raised"],
                             "config": dataclasses.asdict(case),
                         }
                     )
@@ -235,32 +197,52 @@ def run_bug(name: str, chosen: list, *, timeout_s: float = 300) -> list[dict]:
     return rows
 
 
+def checks_of(row: dict) -> list[str]:
+    """The named checks a row failed: a cell's own record of them (verify/harness.py's
+    Verdict), a resume row's from its first mismatch (check_of)."""
+    if "checks" in row:
+        return list(row["checks"])
+    return [check_of(row)] if not row.get("passed") else []
+
+
+def by_its_check(bug: Bug, row: dict) -> bool:
+    """Caught as the bug's record says: its named check failed (a row that failed only by
+    raising, or by another check, is a miss unless the record says why raising is right)."""
+    return bug.check in checks_of(row)
+
+
 def run(bugs=None, *, cheap: bool = False, say=print) -> list[dict]:
-    """One summary per bug: {bug, breaks, kind, observable, ran, caught, first_check,
-    first_mismatch, seconds, missed}. cheap: the two cheapest observable cells per bug."""
+    """One summary per bug: {bug, breaks, kind, check, observable, ran, caught, failed_other,
+    first_check, first_mismatch, seconds, missed}. caught counts the rows its named check
+    failed; failed_other the rows that failed only otherwise (a miss too). cheap: the two
+    cheapest observable cells per bug."""
     quick = matrix.quick()[0]
     out = []
     for name in bugs or list(BUGS):
-        every = observable(name, quick=quick)
+        bug, every = BUGS[name], observable(name, quick=quick)
         chosen = sorted(every, key=cost)[:2] if cheap else every
         started = time.perf_counter()
         rows = run_bug(name, chosen) if chosen else []
-        caught = [r for r in rows if not r["passed"]]
+        caught = [r for r in rows if by_its_check(bug, r)]
+        other = [r for r in rows if not r["passed"] and not by_its_check(bug, r)]
+        shown = caught or other
         summary = {
             "bug": name,
-            "breaks": BUGS[name].breaks,
-            "kind": BUGS[name].kind,
+            "breaks": bug.breaks,
+            "kind": bug.kind,
+            "check": bug.check,
             "observable": len(every),
             "ran": len(rows),
             "caught": len(caught),
-            "first_check": check_of(caught[0]) if caught else "",
-            "first_mismatch": caught[0].get("first_mismatch", "") if caught else "",
-            "missed": [r["config"] for r in rows if r["passed"]],
+            "failed_other": len(other),
+            "first_check": ",".join(checks_of(shown[0])) if shown else "",
+            "first_mismatch": shown[0].get("first_mismatch", "") if shown else "",
+            "missed": [r["config"] for r in rows if not by_its_check(bug, r)],
             "seconds": round(time.perf_counter() - started, 1),
         }
-        say(f"{name:<32} caught {summary['caught']}/{summary['ran']} "
-            f"(observable {len(every)})  {summary['first_check']}: "
-            f"{summary['first_mismatch'][:90]}")  # fmt: skip
+        say(f"{name:<32} {bug.check}: caught {summary['caught']}/{summary['ran']} "
+            f"(observable {len(every)}, failed otherwise {len(other)})  "
+            f"{summary['first_check']}: {summary['first_mismatch'][:80]}")  # fmt: skip
         out.append(summary)
     return out
 
@@ -268,8 +250,9 @@ def run(bugs=None, *, cheap: bool = False, say=print) -> list[dict]:
 def markdown(summaries: list[dict]) -> str:
     """The table of a run: bug | breaks | observable where | caught / observable | first check."""
     lines = [
-        "| planted bug | what it breaks | observable where | caught / observable | first check |",
-        "|---|---|---|---|---|",
+        "| planted bug | what it breaks | observable where | must fail | caught / observable "
+        "| checks that failed |",
+        "|---|---|---|---|---|---|",
     ]
     for s in summaries:
         where = "`--resume` rows" if s["kind"] == "resume" else "`--quick` cells"
@@ -277,7 +260,7 @@ def markdown(summaries: list[dict]) -> str:
         if s["ran"] != s["observable"]:
             count = f"{s['caught']}/{s['ran']} run ({s['observable']} observable {where})"
         lines.append(
-            f"| `{s['bug']}` | {s['breaks']} | {BUGS[s['bug']].where} | {count} "
+            f"| `{s['bug']}` | {s['breaks']} | {BUGS[s['bug']].where} | {s['check']} | {count} "
             f"| {s['first_check']} |"
         )
     return "\n".join(lines) + "\n"

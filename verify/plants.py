@@ -5,6 +5,7 @@ library's own code path never changes: the bug exists only while planted. Each p
 smallest change that makes a realistic mistake (an off-by-one, a stale copy, a wrong factor, a
 wrong neighbour) in one place: the engine's step, a stage, a ZeRO-R policy, the training loop,
 the model, or the checkpoint code. What each breaks and where it must show: verify/planted.py.
+The bugs of a feature (verify/features/) live in its record, beside the feature.
 """
 
 from __future__ import annotations
@@ -254,18 +255,6 @@ def plant_extra_partial_sum(p: Patch) -> None:
     p.setattr(Accounting, "partials", partials)
 
 
-def plant_half_width_pieces(p: Patch) -> None:
-    from zero.zero_r.buckets import ConstantBuffers
-
-    original = ConstantBuffers.__init__
-
-    def init(self, elements, world_size):
-        original(self, elements, world_size)
-        self.width = max(1, self.width // 2)
-
-    p.setattr(ConstantBuffers, "__init__", init)
-
-
 def plant_fast_norm_misreported(p: Patch) -> None:
     from zero.engine import ZeroEngine
 
@@ -306,22 +295,7 @@ def plant_unused_updated(p: Patch) -> None:
     p.setattr(engine_module, "live_runs", every_run)
 
 
-def plant_frozen_drift(p: Patch) -> None:
-    from zero.engine import ZeroEngine
-
-    original = ZeroEngine.step
-
-    def step(self):  # a stray update: one ULP on the first element this rank holds
-        res = original(self)
-        for u in self.frozen_units:
-            resident, _ = self.working_extent(u)
-            resident.view(torch.int16 if resident.element_size() == 2 else torch.int32)[0] += 1
-        return res
-
-    p.setattr(ZeroEngine, "step", step)
-
-
-# -- the features: ZeRO-R, offload, prefetch, C_B, scaler, clipping, groups, data, model, files --
+# -- prefetch, scaler, clipping, groups, data, model, files ---------------------------------------
 
 
 def plant_microbatch_rank_major(p: Patch) -> None:
@@ -394,55 +368,6 @@ def plant_group_run_boundary(p: Patch) -> None:
     p.setattr(UnitPartition, "runs", runs)
 
 
-def plant_arena_slots_overlap(p: Patch) -> None:
-    from zero.zero_r.contiguous import ALIGN, CheckpointArena
-
-    original = CheckpointArena.store
-
-    def store(self, t):
-        saved = original(self, t)
-        arena = self.gen.arena
-        if arena.cursor >= ALIGN:  # the cursor forgets one alignment step: slots overlap
-            arena.cursor -= ALIGN
-        return saved
-
-    p.setattr(CheckpointArena, "store", store)
-
-
-def plant_offload_grad_one_late(p: Patch) -> None:
-    from zero.zero_r.offload import HostOffload
-
-    original = HostOffload.down
-    last: dict = {}
-
-    def down(self, u, dst, src):
-        key = (id(self), dst.data_ptr())
-        prev = last.get(key)
-        last[key] = src.detach().clone()
-        return original(self, u, dst, src if prev is None else prev)
-
-    p.setattr(HostOffload, "down", down)
-
-
-def plant_offloaded_checkpoints_rounded(p: Patch) -> None:
-    from zero.zero_r import activations
-
-    original = activations.ActivationOffload.__init__
-
-    def init(self, counter, unit, arena=None):
-        original(self, counter, unit, arena)
-        pack = self.pack_hook
-
-        def rounded(t):  # "saves host memory": the checkpoint kept in bf16
-            if t.is_floating_point() and t.dtype != torch.bfloat16:
-                t = t.to(torch.bfloat16).to(t.dtype)
-            return pack(t)
-
-        self.pack_hook = rounded
-
-    p.setattr(activations.ActivationOffload, "__init__", init)
-
-
 def plant_prefetch_wrong_unit(p: Patch) -> None:
     from zero.stages.stage3 import Stage3
 
@@ -464,25 +389,6 @@ def plant_persist_threshold_off_by_one(p: Patch) -> None:
         return STAGE_CLASSES[stage]
 
     p.setattr(engine_module, "stage_class", stage_class)
-
-
-def plant_piece_drops_boundary(p: Patch) -> None:
-    from zero.zero_r.buckets import ConstantBuffers
-
-    original = ConstantBuffers.reduce_scatter
-
-    def reduce_scatter(self, ctx, u, fn, flat, grads, tag):
-        n = ctx.world_size
-
-        def dropping(buf, **kw):
-            cols = buf.view(n, -1)
-            if cols.shape[1] > 1:  # each piece's last column is lost at the boundary
-                cols[:, -1] = 0
-            return fn(buf, **kw)
-
-        return original(self, ctx, u, dropping, flat, grads, tag)
-
-    p.setattr(ConstantBuffers, "reduce_scatter", reduce_scatter)
 
 
 def plant_model_scales_input_in_place(p: Patch) -> None:
@@ -532,20 +438,7 @@ def plant_consolidate_swaps_moments(p: Patch) -> None:
     p.setattr(checkpoint, "consolidate", consolidate)
 
 
-# -- the bugs of feature pairs (verify/interactions.py): each shows only where the pair meets ------
-
-
-def plant_dropout_mask_per_micro_step(p: Patch) -> None:
-    """Dropout seeded by the micro-step alone, not the micro-batch index j = k·N + r: every rank
-    draws the same masks. At N = 1 the two are one number, so only dropout × N >= 2 shows it."""
-    from zero import engine as engine_module
-
-    real = engine_module.forward_rng
-
-    def forward_rng(seed, data_step, j, device):
-        return real(seed, data_step, j // dist.get_world_size(), device)
-
-    p.setattr(engine_module, "forward_rng", forward_rng)
+# -- the bugs of base pairs (verify/interactions.py): each shows only where the pair meets -------
 
 
 def plant_runs_cut_on_use_only(p: Patch) -> None:
@@ -572,67 +465,3 @@ def plant_runs_cut_on_use_only(p: Patch) -> None:
         return out
 
     p.setattr(engine_module, "live_runs", live_runs)
-
-
-def plant_release_arena_views(p: Patch) -> None:
-    """release_grads lets go of contiguous_memory's arena views too (the arena check dropped)."""
-    from zero.zero_r.placement import Placement
-
-    def releasable(self, on_host: bool) -> bool:
-        return not (self.offload is not None and on_host)
-
-    p.setattr(Placement, "releasable", releasable)
-
-
-def plant_release_host_shards(p: Patch) -> None:
-    """release_grads lets go of offload_optimizer's host gradient shards too (stages 2-3)."""
-    from zero.zero_r.placement import Placement
-
-    def releasable(self, on_host: bool) -> bool:
-        return self.grad_arena is None
-
-    p.setattr(Placement, "releasable", releasable)
-
-
-def plant_release_ignored(p: Patch) -> None:
-    """release_grads asked for and silently not done: every buffer kept between steps. No bit
-    and no reported byte changes (memory_report counts a released buffer as held); only the
-    engine's released_grads() against verify.expect.expected_released shows it."""
-    from zero.zero_r.placement import Placement
-
-    p.setattr(Placement, "releasable", lambda self, on_host: False)
-
-
-def plant_frozen_saved_from_start(p: Patch) -> None:
-    """A frozen buffer held whole (stages 0-2) saved from its first L elements on every rank,
-    not from the rank's own part. At stage 3 the resident part is the own one, and at N = 1 the
-    two agree, so only frozen × a save at stages 0-2 with N >= 2 shows it."""
-    from zero.checkpoint import commit
-
-    real = commit._write_rank_files
-
-    def write(engine, step_dir, pre):
-        files = real(engine, step_dir, pre)
-        for j, u in enumerate(engine.frozen_units):
-            resident, _ = engine.working_extent(u)
-            name = f"{pre}f{j:04d}-r{engine.rank:04d}.bin"
-            own = resident[: u.part.own.stop - u.part.own.start]
-            files[name] = commit._tensor_file(step_dir / name, [("frozen", own)])
-        return files
-
-    p.setattr(commit, "_write_rank_files", write)
-
-
-def plant_disk_mapped_private(p: Patch) -> None:
-    """The disk tier maps its state files privately (copy-on-write): each update lands in
-    private pages that the write-back drops, so the next step reads the file's old values."""
-    import mmap
-
-    from zero.zero_r import disk
-
-    real = mmap.mmap
-
-    def private(fd, length, *args, **kw):
-        return real(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-    p.setattr(disk.mmap, "mmap", private)

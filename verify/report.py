@@ -70,6 +70,8 @@ def merge(cell, per_rank: list[dict]) -> dict:
         "delayed_launches": sum(r.get("delayed_launches", 0) for r in per_rank),
         # every rank gathers the full state, so one digest means the ranks agree
         "digest": ",".join(sorted({str(r.get("digest")) for r in per_rank})),
+        # the named checks that failed on any rank (verify.features.CHECKS)
+        "checks": sorted({c for r in per_rank for c in r.get("checks", ())}),
         "config": cell.as_dict(),
         **_raised(cell, per_rank),
     }
@@ -102,6 +104,7 @@ def failed_rows(cells, reason: str) -> list[dict]:
         "ratios": {},
         "errors": {},
         "passed": False,
+        "checks": ["raised"],  # the world raised outside a cell, or hung
     }
     return [{**merge(c, [per_rank]), "name": cell_name(c), "error": reason} for c in cells]
 

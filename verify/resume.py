@@ -34,6 +34,7 @@ from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
 from zero.loop import train_steps
 
+from . import features
 from .cell import GROUPS, MODELS
 
 ACCUMULATE_M = 4  # M: micro-batches per step over all ranks; divisible by every N used here
@@ -54,20 +55,24 @@ class ResumeCase:
     steps_before: int = 2
     steps_after: int = 2
     micro_batches: int = ACCUMULATE_M
-    offload: bool = False
-    """Every engine of the case (before, after, uninterrupted) with offload_optimizer: the
-    saved master and states come from host memory and load back into it."""
-    disk: bool = False
-    """With offload, the disk tier (ZeroConfig.offload_dir): saved from state files, loaded
-    into them."""
+    features: tuple[str, ...] = ()
+    """Options of every engine of the case (before, after, uninterrupted), as a Cell's
+    (verify/features/): e.g. ("offload",) saves master and states from host memory and loads
+    them back into it."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "features", features.parse_features(self.features))
+
+    def make_model(self):
+        """The case's model, under its features (frozen parameters)."""
+        return (features.builder(self.model, self.features) or MODELS[self.model][0])()
 
     @property
     def label(self) -> str:
         """The row's name: where it saves and loads, and what it trains."""
         return (
             f"N={self.n1} stage {self.s1} -> N={self.n2} stage {self.s2} {self.precision} "
-            f"{self.optimizer} {self.model}{' offload' if self.offload else ''}"
-            f"{' disk' if self.disk else ''}"
+            f"{self.optimizer} {self.model}{''.join(' ' + f for f in self.features)}"
         )
 
     def engine_config(self, stage: int, units) -> ZeroConfig:
@@ -83,15 +88,13 @@ class ResumeCase:
             clip_norm=1.0,
             units=tuple(units),
             chunk=128,
-            offload_optimizer=self.offload,
-            offload_dir=tempfile.gettempdir() if self.disk else None,
+            **features.config_of(self.features),
         )
 
 
 def build(case: ResumeCase, stage: int, *, seed: int = 0):
     """(model, engine) of a case at a stage; seed only sets the initial values."""
-    make, _ = MODELS[case.model]
-    model = make()
+    model = case.make_model()
     if seed:
         from zero.workloads.models import init_parameters
 
@@ -200,8 +203,7 @@ def consolidated_step(case: ResumeCase, directory, saved: dict, after: dict) -> 
     ck = consolidate(directory)
     meta, groups = ck["meta"], ck["param_names"]
     names = [k for g in groups for k in g]
-    make, _ = MODELS[case.model]
-    model = make()
+    model = case.make_model()
     model.load_state_dict(ck["model"])  # strict: every key
     cfg = case.engine_config(case.s2, model.unit_names())
     spec, rcfg = reference_spec(model, cfg), reference_step_config(cfg, case.n2)
@@ -230,7 +232,7 @@ def consolidated_step(case: ResumeCase, directory, saved: dict, after: dict) -> 
     scaler = None if meta["scaler"] is None else ScalerState(**meta["scaler"])
     state = TrainState(master=state.master, opt=state.opt, t=meta["t"],
                        data_step=meta["data_step"], scaler=scaler)  # fmt: skip
-    ref_model, scale = make(), None if scaler is None else scaler.scale
+    ref_model, scale = case.make_model(), None if scaler is None else scaler.scale
     data, work = microbatches(case, ref_model), working_copy(state, rcfg)
     frozen = {k for k, p in ref_model.named_parameters() if not p.requires_grad}
     work |= {k: cast(ck["model"][k].numpy(), case.precision) for k in frozen}  # exact: upcast
@@ -395,8 +397,7 @@ def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
     if refused:
         return f"damaged checkpoint: {refused}"
     c = torch.load(consolidate_to(directory, directory / "consolidated.pt"), weights_only=True)
-    model, _ = MODELS[case.model]
-    model = model()
+    model = case.make_model()
     model.load_state_dict(c["model"], strict=True)
     params = dict(model.named_parameters())
     kind = getattr(torch.optim, TORCH_OPTIMIZERS[case.optimizer])
@@ -427,19 +428,23 @@ def run_case(case: ResumeCase, directory, *, timeout_s: float = 600, rank_fn=run
     saved = p1.run(rank_fn, case, case.s1, case.steps_before, str(directory), timeout_s=timeout_s)[
         0
     ]
-    first = check_saved(case, Path(directory), saved["state"])
+    saved_as = check_saved(case, Path(directory), saved["state"])
     # fresh processes (zero.ranks.local.spawn, not a pool's workers), so that no module-level
     # state of the saving or the uninterrupted run can reach the resumed one
     resumed = spawn(
         rank_fn, case.n2, case, case.s2, case.steps_after, None, str(directory), True,
         timeout_s=timeout_s,
     )[0]  # fmt: skip
-    first = first or compare_states(whole["state"], resumed["state"])
-    if not first and whole["losses"][case.steps_before :] != resumed["losses"]:
-        first = f"losses after the resume differ: {resumed['losses']} vs {whole['losses']}"
+    state = compare_states(whole["state"], resumed["state"])
+    if not state and whole["losses"][case.steps_before :] != resumed["losses"]:
+        state = f"losses after the resume differ: {resumed['losses']} vs {whole['losses']}"
     plain = consolidated_step(case, directory, saved["state"], resumed["first"])
-    first = first or plain["first_mismatch"]
-    return case_row(case, first, plain, started)
+    consolidated = saved_as or plain["first_mismatch"]
+    row = case_row(case, saved_as or state or plain["first_mismatch"], plain, started)
+    # the named checks that failed (verify.features.RESUME_CHECKS): the resumed run against
+    # the uninterrupted one, and the consolidated checkpoint against the saved state
+    row["checks"] = [c for c, why in (("consolidation", consolidated), ("state", state)) if why]
+    return row
 
 
 def case_row(case: ResumeCase, first: str, plain: dict | None, started: float) -> dict:
@@ -505,19 +510,9 @@ def resume_cases(quick: bool = True, world_sizes=(1, 2, 4)) -> list[ResumeCase]:
     buffers = [
         ResumeCase(n1=2, s1=1, n2=1, s2=2, precision="fp32", optimizer="sgd", model="mlp-bn",
                    micro_batches=m),
-        # frozen parameters: saved as held (bf16), resharded, consolidated upcast to fp32
-        ResumeCase(n1=2, s1=3, n2=1, s2=0, precision="bf16", optimizer="adamw",
-                   model="mlp-frozen", micro_batches=m),
     ] if {1, 2} <= set(sizes) else []  # fmt: skip
-    if {1, 2} <= set(sizes):  # optimizer offload: saved from host memory, loaded into it
-        buffers.append(ResumeCase(n1=2, s1=2, n2=1, s2=1, precision="bf16", optimizer="adam",
-                                  micro_batches=m, offload=True))  # fmt: skip
-    if {1, 2} <= set(sizes):  # the disk tier: saved from state files, resharded into them
-        buffers.append(ResumeCase(n1=2, s1=3, n2=1, s2=1, precision="bf16", optimizer="adamw",
-                                  micro_batches=m, offload=True, disk=True))  # fmt: skip
-    if {2, 4} <= set(sizes):  # frozen parameters saved whole at stage 1 (verify/interactions.py)
-        buffers.append(ResumeCase(n1=2, s1=1, n2=4, s2=3, precision="fp32", optimizer="adam",
-                                  model="mlp-frozen", micro_batches=m))  # fmt: skip
+    # the rows each feature adds (verify/features/), where the sizes hold the ones it needs
+    buffers += [ResumeCase(**row, micro_batches=m) for row in features.resume_rows(set(sizes))]
     if quick:
         return quick_cases + buffers
     grid = [

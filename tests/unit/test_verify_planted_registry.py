@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from verify import matrix
-from verify.planted import BUGS, RESUME_OBSERVABLE, Patch, markdown, observable
+from verify.features import CHECKS, RESUME_CHECKS
+from verify.planted import BUGS, Patch, markdown, observable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,8 @@ def test_at_least_25_bugs_each_with_a_predicate_and_an_observable_cell():
     assert len(BUGS) >= 25
     cells = {name for name, b in BUGS.items() if b.kind == "cells"}
     assert cells == set(matrix.OBSERVABLE)
-    assert set(BUGS) - cells == set(RESUME_OBSERVABLE)
+    for name, bug in BUGS.items():  # a check it names, among those its kind has
+        assert bug.check in (RESUME_CHECKS if bug.kind == "resume" else CHECKS), name
     quick = matrix.quick()[0]
     for name in BUGS:
         assert observable(name, quick=quick), f"no --quick cell or --resume row shows {name}"
@@ -83,6 +85,25 @@ def test_patch_restores_and_removes():
 @pytest.mark.parametrize("ran", [2, 5])
 def test_markdown_says_when_fewer_cells_ran_than_are_observable(ran):
     row = {"bug": "one_ulp", "breaks": "x", "kind": "cells", "observable": 5, "ran": ran,
-           "caught": ran, "first_check": "state"}  # fmt: skip
+           "caught": ran, "first_check": "state", "check": "state"}  # fmt: skip
     line = markdown([row]).splitlines()[-1]
     assert ("run (5 observable" in line) == (ran != 5)
+
+
+def test_a_bug_caught_only_by_another_check_is_a_miss():
+    """The suite counts a row as caught only where the bug's named check failed."""
+    from verify.planted import by_its_check
+
+    bug = BUGS["stale_prefetch"]  # must fail "traffic"
+    assert by_its_check(bug, {"passed": False, "checks": ["traffic", "state"]})
+    assert not by_its_check(bug, {"passed": False, "checks": ["state"]})
+    assert not by_its_check(bug, {"passed": False, "checks": ["raised"]})
+
+
+def test_a_bug_that_names_raising_must_say_why():
+    from verify.features import Bug
+
+    with pytest.raises(ValueError, match="why_raise"):
+        Bug(name="x", breaks="x", where="x", plant=None, observable=None, check="raised")
+    with pytest.raises(ValueError, match="check='memo'"):
+        Bug(name="x", breaks="x", where="x", plant=None, observable=None, check="memo")
