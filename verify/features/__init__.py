@@ -26,6 +26,7 @@ from . import (
     offload,
     offload_activations,
     release_grads,
+    watchdog_mode,
 )
 from .record import CHECKS, RESUME_CHECKS, Bug, Feature, Pair
 
@@ -41,6 +42,7 @@ FEATURES: dict[str, Feature] = {
         bucket_elements,
         frozen,
         dropout,
+        watchdog_mode,
         mp,
     )
 }
