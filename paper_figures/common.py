@@ -15,6 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+MEASURED = Path(__file__).resolve().parent / "measured"
+"""The committed measurements (records too slow or too machine-bound to take in a quick run),
+which the sections in this package and its folders draw."""
+
 PROFILES = ("quick", "full", "smoke")
 """quick: minutes on a 2-core CPU (make repro); full: the large cases (simulated ranks of 7.5B,
 128B and 1T models where they fit, N = 8 everywhere); smoke: the smallest case of each section,

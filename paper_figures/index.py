@@ -14,19 +14,23 @@ from pathlib import Path
 from paper_figures import (
     activation_memory,
     comm_volume,
-    fig1_memory,
-    gpu_throughput,
     paper,
-    perf_model,
-    simulated_ranks,
-    table1_memory,
-    table2_max_model,
-    throughput,
-    throughput_mp,
     zero_r_configs,
     zero_r_mp,
 )
 from paper_figures.common import Outputs, SummaryRow, markdown_table
+from paper_figures.model_states import (
+    fig1_memory,
+    simulated_ranks,
+    table1_memory,
+    table2_max_model,
+)
+from paper_figures.performance import (
+    gpu_throughput,
+    perf_model,
+    throughput,
+    throughput_mp,
+)
 from zero.common.memory import GB, STAGE_LABELS, model_state_bytes
 from zero.common.results import read_json, write_atomic
 

@@ -222,7 +222,7 @@ FIGURE2 = tuple(_z("2", *r) for r in FIG2_ZERO) + tuple(
 )
 FIGURE3 = tuple(_z("3", *r) for r in FIG3_ZERO)
 """The rows above as Runs: the paper's values (docs/paper.md §1.8), each with its configuration
-(§1.9); paper_figures/throughput_model.py fits Figure 4 and predicts Figures 2 and 3."""
+(§1.9); paper_figures/performance/throughput_model.py fits Figure 4 and predicts Figures 2 and 3."""
 
 
 # --- The stated hardware of Figures 2-4 (docs/paper.md §1.8, docs/perfmodel.md). -------------

@@ -1,7 +1,14 @@
 """The registry of the main job's sections, run in this order by ``python -m paper_figures``.
 
+Where they live, by the paper's subject: ``model_states/`` (ZeRO-DP's memory: Figure 1, Tables 1
+and 2, the simulated ranks and the NumPy simulation), ``performance/`` (step time and throughput:
+Figures 2-4, measured on CPU and GPU and modelled); at the top, the communication volume
+(``comm_volume``) and ZeRO-R's residual memory (``activation_memory``, ``zero_r_configs``,
+``zero_r_mp``), beside the machinery every section shares (``common``, ``paper``, ``index``).
+
 To add a section (the steps are in the package docstring, ``paper_figures/__init__.py``): write a
-module with ``run(*, profile, out) -> list[SummaryRow]`` and append one ``Section`` here.
+module with ``run(*, profile, out) -> list[SummaryRow]``, in the folder of its subject, and append
+one ``Section`` here.
 ``simulated_ranks`` runs before Figure 1 and Table 1, which draw its measured records; ``index``
 runs last and reads every other section's results.
 
@@ -13,20 +20,24 @@ from __future__ import annotations
 from paper_figures import (
     activation_memory,
     comm_volume,
-    fig1_memory,
-    gpu_throughput,
     index,
-    perf_model,
-    sim_check,
-    simulated_ranks,
-    table1_memory,
-    table2_max_model,
-    throughput,
-    throughput_mp,
     zero_r_configs,
     zero_r_mp,
 )
 from paper_figures.common import Section
+from paper_figures.model_states import (
+    fig1_memory,
+    sim_check,
+    simulated_ranks,
+    table1_memory,
+    table2_max_model,
+)
+from paper_figures.performance import (
+    gpu_throughput,
+    perf_model,
+    throughput,
+    throughput_mp,
+)
 
 SECTIONS: list[Section] = [
     Section(

@@ -187,7 +187,7 @@ def _perf_model_counts(rank, world, dp, mp, p_a):
 def test_perf_model_mp_volume_is_the_engines_count(p_a):
     """paper_figures/perfmodel.mp_elements with recompute (and P_a) = the count at N_m = 2 and 4,
     one micro-batch of b = 3 sequences per DP rank."""
-    from paper_figures import throughput_model as pm
+    from paper_figures.performance import throughput_model as pm
 
     gpt = SMALL.workload.gpt
     for dp, mp in ((2, 2), (1, 4)):

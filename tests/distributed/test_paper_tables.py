@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from paper_figures import paper, table1_memory
+from paper_figures import paper
 from paper_figures.common import Outputs
+from paper_figures.model_states import table1_memory
 from paper_figures.paper import format_size, paper_round, table2_round
 from zero.common.memory import max_model_params, model_state_bytes
 from zero.common.results import read_json, write_json
@@ -252,7 +253,8 @@ def test_measured_ranks_reach_figure1_table1_and_the_index(tmp_path):
     """A measured rank of Figure 1's configuration (a record as simulated_ranks writes it) is
     drawn as a measured bar, shown as a measured Table 1 cell (†) and listed in INDEX.md as
     measured, with the paper's value and the ratio beside it."""
-    from paper_figures import fig1_memory, index
+    from paper_figures import index
+    from paper_figures.model_states import fig1_memory
     from zero.common.results import make_record, provenance
 
     out = Outputs(root=tmp_path)
@@ -296,8 +298,8 @@ def test_throughput_and_perf_model_sections_render_their_records(tmp_path):
     four groups
     (fitted apart from held out), each with the error its records state."""
     from measure import bench
-    from paper_figures import perf_model, throughput
     from paper_figures.common import Outputs
+    from paper_figures.performance import perf_model, throughput
 
     out = Outputs(root=tmp_path)
     throughput.run(profile="quick", out=out)
@@ -335,7 +337,7 @@ def test_throughput_and_perf_model_sections_render_their_records(tmp_path):
 def test_a_full_run_stopped_part_way_keeps_its_cells_and_the_earlier_ones(monkeypatch, tmp_path):
     """[Note: archived large ranks]: the archive is rewritten after every large cell, with the
     earlier run's records for the cells not reached yet; a stop leaves a whole file."""
-    from paper_figures import simulated_ranks as sr
+    from paper_figures.model_states import simulated_ranks as sr
 
     cells = [(7.5e9, 64, 3), (7.5e9, 64, 2), (7.5e9, 64, 1)]
     monkeypatch.setattr(sr, "large_cells", lambda: list(cells))
@@ -369,7 +371,7 @@ def test_a_rank_that_times_out_is_recorded_as_skipped_with_its_reason(monkeypatc
     import subprocess
 
     from measure import fake_rank as simulate
-    from paper_figures import simulated_ranks as sr
+    from paper_figures.model_states import simulated_ranks as sr
 
     def too_slow(**kwargs):
         assert kwargs["timeout_s"] == 5.0

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from measure.bench import BenchConfig, run_bench
-from paper_figures import throughput_model as pm
+from paper_figures.performance import throughput_model as pm
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
 from zero.ranks.local import get_pool
@@ -171,7 +171,9 @@ def test_records_fit_on_figure_4_only_and_report_errors(tmp_path):
     # the search a step along the flat valley; structure and every string exactly.
     if RESULTS.is_file():  # runs/ is not in git: a fresh clone has none
         stored = json.loads(RESULTS.read_text())["records"]
-        assert len(stored) == len(records), "rerun paper_figures.throughput_model.write_records"
+        assert len(stored) == len(records), (
+            "rerun paper_figures.performance.throughput_model.write_records"
+        )
         for old, new in zip(stored, records):
             assert_close(old["config"], new["config"])
             assert_close(old["result"], new["result"])

@@ -1,6 +1,7 @@
-"""The GPU step-time figure (paper_figures/gpu_throughput.py) and the benchmark's targets line
-(measure/gpu_bench_table.py), on synthetic records: a CUDA record is drawn and listed in the
-index, a CPU dry run never is ("not yet measured"), and each target is judged from the records.
+"""The GPU step-time figure (paper_figures/performance/gpu_throughput.py) and the benchmark's
+targets line (measure/gpu_bench_table.py), on synthetic records: a CUDA record is drawn and listed
+in the index, a CPU dry run never is ("not yet measured"), and each target is judged from the
+records.
 
 Legend: ms/step the median step time; ×roofline the update over its memory-bound floor.
 """
@@ -8,8 +9,8 @@ Legend: ms/step the median step time; ×roofline the update over its memory-boun
 from pathlib import Path
 
 from measure import gpu_bench_table as table
-from paper_figures import gpu_throughput as gt
 from paper_figures.common import Outputs
+from paper_figures.performance import gpu_throughput as gt
 from zero.common.results import make_record, write_json
 
 NOT_MEASURED = "GPU step time: not yet measured (no committed GPU record)"

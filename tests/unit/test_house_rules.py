@@ -5,7 +5,9 @@ kept by a test here, and each test shown to report a planted violation.
 - zero/engine.py at most 400 lines, its __init__ at most 40: construction as named steps;
 - no file over 500 lines and no function over 80 in reference/, zero/, measure/,
   paper_figures/ and notebooks/ (verify/ not yet: NOT_YET_SIZED says why);
-- zero/'s top level at most 20 entries: the core, and a folder per role;
+- every package's top level (reference/, zero/, measure/, verify/, paper_figures/, notebooks/) at
+  most 20 entries, files and folders: the core, and a folder per role or subject (verify/ not yet:
+  CROWDED says why);
 - stage 1 read in context at most 2,000 lines: the paper's idea before the machinery, read in
   one sitting (an afternoon of four hours, at the 500 lines an hour of a careful reading);
 - no import cycle inside any package, imports inside functions included; every package a rule
@@ -50,7 +52,8 @@ STAGE_FILE_MAX_LINES = 300
 ENGINE_MAX_LINES = 400
 ENGINE_INIT_MAX_LINES = 40
 ZERO_FILE_MAX_LINES = 500
-ZERO_TOP_LEVEL_MAX = 20
+TOP_LEVEL_MAX = 20
+"""Entries at a package's top level, files and folders: a listing read at a glance."""
 EXCEPTIONS: dict[str, str] = {}  # repository path -> why it may exceed its limit
 STAGE1_MAX_LINES = 2000
 """Stage 1 in context, in lines: a careful reader covers about 500 lines of code and comment an
@@ -77,6 +80,12 @@ NOT_YET_SIZED = {
 SIZED = tuple(p for p in PACKAGES if p not in NOT_YET_SIZED)
 """The packages whose every file is at most ZERO_FILE_MAX_LINES and every function at most
 FUNCTION_MAX_LINES."""
+CROWDED: dict[str, tuple[int, str]] = {
+    "verify": (36, "being restructured by the feature registry"),
+}
+"""Packages whose top level the rule does not hold yet: {package: (its entries when it was named
+here, why)}. Once it fits TOP_LEVEL_MAX, its exception goes (test_every_package_top_level_is_short
+says so)."""
 
 
 def long_functions(root: Path, packages=SIZED) -> list[str]:
@@ -115,9 +124,30 @@ def size_problems(root: Path) -> list[str]:
     return out
 
 
-def top_level(root: Path) -> list[str]:
-    """zero/'s entries, files and folders, as a reader listing it sees them."""
-    return sorted(p.name for p in (root / "zero").iterdir() if p.name != "__pycache__")
+def top_level(root: Path, package: str = "zero") -> list[str]:
+    """A package's entries, files and folders, as a reader listing it sees them (bytecode caches
+    and hidden entries left out)."""
+    return sorted(
+        p.name
+        for p in (root / package).iterdir()
+        if p.name != "__pycache__" and not p.name.startswith(".")
+    )
+
+
+def crowded(root: Path, packages=PACKAGES, allowed=CROWDED) -> list[str]:
+    """Every package of `packages` whose top level is over TOP_LEVEL_MAX, unless `allowed` names
+    it, as 'package/: N entries, more than MAX'; and every one `allowed` names that fits again,
+    its exception then stale."""
+    if gone := missing(root, packages):
+        raise ValueError(f"no such package: {gone}")
+    out = []
+    for package in packages:
+        n = len(top_level(root, package))
+        if package not in allowed and n > TOP_LEVEL_MAX:
+            out.append(f"{package}/: {n} entries, more than {TOP_LEVEL_MAX}")
+        elif package in allowed and n <= TOP_LEVEL_MAX:
+            out.append(f"{package}/: {n} entries, within {TOP_LEVEL_MAX}: drop its exception")
+    return out
 
 
 def init_lines(path: Path, cls: str = "ZeroEngine") -> int:
@@ -385,15 +415,44 @@ def test_a_planted_base_class_is_counted(tree, monkeypatch):
     }
 
 
-def test_zero_top_level_is_short():
-    entries = top_level(ROOT)
-    assert len(entries) <= ZERO_TOP_LEVEL_MAX, entries
+def test_every_package_top_level_is_short():
+    assert crowded(ROOT) == [], {p: top_level(ROOT, p) for p in PACKAGES}
 
 
-def test_a_planted_crowded_top_level_is_counted(tree):
-    for i in range(ZERO_TOP_LEVEL_MAX):
-        (tree / "zero" / f"m{i}.py").write_text("")
-    assert len(top_level(tree)) > ZERO_TOP_LEVEL_MAX
+def test_the_crowded_packages_are_named_with_a_count_and_a_reason():
+    assert set(CROWDED) <= set(PACKAGES)
+    for package, (most, why) in CROWDED.items():
+        assert most > TOP_LEVEL_MAX and len(why.split()) >= 5, (package, most, why)
+
+
+def _crowd(package: Path, n: int) -> None:
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text("")
+    for i in range(n - len(list(package.iterdir()))):
+        (package / f"m{i}.py").write_text("")
+
+
+def test_a_planted_crowded_package_is_reported(tree):
+    _crowd(tree / "paper_figures", TOP_LEVEL_MAX)
+    (tree / "paper_figures" / "__pycache__").mkdir()
+    (tree / "paper_figures" / ".ipynb_checkpoints").mkdir()
+    assert crowded(tree, ("zero", "paper_figures"), {}) == []
+    (tree / "paper_figures" / "measured").mkdir()  # a folder counts as much as a file
+    assert crowded(tree, ("zero", "paper_figures"), {}) == [
+        f"paper_figures/: {TOP_LEVEL_MAX + 1} entries, more than {TOP_LEVEL_MAX}"
+    ]
+
+
+def test_only_a_named_package_may_be_crowded_and_a_stale_exception_is_reported(tree):
+    _crowd(tree / "verify", TOP_LEVEL_MAX + 2)
+    allowed = {"verify": (TOP_LEVEL_MAX + 2, "being restructured by the feature registry")}
+    assert crowded(tree, ("zero", "verify"), allowed) == []
+    assert crowded(tree, ("zero", "verify"), {}) == [
+        f"verify/: {TOP_LEVEL_MAX + 2} entries, more than {TOP_LEVEL_MAX}"
+    ]
+    assert crowded(tree, ("zero",), {"zero": allowed["verify"]}) == [
+        f"zero/: 5 entries, within {TOP_LEVEL_MAX}: drop its exception"
+    ]
 
 
 def test_the_engine_is_built_by_named_steps():

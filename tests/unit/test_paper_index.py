@@ -3,7 +3,8 @@ with the same measurements: no row may carry this run's free memory."""
 
 from pathlib import Path
 
-from paper_figures import index, table2_max_model
+from paper_figures import index
+from paper_figures.model_states import table2_max_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,10 +1,10 @@
-"""paper_figures/simulated_ranks.py: a control rank that did not fit the machine (skipped, no RSS
-numbers) is kept as a skipped cell, and the figures render without a runtime baseline rather
-than fail on the missing numbers."""
+"""paper_figures/model_states/simulated_ranks.py: a control rank that did not fit the machine
+(skipped, no RSS numbers) is kept as a skipped cell, and the figures render without a runtime
+baseline rather than fail on the missing numbers."""
 
 from __future__ import annotations
 
-import paper_figures.simulated_ranks as S
+import paper_figures.model_states.simulated_ranks as S
 
 
 def test_a_skipped_control_leaves_no_baseline_and_the_cells_still_render(monkeypatch):

@@ -1,14 +1,15 @@
-"""Figure 2's shape at our scale (paper_figures/throughput_mp.py) from the committed measurements:
-every size's records are complete and their counted MP traffic is docs/design.md §6's (the
-performance model refuses them otherwise), the figure and table render, and the INDEX rows name
-the fastest system of each size with its ratio to Megatron recomputed here from the timings."""
+"""Figure 2's shape at our scale (paper_figures/performance/throughput_mp.py) from the committed
+measurements: every size's records are complete and their counted MP traffic is docs/design.md
+§6's (the performance model refuses them otherwise), the figure and table render, and the INDEX
+rows name the fastest system of each size with its ratio to Megatron recomputed here from the
+timings."""
 
 import pytest
 
 from measure.bench_table import MP_SYSTEMS
-from paper_figures import throughput_model as pm
-from paper_figures import throughput_mp as tm
 from paper_figures.common import Outputs
+from paper_figures.performance import throughput_model as pm
+from paper_figures.performance import throughput_mp as tm
 from zero.common.results import read_json
 
 FILES = tm.measured_files()

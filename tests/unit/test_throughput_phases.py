@@ -1,11 +1,12 @@
-"""paper_figures.throughput.phase_figure draws the per-phase stacked bars from bench records:
-each bar's segments are the record's phases (measure.bench_table.phase_parts), in order."""
+"""paper_figures.performance.throughput.phase_figure draws the per-phase stacked bars from bench
+records: each bar's segments are the record's phases (measure.bench_table.phase_parts), in
+order."""
 
 import numpy as np
 import pytest
 
 from measure import bench_table
-from paper_figures import throughput
+from paper_figures.performance import throughput
 
 
 def record(system: str, n: int, prof: dict | None) -> dict:

@@ -32,7 +32,7 @@ def rank_fits_here() -> tuple[bool, str]:
     states at the cell's Ψ (and more at its peak), so it fits only a machine (CPU memory, or a
     GPU) with that much free (measure.fake_rank.fits_here on the model states alone)."""
     from measure.fake_rank import fits_here
-    from paper_figures.simulated_ranks import _device
+    from paper_figures.model_states.simulated_ranks import _device
 
     return fits_here({"peak": paper.TABLE2_DEVICE_BYTES}, device=_device())
 

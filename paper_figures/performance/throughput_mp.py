@@ -16,6 +16,7 @@ from pathlib import Path
 from measure import bench, bench_table
 from paper_figures import paper
 from paper_figures.common import (
+    MEASURED,
     Outputs,
     SummaryRow,
     compute_then_render,
@@ -25,7 +26,6 @@ from paper_figures.common import (
 from zero.common.results import read_json, write_atomic
 
 NAME = "throughput_mp"
-MEASURED = Path(__file__).resolve().parent / "measured"
 SYSTEMS = ("megatron-lm", "zero-s1-mp1", "zero-s1-mp2", "zero-s1-mp4", "zero-s3-mp1",
            "zero-s3-mp2", "zero-s3-mp4", "ddp")  # fmt: skip
 """What the committed runs time (--systems of the command in STATUS.md)."""

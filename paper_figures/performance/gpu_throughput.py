@@ -19,11 +19,17 @@ from pathlib import Path
 
 from measure.gpu_bench import KIND, OURS
 from measure.gpu_bench_table import format_all
-from paper_figures.common import Outputs, SummaryRow, compute_then_render, new_figure, save_figure
+from paper_figures.common import (
+    MEASURED,
+    Outputs,
+    SummaryRow,
+    compute_then_render,
+    new_figure,
+    save_figure,
+)
 from zero.common.results import read_json, write_atomic
 
 NAME = "gpu_throughput"
-MEASURED = Path(__file__).resolve().parent / "measured"
 PATTERN = "bench_gpu*.json"
 """The committed records: python -m measure.gpu_bench --json MEASURED/bench_gpu_<card>.json."""
 NOT_MEASURED = "GPU step time: not yet measured (no committed GPU record)"

@@ -3,10 +3,10 @@
 Each of the 54 cells is ours under the paper's rounding rule beside the paper's printed value
 (docs/paper.md §1.2). Ours come from :func:`zero.common.memory.model_state_bytes`. Where one
 simulated rank of that cell fitted the machine (``results/simulated_ranks.json``,
-paper_figures/simulated_ranks.py) the cell shows the measured value instead, marked †; a
-measured rank is the GPT of ``gpt_config_for(Ψ)``, whose exact Ψ differs from the paper's round
-one by up to 0.3%, so a measured cell is compared with the analytic value at its own Ψ, and the
-match count is over the analytic values.
+paper_figures/model_states/simulated_ranks.py) the cell shows the measured value instead, marked
+†; a measured rank is the GPT of ``gpt_config_for(Ψ)``, whose exact Ψ differs from the paper's
+round one by up to 0.3%, so a measured cell is compared with the analytic value at its own Ψ, and
+the match count is over the analytic values.
 
 Legend: Ψ = num_params (7.5e9, 128e9, 1e12), N_d = world_size (the DP column), K = 12
 (mixed-precision Adam), GB = 1e9 bytes.
@@ -210,7 +210,7 @@ def _notes(measured: dict) -> list[str]:
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
-    from paper_figures.simulated_ranks import NAME as RANKS
+    from paper_figures.model_states.simulated_ranks import NAME as RANKS
 
     path = out.result(RANKS)
     ranks = read_json(path) if path.exists() else None

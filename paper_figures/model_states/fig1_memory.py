@@ -3,10 +3,10 @@
 Ours are stacked by category from :func:`zero.common.memory.model_state_breakdown` in the paper's
 configuration (fp16 params and grads, fp32 master, Adam; docs/paper.md §1.1); the paper's printed
 totals stand beside them. Measured bars (records of kind ``memory.measured``) come from
-``results/simulated_ranks.json`` (paper_figures/simulated_ranks.py): one simulated rank of the
-64-rank job, the GPT of ``gpt_config_for(7.5e9)`` (7.518B parameters), measured outside the
-engine after construction. A stage whose rank did not fit the machine has no measured bar; the
-title says which bars were measured and on what.
+``results/simulated_ranks.json`` (paper_figures/model_states/simulated_ranks.py): one simulated
+rank of the 64-rank job, the GPT of ``gpt_config_for(7.5e9)`` (7.518B parameters), measured
+outside the engine after construction. A stage whose rank did not fit the machine has no
+measured bar; the title says which bars were measured and on what.
 
 Legend: Ψ = num_params = 7.5e9, N_d = world_size = 64, K = 12 (mixed-precision Adam), GB = 1e9
 bytes."""
@@ -89,7 +89,7 @@ def compute(profile: str, *, ranks: dict | None = None) -> dict:
 
 def measured_bars(payload: dict) -> dict[int, dict]:
     """stage -> the measured numbers (GB and the machine), from the records."""
-    from paper_figures.simulated_ranks import machine
+    from paper_figures.model_states.simulated_ranks import machine
 
     out = {}
     for record in payload["records"]:
@@ -214,7 +214,7 @@ def _matches(analytic: dict, measured: dict) -> str:
 
 
 def run(*, profile: str, out: Outputs) -> list[SummaryRow]:
-    from paper_figures.simulated_ranks import NAME as RANKS
+    from paper_figures.model_states.simulated_ranks import NAME as RANKS
 
     path = out.result(RANKS)
     ranks = read_json(path) if path.exists() else None

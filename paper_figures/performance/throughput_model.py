@@ -11,7 +11,8 @@ Legend: B sequences per DP rank per step, s sequence length, l layers, h hidden 
 vocabulary, MP the model-parallel degree, DP = GPUs / MP, Ψ parameters, x = B·s·h / MP the
 per-GPU size of a transformer GEMM, g GPUs of a group inside one node, k the nodes it spans.
 The paper's runs (Run, FIGURE2-4) and HARDWARE are paper_figures/paper.py's, the CPU
-measurements in the model's terms (cpu_terms) paper_figures/throughput.py's; all importable here.
+measurements in the model's terms (cpu_terms) paper_figures/performance/throughput.py's; all
+importable here.
 """
 
 # [Note: measured MP volume] The MP communication is no assumed count of all-reduces: it is the
@@ -39,8 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
+from paper_figures.common import MEASURED
 from paper_figures.paper import FIGURE2, FIGURE3, FIGURE4, HARDWARE, Hardware, Run
-from paper_figures.throughput import COMM_PHASES, COMPUTE_PHASES, cpu_terms  # noqa: F401
+from paper_figures.performance.throughput import COMM_PHASES, COMPUTE_PHASES, cpu_terms  # noqa: F401
 from zero.common.results import make_record, provenance, read_json, write_json
 from zero.workloads.models import gpt_flops
 
@@ -53,7 +55,7 @@ VOCAB = 50257
 OPTIMIZER_BYTES = 28
 """Bytes of memory traffic per parameter of one mixed-precision Adam step (see Assumptions)."""
 
-MEASURED_MP = Path(__file__).resolve().parent / "measured" / "bench_mp_anchor.json"
+MEASURED_MP = MEASURED / "bench_mp_anchor.json"
 """measure.bench's records of the model-parallel systems whose counted MP traffic sets the
 model's MP volume ([Note: measured MP volume])."""
 

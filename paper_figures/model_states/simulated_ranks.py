@@ -35,6 +35,7 @@ from pathlib import Path
 
 from paper_figures import paper
 from paper_figures.common import (
+    MEASURED,
     Outputs,
     SummaryRow,
     compute_then_render,
@@ -327,7 +328,7 @@ def _previous(profile: str, out: Outputs) -> dict | None:
         return None
     # the archives first: a results file only holds what an archive had when it was written,
     # and goes stale when a newer full run (or a pull) replaces the archive
-    here = Path(__file__).resolve().parent / ARCHIVE
+    here = MEASURED.parent / ARCHIVE  # the package's own archive, tracked in git
     for path in (out.root / ARCHIVE, here, out.result(NAME)):
         if path.exists():
             return read_json(path)

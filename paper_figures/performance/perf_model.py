@@ -1,5 +1,6 @@
-"""The performance model to the paper's scale (paper_figures/throughput_model.py): fitted on Figure
-4, Figures 2 and 3 predicted held out, each point beside the paper's value read off its plot.
+"""The performance model to the paper's scale (paper_figures/performance/throughput_model.py):
+fitted on Figure 4, Figures 2 and 3 predicted held out, each point beside the paper's value read
+off its plot.
 
 Writes results/perf_model.json (the fit and one record per point), figures/perf_model.png and
 tables/perf_model.md. Every profile runs the same fit: it takes a second.
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paper_figures import throughput_model as perfmodel
 from paper_figures.common import Outputs, SummaryRow, compute_then_render, save_figure
+from paper_figures.performance import throughput_model as perfmodel
 from zero.common.results import write_atomic
 
 NAME = "perf_model"
@@ -57,7 +58,7 @@ def index_rows(payload: dict) -> list[list[str]]:
             "read off the plot",
             f"model, mean |error| {100 * e['mape']:.0f}%",
             "–",
-            "modelled (paper_figures/throughput_model.py; fitted on Figure 4 only)",
+            "modelled (paper_figures/performance/throughput_model.py; fitted on Figure 4 only)",
             "V100 numbers as stated in the paper",
         ]
         for name, e in fit["errors"].items()

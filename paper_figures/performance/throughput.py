@@ -16,6 +16,9 @@ from pathlib import Path
 
 from measure import bench, bench_table
 from paper_figures.common import (
+    MEASURED as _DIR,
+)
+from paper_figures.common import (
     Outputs,
     SummaryRow,
     compute_then_render,
@@ -26,7 +29,6 @@ from zero.common.results import read_json, write_atomic
 from zero.workloads.models import gpt_flops
 
 NAME = "throughput"
-_DIR = Path(__file__).resolve().parent / "measured"
 MEASURED = {
     "anchor": _DIR / "bench_step_time.json",
     "mid": _DIR / "bench_step_time_mid.json",
@@ -184,7 +186,8 @@ def index_rows(payload: dict) -> list[list[str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The CPU measurements in the performance model's three terms (paper_figures/throughput_model.py)
+# The CPU measurements in the performance model's three terms
+# (paper_figures/performance/throughput_model.py)
 
 
 COMPUTE_PHASES = ("forward", "backward")
