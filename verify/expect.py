@@ -14,8 +14,8 @@ cb/gb the bytes of the compute and reduction dtypes.
                     the library's predicate (zero.config.decay_matrices_only)
   expected_traffic  per step and rank, {"op:phase": (calls, elements, padding)} by the design's
                     volume table (docs/design.md §2) unit by unit, see the function
-  expected_memory   engine.memory_report()'s categories by zero.common.memory.model_state_breakdown
-                    per unit, plus the offload buffers (zero/zero_r/offload.py's documented ones)
+  expected_memory   engine.memory_report()'s categories (verify/expect_memory.py, with the offload
+                    copies and the released gradient buffers; re-exported here)
 A test plants an engine whose grouping or prefetch is wrong; only expectations built here can
 tell (tests/distributed/test_verify_planted.py).
 """
@@ -26,11 +26,22 @@ import math
 from fnmatch import fnmatchcase
 
 from reference import ModelSpec
-from reference.optim import state_names
 from reference.step import StepConfig
-from zero.common.memory import model_state_breakdown
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from .expect_memory import (  # the memory half, re-exported: verify/expect_memory.py
+    DTYPE_BYTES,
+    arena_span,
+    expected_memory,
+    expected_offload_copies,
+    expected_released,
+    optimizer_states,
+    persistent,
+)
+
+__all__ = [
+    "DTYPE_BYTES", "arena_span", "expected_memory", "expected_offload_copies",
+    "expected_released", "optimizer_states", "persistent",
+]  # fmt: skip
 
 
 def reference_units(
@@ -207,11 +218,6 @@ def reference_step_config(config, n: int) -> StepConfig:
     )
 
 
-def persistent(config, lay) -> bool:
-    """Stage 3 keeps units of at most persist_below parameters whole (docs/design.md §3)."""
-    return config.stage == 3 and lay.numel <= config.persist_below
-
-
 def expected_extents(stage: int, persist_below: int, lay, rank: int, n: int):
     """(master/optimizer extent, working extent) that rank must hold, from the stage alone:
     stage 0 (and stage 3's persistent units) everything; stages 1-2 the master shard r and
@@ -304,7 +310,7 @@ def expected_traffic(
     before); None: every unit runs every micro-step. Both at once (a branch of frozen units,
     or a root with nothing to train in a model with branches) are not modelled.
     """
-    k, det = config.micro_batches // n, config.deterministic
+    k = config.micro_batches // n
     out: dict[str, list[int]] = {}
     if ran is None:  # every unit runs, in one order: no prefetch is spent for nothing
         ran, fwd = [[True] * k for _ in spec.layouts], [k] * len(spec.layouts)
@@ -316,34 +322,9 @@ def expected_traffic(
         row[0], row[1], row[2] = row[0] + calls, row[1] + elements, row[2] + padding
 
     for i, lay in enumerate(spec.layouts):
-        L, real = lay.shard_numel(n), real_per_shard(lay, n)
-        rs_pad = sum(L - real[r] for r in range(n) if r != rank)
-        ag = ((n - 1) * L, (n - 1) * (L - real[rank]))
-        pieces = 1
-        if config.bucket_elements is not None:
-            pieces = math.ceil(L / (config.bucket_elements // n))
-        stage = 0 if persistent(config, lay) else config.stage
-
-        rs = ("reduce_scatter:grad", pieces, (n - 1) * L, rs_pad)  # one micro-step's
-        if stage == 0 and not det:
-            add("all_reduce:grad", 1, 2 * (n - 1) * L, rs_pad + ag[1])
-        elif stage == 0:
-            add(rs[0], *(k * x for x in rs[1:]))
-            add("all_gather:grad_gather", 1, *ag)
-        elif stage in (1, 2):
-            times = 1 if stage == 1 and not det else k
-            add(rs[0], *(times * x for x in rs[1:]))
-            if not skipped:
-                add("all_gather:param_update", 1, *ag)
-        else:
-            add(rs[0], *(k * x for x in rs[1:]))
-            root = not i if names is None else not names[i]
-            if forward and root:  # the root: every forward, and held through backward
-                add("all_gather:param_fwd", k, k * ag[0], k * ag[1])
-            elif forward:
-                add("all_gather:param_fwd", fwd[i], fwd[i] * ag[0], fwd[i] * ag[1])
-                b = sum(ran[i])
-                add("all_gather:param_bwd", b, b * ag[0], b * ag[1])
+        root = not i if names is None else not names[i]
+        gathers = (fwd[i], sum(ran[i])) if forward else None
+        _unit_traffic(add, config, lay, n, rank, root=root, gathers=gathers, skipped=skipped)
     for name, lay in frozen:
         if config.stage != 3 or persistent(config, lay) or not forward:
             continue
@@ -355,109 +336,37 @@ def expected_traffic(
     return {key: tuple(v) for key, v in out.items()}
 
 
-def optimizer_states(config) -> int:
-    """State arrays per parameter: the most any group needs (a unit's states cover it whole)."""
-    return max(len(state_names(config.optimizer, hp)) for hp in config.groups)
-
-
-def expected_offload_copies(config, spec, n: int, *, skipped: bool) -> list[tuple[str, int]]:
-    """offload_optimizer's counted host copies of one deterministic step, sorted (phase,
-    elements): per unit, its master's extent (the padded unit at stage 0 and for stage 3's
-    persistent units, shard L_u otherwise) down once ("grad_down", the reduced gradient the
-    host optimizer reads) and, unless the step is skipped, up once ("param_up", the updated
-    master rounded to the compute dtype). Fast mode's running sum adds a download per
-    micro-step, not modelled here."""
-    if not config.offload_optimizer:
-        return []
-    out = []
-    for lay in spec.layouts:
-        stage = 0 if persistent(config, lay) else config.stage
-        extent = lay.padded_numel(n) if stage == 0 else lay.shard_numel(n)
-        out += [("grad_down", extent)] + ([] if skipped else [("param_up", extent)])
-    return sorted(out)
-
-
-def arena_span(numel: int, precision: str, align: int = 256) -> int:
-    """Bytes one checkpoint of numel elements takes in a CheckpointArena: its bytes rounded up
-    to the arenas' 256-byte alignment (docs/design.md §2's layout alignment)."""
-    return -(-numel * DTYPE_BYTES[precision] // align) * align
-
-
-def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
-    """engine.memory_report()'s model-state categories (comm_buffers, which depend on what is
-    in flight, are not modelled): per unit, zero.common.memory.model_state_breakdown at the unit's
-    stage (stage 0 for stage 3's persistent units) over its padded numel; pure fp32 has no
-    separate master (it is a view of the working copy). offload_optimizer adds a host buffer
-    for the gradient extent the update reads (stages 0-1: the master's extent, beside the
-    device buffer; stages 2-3: the reduced shard itself moves to the host, and fast mode keeps
-    its running sum on the device too) and, in mixed precision, two upload staging buffers of
-    the largest extent in the compute dtype (the ring zero/zero_r/offload.py reuses). frozen
-    (frozen_layouts(...)) adds the category "frozen": each padded buffer in the compute dtype,
-    /N at stage 3 (not persistent)."""
-    cb = DTYPE_BYTES[config.precision]
-    gb = DTYPE_BYTES[config.reduce_dtype or "fp32"]
-    fp32 = config.precision == "fp32"
-    k, det, offload = config.micro_batches // n, config.deterministic, config.offload_optimizer
-    total = {"params": 0, "grads": 0, "master": 0, "optimizer": 0}
-    staging = 0
-    for lay in spec.layouts:
-        stage = 0 if persistent(config, lay) else config.stage
-        padded = lay.padded_numel(n)
-        b = model_state_breakdown(
-            num_params=lay.numel,
-            padding=padded - lay.numel,
-            world_size=n,
-            stage=stage,
-            param_bytes=cb,
-            grad_bytes=gb,
-            master_bytes=4 if offload or not fp32 else 0,
-            optimizer_states=optimizer_states(config),
-            state_bytes=4,
-            accumulation=k,
-            deterministic=det,
-        )
-        for key in total:
-            total[key] += int(getattr(b, key))
-        extent = padded if stage == 0 else lay.shard_numel(n)
-        if offload:
-            if stage <= 1:
-                total["grads"] += extent * gb
-            elif det is False:
-                total["grads"] += extent * gb
-            staging = max(staging, 0 if fp32 else extent * cb)
-    if offload and not fp32:  # two slots of the largest extent (bounded upload staging)
-        total["staging"] = 2 * staging
-    if frozen:
-        total["frozen"] = sum(
-            int(
-                model_state_breakdown(
-                    num_params=0,
-                    world_size=n,
-                    stage=0 if persistent(config, lay) else config.stage,
-                    param_bytes=cb,
-                    frozen_params=lay.numel,
-                    frozen_padding=lay.padded_numel(n) - lay.numel,
-                ).frozen
-            )
-            for _, lay in frozen
-        )
-    return total
-
-
-def expected_released(config, spec, device_type: str) -> list[bool]:
-    """Per unit (spec's order), whether its gradient buffer is released between steps, from
-    the config alone (ZeroConfig.release_grads' contract): where release_grads is True (None: on
-    CUDA only), except the arena views of contiguous_memory and the host shards that
-    offload_optimizer reduces into (stages 2-3; stage 3's persistent units are stage 0's)."""
-    release = config.release_grads
-    if release is None:
-        release = device_type == "cuda"
-    out = []
-    for lay in spec.layouts:
-        stage = 0 if persistent(config, lay) else config.stage
-        host_shard = config.offload_optimizer and stage >= 2
-        out.append(bool(release) and not config.contiguous_memory and not host_shard)
-    return out
+def _unit_traffic(add, config, lay, n: int, rank: int, *, root: bool, gathers, skipped: bool):
+    """One unit's collectives of a step into add(key, calls, elements, padding), by
+    expected_traffic's table; gathers: (forward, backward) all-gathers at stage 3 with a
+    forward (the root's: every micro-step's forward, held through backward), None without."""
+    k, det = config.micro_batches // n, config.deterministic
+    L, real = lay.shard_numel(n), real_per_shard(lay, n)
+    rs_pad = sum(L - real[r] for r in range(n) if r != rank)
+    ag = ((n - 1) * L, (n - 1) * (L - real[rank]))
+    pieces = 1
+    if config.bucket_elements is not None:
+        pieces = math.ceil(L / (config.bucket_elements // n))
+    stage = 0 if persistent(config, lay) else config.stage
+    rs = ("reduce_scatter:grad", pieces, (n - 1) * L, rs_pad)  # one micro-step's
+    if stage == 0 and not det:
+        add("all_reduce:grad", 1, 2 * (n - 1) * L, rs_pad + ag[1])
+    elif stage == 0:
+        add(rs[0], *(k * x for x in rs[1:]))
+        add("all_gather:grad_gather", 1, *ag)
+    elif stage in (1, 2):
+        times = 1 if stage == 1 and not det else k
+        add(rs[0], *(times * x for x in rs[1:]))
+        if not skipped:
+            add("all_gather:param_update", 1, *ag)
+    else:
+        add(rs[0], *(k * x for x in rs[1:]))
+        if gathers is not None and root:
+            add("all_gather:param_fwd", k, k * ag[0], k * ag[1])
+        elif gathers is not None:
+            f, b = gathers
+            add("all_gather:param_fwd", f, f * ag[0], f * ag[1])
+            add("all_gather:param_bwd", b, b * ag[0], b * ag[1])
 
 
 def traffic_of_step(counter, step: int) -> dict[str, tuple]:
