@@ -17,6 +17,7 @@ and the step's one control exchange tells every rank ([Note: one control exchang
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +27,40 @@ from . import collectives as C
 from .optim import native as optim_native
 from .optim import triton_kernels as optim_triton
 from .unit import FlatUnit
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exchanged:
+    """What one rank knows after the control exchange in its DP group (`exchange`)."""
+
+    overflow: bool
+    """Some rank of the group found a non-finite value ([Note: overflow detection])."""
+    overflow_here: bool
+    """This rank found one, in the part it alone accounts for (the error message's rank)."""
+    loss: float
+    """The mean loss over the step's M micro-batches, every rank of the group's included."""
+    partials: list[np.ndarray]
+    """Per unit, the float64 chunk partials of g over the whole group, in global chunk order."""
+    used: list[list[bool]]
+    """Per unit, per parameter: whether any rank of the group had a gradient for it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepControl:
+    """What the step takes from the other ranks besides R (`step_exchange`): over the DP group,
+    and with model parallelism over the whole mesh ([Note: MP control exchange])."""
+
+    overflow: bool
+    """Some rank found a non-finite value: the step is skipped on every rank."""
+    overflow_here: bool
+    """This rank found one in its DP group's exchange (the error message's rank)."""
+    loss: float
+    """The mean loss over the step's M micro-batches (every MP rank computes the same)."""
+    norm: np.float64
+    """The global gradient norm ‖g‖ before clipping (not finite when `overflow`)."""
+    used: list[list[bool]]
+    """Per unit, per parameter: whether any rank had a gradient for it ([Note: unused
+    parameters]); the update skips the others."""
 
 
 def chunk_sumsq(x: torch.Tensor, chunk: int, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,7 +92,7 @@ def own(u: FlatUnit, x: torch.Tensor) -> torch.Tensor:
 
 def exchange(
     units, losses, held, g, inv: np.float32, chunk: int, device, group, counter, keep=None
-):
+) -> Exchanged:
     """[Note: one control exchange] Everything a step needs from the other ranks besides
     R travels in one small all-gather of float64 values: this rank's loss sum and count, its
     overflow flag, and the chunk partials of the part of g it alone holds (its shard; at
@@ -72,8 +107,7 @@ def exchange(
     The loss sum, the flag and the partials stay on the device until the exchange's one read
     ([Note: host work flat in Ψ], measure/hostwork.py): the step's only device→host copy.
     losses: this rank's micro-batch losses, 0-dim tensors in the order they were run.
-    Returns (overflow anywhere, on this rank, global mean loss, per-unit partials,
-    per-unit lists of used flags), and clears this rank's flags for the next step.
+    Returns what the group agreed (Exchanged), and clears this rank's flags for the next step.
     keep: None, or per unit a bool mask of this rank's extent (zero/mp/step.py): elements
     outside it enter no partial, but still count for the overflow flag."""
     keep = keep or [None] * len(units)
@@ -113,7 +147,8 @@ def exchange(
     for u, x in zip(units, mine, strict=True):
         per_unit.append(rows[:, at : at + x.numel()].reshape(-1)[: u.part.layout.num_chunks])
         at += x.numel()
-    return overflow, bool(own_head[2] > 0), loss, per_unit, used
+    here = bool(own_head[2] > 0)
+    return Exchanged(overflow=overflow, overflow_here=here, loss=loss, partials=per_unit, used=used)
 
 
 def tree_total(x: np.ndarray) -> np.float64:
@@ -161,19 +196,22 @@ class ScaledGrads:
         return x if self.coef is None else x.mul_(self.coef)
 
 
-def step_exchange(engine, held, g, inv: np.float32):
+def step_exchange(engine, held, g, inv: np.float32) -> StepControl:
     """The engine's step: `exchange` in its DP group, then, with model parallelism, the [Note:
-    MP control exchange] (zero/mp/step.py). Returns (overflow, bad, loss, norm, used)."""
+    MP control exchange] (zero/mp/step.py)."""
     mp, args = engine.mp, (engine.config.chunk, engine.device, engine.group, engine.counter)
     keep = None if mp is None else mp.keep(engine.units, [x.device for x in held])
-    overflow, bad, loss, partials, used = exchange(
-        engine.units, engine._losses, held, g, inv, *args, keep=keep
+    got = exchange(engine.units, engine.step_losses, held, g, inv, *args, keep=keep)
+    if mp is not None:
+        return mp.combine(got, engine.device)
+    flat = np.concatenate(got.partials) if got.partials else np.zeros(0)
+    return StepControl(
+        overflow=got.overflow,
+        overflow_here=got.overflow_here,
+        loss=got.loss,
+        norm=np.sqrt(tree_total(flat)),
+        used=got.used,
     )
-    if mp is None:
-        flat = np.concatenate(partials) if partials else np.zeros(0)
-        return overflow, bad, loss, np.sqrt(tree_total(flat)), used
-    overflow, norm, used = mp.combine(overflow, partials, used, engine.device)
-    return overflow, bad, loss, norm, used
 
 
 def gather_control(

@@ -198,13 +198,19 @@ class ZeroEngine(Introspection, nn.Module):
         """Micro-steps run of the current step (0 between steps)."""
         return self.clock.microstep
 
+    @property
+    def step_losses(self) -> tuple[torch.Tensor, ...]:
+        """This step's micro-batch losses so far, 0-dim tensors in the order they were run:
+        read once, in the step's control exchange (zero/control.py)."""
+        return tuple(self._losses)
+
     # -- the lifecycle hooks (no math here) ---------------------------------------------------
 
     def stage_of(self, u: FlatUnit) -> Stage0:
         """The stage object that runs unit u (at stage 3: Persistent for persistent units)."""
         return self._stage_of[u.index]
 
-    def _launch_ready(self, everything: bool = False) -> None:
+    def launch_ready(self, everything: bool = False) -> None:
         """[Note: one launch order] Every rank must launch the units' reductions in the same
         order, or the collectives pair up wrongly (a hang, a crash, or, for units of one size,
         silently wrong sums). Backward order is data-dependent where a unit (or one of its
@@ -271,12 +277,12 @@ class ZeroEngine(Introspection, nn.Module):
                 p.grad = g.to(p.device)
                 u.used[i] = True
             u.ready = len(u.params)
-            self._launch_ready()
+            self.launch_ready()
         self.finalize_backward()
 
     @phased("backward.finalize")
     def finalize_backward(self) -> None:
-        self._launch_ready(everything=True)  # units with parameters that got no gradient
+        self.launch_ready(everything=True)  # units with parameters that got no gradient
         self._next = 0
         self.ctx.reductions.drain()
         for u in (*self.units, *self.frozen_units):  # frozen: stage 3 frees what is gathered
@@ -308,20 +314,21 @@ class ZeroEngine(Introspection, nn.Module):
         inv = f32(1.0 / (scale * cfg.micro_batches))
         g = control.ScaledGrads(held, torch.tensor(inv))  # g_u = fp32(R_u)·c: [Note: host scalars]
         with self.phase("update.control"):  # [Note: one control exchange] (zero/control.py)
-            overflow, bad, loss, norm, used = control.step_exchange(self, held, g, inv)
+            agreed = control.step_exchange(self, held, g, inv)  # a control.StepControl
         self._losses = []  # consumed by the exchange
+        overflow = agreed.overflow
         if overflow and self.scaler is None and cfg.nonfinite == "raise":
             raise FloatingPointError(
                 f"non-finite gradient at data step {self.data_step} (rank {self.rank} saw it: "
-                f"{bad}) with precision={cfg.precision!r}; nonfinite='skip' skips"
+                f"{agreed.overflow_here}) with precision={cfg.precision!r}; nonfinite='skip' skips"
             )
         if not overflow:
             if self.keep_reduced:  # R as this rank holds it, valid until the next backward
                 self.last_reduced = held  # (it keeps the released gradient buffers alive)
-            coef = clip_coefficient(norm, cfg.clip_norm)
+            coef = clip_coefficient(agreed.norm, cfg.clip_norm)
             g.coef = None if coef is None else torch.tensor(coef)  # [Note: host scalars]
             self.t += 1
-            self._update(g, used)
+            self._update(g, agreed.used)
         for u in self.units:  # [Note: gradients live within a step] (zero/unit.py)
             u.release_grad()
         del held, g
@@ -329,8 +336,8 @@ class ZeroEngine(Introspection, nn.Module):
             self.scaler = scaler_update(self.scaler, overflow, cfg.scaler)
         self.data_step, self.clock.microstep = self.data_step + 1, 0
         self.counter.step += 1
-        norm = None if overflow else float(norm)
-        return StepResult(loss=loss, norm=norm, skipped=overflow, scale=scale)
+        norm = None if overflow else float(agreed.norm)
+        return StepResult(loss=agreed.loss, norm=norm, skipped=overflow, scale=scale)
 
     def _update(self, g, used) -> None:
         """The optimizer on each unit's extent, skipping parameters no rank had a gradient for

@@ -95,7 +95,7 @@ def _post_accumulate(engine_ref: weakref.ref, index: int, i: int):
         u.used[i] = True  # [Note: unused parameters]: it has a gradient this step
         u.ready += 1
         if u.ready == len(u.params):  # overlap only decides whether it runs asynchronously
-            engine._launch_ready()
+            engine.launch_ready()
 
     return post_accumulate
 

@@ -38,7 +38,7 @@ def _strong_hook(engine_ref, index, i):
         u.used[i] = True
         u.ready += 1
         if u.ready == len(u.params):
-            engine._launch_ready()
+            engine.launch_ready()
 
     return post_accumulate
 

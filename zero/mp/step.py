@@ -25,7 +25,7 @@ from torch import nn
 from reference.tree import tree_sum
 
 from ..collectives import to_device
-from ..control import gather_control, tree_total
+from ..control import Exchanged, StepControl, gather_control, tree_total
 from .tp_comm import MPContext
 
 
@@ -81,21 +81,28 @@ class MPStep:
             mask[s.offset : s.offset + s.numel] = False
         return mask[u.part.own].clone()
 
-    def combine(self, overflow: bool, partials, used, device):
-        """[Note: MP control exchange] -> (overflow, norm, used) over the whole mesh."""
-        flags = [float(x) for us in used for x in us]
-        s_m = tree_total(np.concatenate(partials) if partials else np.zeros(0))
-        row = torch.tensor([float(overflow), float(s_m), *flags], dtype=torch.float64)
+    def combine(self, got: Exchanged, device) -> StepControl:
+        """[Note: MP control exchange] What the DP group agreed (`got`), over the whole mesh:
+        overflow and used from every MP rank, the norm from every slice's s_m; the loss as the
+        DP group's mean, and overflow_here as this rank's."""
+        flags = [float(x) for us in got.used for x in us]
+        s_m = tree_total(np.concatenate(got.partials) if got.partials else np.zeros(0))
+        row = torch.tensor([float(got.overflow), float(s_m), *flags], dtype=torch.float64)
         every = gather_control(
             to_device(row, device), group=self.ctx.group, counter=self.counter, phase="mp_step"
         )
         every = every.cpu().numpy().copy()  # this exchange's one read
         every[self.ctx.rank] = row.numpy()  # a fake process group leaves the rows unwritten
-        overflow = bool(every[:, 0].max() > 0)
         total = tree_sum([np.float64(x) for x in every[:, 1]])  # N_m values
         seen = [bool(x) for x in every[:, 2:].max(axis=0, initial=0.0) > 0]
         out, at = [], 0
-        for us in used:
+        for us in got.used:
             out.append(seen[at : at + len(us)])
             at += len(us)
-        return overflow, np.sqrt(total).astype(np.float64), out
+        return StepControl(
+            overflow=bool(every[:, 0].max() > 0),
+            overflow_here=got.overflow_here,
+            loss=got.loss,
+            norm=np.sqrt(total).astype(np.float64),
+            used=out,
+        )
