@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import io
 import warnings
-from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +50,7 @@ from .lockstep import check_fast_step
 from .report import cell_name, guarded
 from .sides import (
     BackwardSource,
+    CellRun,
     InjectedSource,
     cell_device,
     compare_rank,
@@ -85,24 +85,6 @@ def reference_config(cell: Cell, model) -> ZeroConfig:
     if cell.units == "auto":
         cfg = dataclasses.replace(cfg, units=tuple(model.unit_names()))
     return cfg
-
-
-@dataclass
-class CellRun:
-    """What one cell builds on one rank: the engine, and the reference side beside it, which
-    comes from the model and the cell alone (verify/expect.py)."""
-
-    cell: Cell
-    rank: int
-    eng: ZeroEngine
-    ref_cfg: ZeroConfig  # the configuration the reference side reads (reference_config)
-    spec: object  # reference_spec: its units, layouts and parameter groups
-    frozen: object  # frozen_layouts
-    rcfg: object  # reference_step_config
-    start: object  # the reference's initial TrainState
-    ref_model: object  # the reference side's copy of the model (None for injected cells)
-    device: torch.device
-    start_checks: list  # the features' checks of what the engine's start must have done
 
 
 def build_cell(rank: int, cell: Cell) -> CellRun:

@@ -11,6 +11,7 @@ import hashlib
 import math
 import random
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from reference import working_copy
 from reference.precision import DTYPES, cast, f32
 from reference.tree import chunk_sumsq, global_norm
 from zero import collectives
-from zero.config import TORCH_DTYPES
+from zero.config import TORCH_DTYPES, ZeroConfig
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
 from zero.hooks import forward_rng
 from zero.loop import train_steps
@@ -321,3 +322,21 @@ class BackwardSource:
         del grads, losses
         (res,) = train_steps(self.eng, lambda s, j, b=self.batches: b[j], 1, start_step=step)
         return res
+
+
+@dataclass
+class CellRun:
+    """What one cell builds on one rank: the engine, and the reference side beside it, which
+    comes from the model and the cell alone (verify/expect.py)."""
+
+    cell: Cell
+    rank: int
+    eng: ZeroEngine
+    ref_cfg: ZeroConfig  # the configuration the reference side reads (reference_config)
+    spec: object  # reference_spec: its units, layouts and parameter groups
+    frozen: object  # frozen_layouts
+    rcfg: object  # reference_step_config
+    start: object  # the reference's initial TrainState
+    ref_model: object  # the reference side's copy of the model (None for injected cells)
+    device: torch.device
+    start_checks: list  # the features' checks of what the engine's start must have done

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from . import features
 from .expect import (
@@ -24,10 +23,7 @@ from .expect import (
     traffic_of_step,
 )
 from .lockstep import gradient_errors
-from .sides import compare_rank, engine_norm, frozen_unchanged, frozen_working, loss_bound
-
-if TYPE_CHECKING:
-    from .harness import CellRun
+from .sides import CellRun, compare_rank, engine_norm, frozen_unchanged, frozen_working, loss_bound
 
 
 @dataclass
