@@ -13,8 +13,11 @@ that neither takes alone, and where it is run, as a predicate on that place's pl
   gpu       a test that needs a CUDA device (tests/gpu/)     make test-gpu
 `python -m verify --list` prints, per pair, the items of the plan that cover it (CELLS holds the
 cells added for that reason); tests/unit/test_verify_interactions.py checks that the --quick
-plan covers every pair but the GPU's. Each pair added here has a planted bug that only it can
-show (verify/planted.py, the rows whose `where` names the pair).
+plan covers every pair but the GPU's. A feature of the registry (verify/features/) declares its
+own pairs, cells and planted bugs in its record; PAIRS holds the pairs of what is not a
+registered feature (unused parameters, buffers, persist_below, the loss scale, the watchdog, a
+CUDA device) and appends every feature's. Each pair has a planted bug that only it can show
+where one exists (verify/planted.py, the rows whose `where` names the pair).
 """
 
 from __future__ import annotations

@@ -4,12 +4,16 @@
     python -m verify.planted --cheap                 # the two cheapest cells per bug
     python -m verify.planted --bugs one_ulp shard_offset --json p.json --markdown p.md
 
-Each bug (BUGS) is a name, one line on what it breaks, where it shows, and a plant function
-(verify/plants.py: plant_<name>) that patches the library through a Patch (undone afterwards),
-never touching the library's own code path when not planted. A bug of kind "cells" runs on the
---quick cells where verify.matrix.OBSERVABLE says it is observable ([Note: observable] there),
-a bug of kind "resume" on the --resume rows where RESUME_OBSERVABLE says so. Every such cell or row
-must fail; the same cells pass unpatched in `python -m verify --quick --resume`. A bug that no
+Each bug (BUGS, a verify.features.Bug) is a name, one line on what it breaks, where it shows, a
+plant function that patches the library through a Patch (undone afterwards), never touching the
+library's own code path when not planted, and the check that must catch it. The base bugs are
+_TABLE's (plants in verify/plants.py: plant_<name>); a feature's bugs live in its record
+(verify/features/). A bug of kind "cells" runs on the --quick cells where its predicate says it
+is observable (verify.matrix.OBSERVABLE for the base ones, [Note: observable] there), a bug of
+kind "resume" on the --resume rows. Every such cell or row must fail *by the bug's named check*
+(a row's `checks`, verify/verdict.py): a row that failed only otherwise, or only by raising, is
+a miss, unless the bug's record says why raising is the right catch. The same cells pass
+unpatched in `python -m verify --quick --resume`. A bug that no
 --quick cell can catch is a bug in the preset (verify/matrix.py's PLANTED_GAPS holds the cells added
 for that reason). It prints the table (--markdown writes it); docs/verification.md holds the last
 full run's.

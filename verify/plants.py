@@ -163,8 +163,8 @@ def plant_overflow_one_rank(p: Patch) -> None:
     original = control.step_exchange  # the flag travels in the step's control exchange
 
     def exchange(engine, *a, **kw):
-        overflow, *rest = original(engine, *a, **kw)
-        return (overflow if engine.rank == 0 else False, *rest)
+        agreed = original(engine, *a, **kw)
+        return dataclasses.replace(agreed, overflow=agreed.overflow and engine.rank == 0)
 
     p.setattr(control, "step_exchange", exchange)
 
@@ -175,9 +175,9 @@ def plant_loss_m_over_n(p: Patch) -> None:
     original = control.step_exchange
 
     def exchange(engine, *a, **kw):
-        overflow, bad, loss, *rest = original(engine, *a, **kw)
+        agreed = original(engine, *a, **kw)
         k = engine.config.micro_batches // engine.world_size
-        return overflow, bad, loss * k, *rest
+        return dataclasses.replace(agreed, loss=agreed.loss * k)
 
     p.setattr(control, "step_exchange", exchange)
 

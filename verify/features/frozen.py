@@ -88,10 +88,11 @@ FEATURE = Feature(
     ),
     bugs=(
         # the frozen parameters are compared with the cast start values after the last step
-        # (verify.harness.check_memory) and with the reference in the reported loss
+        # (verify.verdict.check_memory, a state check); in fast mode that is the only check
+        # fine enough: the reported loss moves within its bound
         Bug(name="frozen_drift", breaks="a frozen parameter moves by one ULP per step",
             where="a model with frozen parameters", plant=plant_frozen_drift,
-            observable=lambda c: c.frozen, check="reported"),
+            observable=lambda c: c.frozen, check="state"),
         # the loaded values are compared with the saving run's
         Bug(name="frozen_saved_from_start", kind="resume",
             breaks="a whole frozen buffer saved from its start on every rank",

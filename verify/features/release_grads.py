@@ -36,8 +36,6 @@ def plant_release_ignored(p) -> None:
     p.setattr(Placement, "releasable", lambda self, on_host: False)
 
 
-_RELEASED = "the released buffers are compared after every step (verify.expect.expected_released)"
-
 FEATURE = Feature(
     name="release_grads",
     doc="gradient buffers released between steps (ZeroConfig.release_grads=True)",
@@ -68,12 +66,17 @@ FEATURE = Feature(
              "cells", lambda c: bool(c.release_grads) and c.offload and c.stage >= 2),
     ),
     bugs=(
-        # _RELEASED: a released view or shard is seen after the step that released it, before
-        # the next step writes into the freed buffer and raises
+        # the predicate decides at allocation which buffers the arena holds: with arena views
+        # releasable, the arena is left unfilled and the engine's own allocation invariant
+        # (zero/engine.py, every arena byte handed out) stops the build, before any step
         Bug(name="release_arena_views", breaks="release_grads releases contiguous arena views",
             where="release_grads × contiguous_memory (interactions)",
-            plant=plant_release_arena_views, check="memory",
+            plant=plant_release_arena_views, check="raised",
+            why_raise="the engine's allocation invariant refuses it while building: no step runs",
             observable=lambda c: bool(c.release_grads) and c.contiguous),
+        # the released buffers are compared after every step (verify.expect.expected_released):
+        # a released host shard is seen after the step that released it, before the next step
+        # writes into the freed buffer and raises
         Bug(name="release_host_shards", breaks="release_grads releases offload's host shards",
             where="release_grads × offload, stage 2-3 (interactions)",
             plant=plant_release_host_shards, check="memory",
