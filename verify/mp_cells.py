@@ -17,69 +17,42 @@ slices' initial values joined must be GPT(seed)'s bits. Per step and rank:
 Across cells: at fixed (N_m, precision) one digest per MP index and step over N_d, stages and
 P_a on/off (world-size invariance over DP; P_a changes no bit). docs/verification.md,
 "Model-parallel cells". Legend: N_d, N_m, (d, m), M, k = M/N_d, L blocks, X = b·s·h.
+
+Here: the reference side (SlicedGPT, reference_grads), the planted engine bugs, and the runner
+(run_cell, run_section). In parts beside it: the model, step and cells (verify/mp_plan.py), the
+split rule (verify/mp_split.py), the per-rank checks (verify/mp_checks.py), the rows and tables
+(verify/mp_report.py); their public names are importable from here too.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import struct
-from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from reference.tree import tree_sum
 
-CFG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
-"""The GPT of the cells at N_m <= 2; at N_m = 4 the same with 4 heads (heads are split whole)."""
-BATCH, M, CHUNK, CLIP = 2, 4, 128, 0.05
-"""The model and step: CLIP is far below the first steps' norms (about 1.2), so every step
-clips (each row records it)."""
-EXTRAS = ("offload_optimizer", "contiguous_memory")
-"""Options that compose with MP: ZeRO-Offload's host optimizer, ZeRO-R's M_D arenas."""
-SEED = 3
-"""The initial values: GPT(config, seed=SEED)'s, cut per MP index."""
-PLANTS = ("double", "p_a_order", "tp_scale")
-"""Engine bugs a cell must catch: the replicated parameters counted in the norm on every MP
-rank; P_a's gather returning the MP ranks' parts in the wrong order; every row-parallel output
-scaled by 1.0001 on every MP rank (a tensor-parallel layer wrong in a self-consistent way, which
-a reference computed through zero/mp would share)."""
+from .mp_checks import Without, arena_check, memory_check, state_check, traffic_check
+from .mp_plan import (  # noqa: F401  (the plan, the rows and the split rule: importable from here)
+    BATCH,
+    CFG,
+    CHUNK,
+    CLIP,
+    EXTRAS,
+    PLANTS,
+    SEED,
+    M,
+    MPCell,
+    complete_cells,
+    quick_cells,
+)
+from .mp_report import invariance, markdown, row  # noqa: F401
+from .mp_split import COLUMN, ROW, bits_equal, counts, cut, join, join_state, split_of  # noqa: F401
+
 _GROUPS: dict = {}  # per worker process: the mesh's groups, created once per (dp, mp)
 _SLICED: dict = {}  # per worker process: one SlicedGPT per (config, N_m)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MPCell:
-    dp: int
-    mp: int
-    stage: int
-    precision: str = "fp32"
-    p_a: str = "off"  # "off", "on" (P_a), "cpu" (P_a+cpu)
-    steps: int = 2
-    plant: str | None = None
-    from_gpt: bool = False  # the slice cut from the whole GPT(seed) (TPGPT.from_gpt), not built
-    extra: tuple[str, ...] = ()  # ZeroConfig flags set True: EXTRAS
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.mp
-
-    @property
-    def label(self) -> str:
-        p_a = {"off": "", "on": " P_a", "cpu": " P_a+cpu"}[self.p_a]
-        plant = f" plant={self.plant}" if self.plant else ""
-        how = " from_gpt" if self.from_gpt else ""
-        how += "".join(f" {x}" for x in self.extra)
-        return f"N_d={self.dp} N_m={self.mp} stage {self.stage} {self.precision}{p_a}{how}{plant}"
-
-    def options(self) -> dict:
-        extra = dict.fromkeys(self.extra, True)
-        if self.p_a == "off":
-            return extra
-        on = dict(activation_checkpointing=True, partition_activations=True, **extra)
-        return {**on, "offload_activations": True} if self.p_a == "cpu" else on
 
 
 def model_config(mp: int):
@@ -137,7 +110,7 @@ def setup(dp, mp, stage, precision, *, from_gpt=False, **kw):
 # [Note: the cells' reference gradients] reference/mp.py's step takes the MP-sliced model's
 # micro-batch gradients. The cells compute them without zero/mp, whose layers are under test:
 # the MP group's working copies are joined into the whole GPT's by docs/design.md §6.1's split
-# rule (split_of, stated again here from the layers' roles), the plain GPT of
+# rule (split_of, stated again from the layers' roles in verify/mp_split.py), the plain GPT of
 # zero/workloads/models.py (the input definition) runs each micro-batch, and the whole gradients
 # are cut back per MP index. The plain GPT's own products would sum the split dimension in
 # another order (one dot product where the slices add N_m partials; F.cross_entropy), and two
@@ -147,71 +120,6 @@ def setup(dp, mp, stage, precision, *, from_gpt=False, **kw):
 # the partials added by reference/tree.py's T in m order (deterministic mode), the cross entropy
 # from the logits' slices. LayerNorms, attention, GELU, residuals and the forward itself are the
 # plain GPT's code. The gradients are then the slices' bits, and the engine is compared bitwise.
-
-COLUMN = {"attn.c_attn": "qkv", "mlp.c_fc": "rows"}
-"""Column-parallel layers (docs/design.md §6.1): output features split, the weight's rows and the
-bias with them; QKV by heads, i.e. each of the q, k and v blocks in N_m parts."""
-ROW = ("attn.c_proj", "mlp.c_proj")
-"""Row-parallel layers: input features split (the weight's columns); the bias is added once,
-after the sum, so it is replicated."""
-VOCAB = ("transformer.wte", "lm_head")
-"""The token embedding and its tied head: split by vocabulary rows."""
-
-
-def split_of(name: str) -> str | None:
-    """How design §6.1 splits the plain GPT's parameter `name` over N_m ranks: "rows" (dim 0 in
-    N_m equal parts), "cols" (dim 1), "qkv" (dim 0 as q, k, v, each in N_m parts) or None
-    (replicated). Restated from the layers' roles: zero.mp's own table is under test."""
-    module, _, kind = name.rpartition(".")
-    role = ".".join(module.split(".")[-2:])
-    if role in COLUMN:
-        return COLUMN[role]
-    if role in ROW:
-        return "cols" if kind == "weight" else None
-    return "rows" if module in VOCAB else None
-
-
-def cut(a: np.ndarray, rule: str | None, m: int, n: int) -> np.ndarray:
-    """Slice m of n of a whole array split by `rule` (split_of); a contiguous copy."""
-    if rule == "qkv":
-        return np.concatenate([np.split(third, n)[m] for third in np.split(a, 3)])
-    if rule is not None:
-        a = np.split(a, n, axis=0 if rule == "rows" else 1)[m]
-    return np.ascontiguousarray(a).copy()
-
-
-def join(parts: list[np.ndarray], rule: str | None, name: str = "") -> np.ndarray:
-    """The whole array from its slices in m order (cut's inverse). A replicated array must have
-    the same bits in every slice (ValueError naming it otherwise)."""
-    if rule is None:
-        if any(not _bits_equal(x, parts[0]) for x in parts):
-            raise ValueError(f"{name}: replicated, but the MP slices hold different bits")
-        return parts[0]
-    if rule == "qkv":
-        thirds = [np.split(x, 3) for x in parts]
-        return np.concatenate([np.concatenate([t[j] for t in thirds]) for j in range(3)])
-    return np.concatenate(parts, axis=0 if rule == "rows" else 1)
-
-
-def join_state(slices: list[dict]) -> dict:
-    """name -> whole array, from every slice's name -> array, in m order."""
-    return {k: join([s[k] for s in slices], split_of(k), k) for k in slices[0]}
-
-
-def counts(name: str, m: int) -> bool:
-    """reference/mp.py's `counts`: whether slice m's `name` enters the norm. Design §6.3: every
-    element of the model once, so a split parameter on every m, a replicated one on m = 0."""
-    return split_of(name) is not None or m == 0
-
-
-def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and np.array_equal(
-            np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)
-        )
-    )
 
 
 def _cut_t(t: torch.Tensor, rule: str, n: int, dim: int) -> list[torch.Tensor]:
@@ -397,29 +305,20 @@ def _start_check(every_init: list[dict], cfg) -> str:
     want = _whole_init(cfg)
     if whole.keys() != want.keys():
         return f"initial slices: names {sorted(whole)}, the plain GPT's {sorted(want)}"
-    bad = next((k for k in want if not _bits_equal(whole[k], want[k])), None)
+    bad = next((k for k in want if not bits_equal(whole[k], want[k])), None)
     return "" if bad is None else f"initial slices joined: {bad!r} is not GPT(seed={SEED})'s"
 
 
-def _count_check(numel: int, closed_form: int, cfg, m: int, n: int) -> str:
+def _count_check(numel: int, cfg, m: int, n: int) -> str:
     """'' if the slice's parameter count and tp_num_params's closed form are both the count of
     the plain GPT's parameters cut for m (tied head once); else the three counts."""
+    from zero.mp import tp_num_params  # under test
+
+    closed_form = tp_num_params(cfg, n)
     want = sum(cut(v, split_of(k), m, n).size for k, v in _whole_init(cfg).items())
     if numel == closed_form == want:
         return ""
     return f"the slice has {numel} parameters, tp_num_params {closed_form}, the cut GPT {want}"
-
-
-class _Without:
-    """The engine's counter without the records of the checks' own gathers (gather_state and
-    state_digest after a step are collectives at stage 3, counted in the next step): what
-    traffic_of_step reads of it."""
-
-    def __init__(self, counter, reads: set[int]):
-        self.counter, self.reads = counter, reads
-
-    def of_step(self, step: int, kind: str = "model"):
-        return [r for r in self.counter.of_step(step, kind) if id(r) not in self.reads]
 
 
 def run_cell(rank: int, world: int, cell: MPCell) -> dict:
@@ -439,7 +338,6 @@ def _run(cell: MPCell) -> dict:
     from reference.mp import mp_train_step
     from reference.step import init_state, working_copy
     from zero.config import TORCH_DTYPES
-    from zero.mp import tp_num_params  # under test: checked in _count_check
     from zero.workloads.models import gpt_microbatches
 
     from . import expect as E
@@ -451,161 +349,42 @@ def _run(cell: MPCell) -> dict:
     )
     if cell.plant == "double":  # the replicated parameters counted on every MP rank
         eng.mp.rule = lambda name: True
-    spec, rcfg = E.reference_spec(model, zcfg), E.reference_step_config(zcfg, dp)
+    cfg, spec, rcfg = model.cfg, E.reference_spec(model, zcfg), E.reference_step_config(zcfg, dp)
     every_init, specs = [None] * mp, [None] * mp
     dist.all_gather_object(every_init, init, group=g.mp_group)
     dist.all_gather_object(specs, spec, group=g.mp_group)
     states = [init_state(x, s, rcfg) for x, s in zip(every_init, specs)]
-    first = _start_check(every_init, model.cfg)
-    k, blocks = M // dp, model.cfg.n_layer
-    ckpt = blocks if zcfg.activation_checkpointing else 0
-    want_mp = E.expected_mp_traffic(
-        model.cfg, BATCH, mp, k, checkpointed=ckpt, p_a=cell.p_a != "off"
-    )
-    x_part = math.ceil(BATCH * model.cfg.block_size * model.cfg.n_embd / mp)
+    first = _start_check(every_init, cfg)
     steps, reads = [], set()
     for step in range(cell.steps):
-        batches = gpt_microbatches(model.cfg, seed=1, data_step=step, count=M, batch_size=BATCH)
+        batches = gpt_microbatches(cfg, seed=1, data_step=step, count=M, batch_size=BATCH)
         scale = None if states[0].scaler is None else states[0].scaler.scale
         working = working_copy(states[g.m], rcfg)
-        losses, grads = reference_grads(
-            g, model.cfg, working, batches, TORCH_DTYPES[cell.precision], scale
-        )
+        dtype = TORCH_DTYPES[cell.precision]
+        losses, grads = reference_grads(g, cfg, working, batches, dtype, scale)
         states, info = mp_train_step(states, grads, specs, rcfg, counts)
-        for i in range(k):
+        for i in range(M // dp):
             _, loss = eng(*batches[i * dp + g.d])  # micro-batch j = i·N_d + d
             eng.backward(loss)
         res = eng.step()
         before = len(eng.counter.records)
-        want = states[g.m]
-        why = check_reported(step, eng, res, want, info, losses, _same_bits)
-        master, opt = eng.gather_state()
-        for n in spec.names:
-            ours = [("master", master[n])] + [(key, opt[n][key]) for key in sorted(want.opt[n])]
-            for key, got in ours:
-                ref = want.master[n] if key == "master" else want.opt[n][key]
-                if not why and not np.array_equal(got.numpy().view(np.uint32), ref.view(np.uint32)):
-                    why = f"step {step}: {key} of {n!r} differs from reference/mp.py"
-        c = _Without(eng.counter, reads)
-        got_mp = sorted((r.op, r.phase, r.elements) for r in c.of_step(step, "mp"))
-        control = [(r.op, r.elements) for r in c.of_step(step, "control") if r.phase == "mp_step"]
-        moved = sorted((r.phase, r.elements) for r in c.of_step(step, "offload"))
-        want_moved = sorted(
-            ([("p_a_down", x_part), ("p_a_up", x_part)] * blocks * k if cell.p_a == "cpu" else [])
-            + E.expected_offload_copies(zcfg, spec, dp, skipped=info.skipped)
-        )
-        checks = (
-            E.first_difference(
-                "traffic", E.traffic_of_step(c, step),
-                E.expected_traffic(zcfg, spec, dp, g.d, forward=True, skipped=info.skipped),
-            ),
-            "" if got_mp == want_mp else f"mp traffic: engine {got_mp}, expected {want_mp}",
-            "" if control == [("all_gather", (mp - 1) * (2 + len(spec.names)))]
-            else f"mp control {control}",
-            "" if moved == want_moved else f"host copies: {moved}, expected {want_moved}",
-        )  # fmt: skip
-        why = why or next((f"step {step}: {w}" for w in checks if w), "")
+        why = check_reported(step, eng, res, states[g.m], info, losses, _same_bits)
+        bits = state_check(step, eng, spec, states[g.m])  # gather_state on every rank
+        counter = Without(eng.counter, reads)
+        why = why or bits or traffic_check(cell, cfg, zcfg, spec, g.d, counter, step, info.skipped)
         first = first or why
         clipped = info.norm is not None and float(info.norm) > CLIP
         steps.append({"digest": state_digest(eng, res), "norm": res.norm, "clipped": clipped})
         reads = {id(r) for r in eng.counter.records[before:]}  # this check's gathers
-    first = first or _count_check(spec.numel, tp_num_params(model.cfg, mp), model.cfg, g.m, mp)
-    arena = eng.activation_arena  # M_D: one slot per block of ⌈X/N_m⌉ (P_a) or X elements
-    if not first and arena is not None:
-        x = BATCH * model.cfg.block_size * model.cfg.n_embd
-        size = E.arena_span(x_part if cell.p_a != "off" else x, cell.precision)
-        if (arena.nbytes, arena.misses) != (blocks * size, 0):
-            first = (
-                f"checkpoint arena {arena.nbytes} B ({arena.misses} misses), want {blocks * size}"
-            )
-    got = {k: v for k, v in eng.memory_report().items() if k != "comm_buffers"}
-    want_mem = E.expected_memory(zcfg, spec, dp)
-    if not first and {k: got.get(k) for k in want_mem} != want_mem:
-        first = f"memory_report {got}, expected {want_mem}"
-    return {"d": g.d, "m": g.m, "steps": steps, "first": first}
+    first = first or _count_check(spec.numel, cfg, g.m, mp) or arena_check(cell, eng, cfg)
+    memory = memory_check(eng, zcfg, spec, dp)  # memory_report on every rank
+    return {"d": g.d, "m": g.m, "steps": steps, "first": first or memory}
 
 
 def run_cells(rank: int, world: int, cells: list[MPCell]) -> list[dict]:
     from .harness import each_cell  # here: the module stays light to import
 
     return each_cell(run_cell, rank, world, cells)
-
-
-def row(cell: MPCell, per_rank: list[dict]) -> dict:
-    """One cell's report row; passed only if every rank passed and the ranks of one MP index
-    hold one digest per step (the DP group's ranks gather one full state)."""
-    config = asdict(cell)
-    err = next((r["error"] for r in per_rank if "error" in r), "")
-    if err:
-        return {"config": config, "label": cell.label, "passed": False, "first_failure": err}
-    first = next((f"rank {i}: {r['first']}" for i, r in enumerate(per_rank) if r["first"]), "")
-    digests: dict[int, list] = {}
-    for r in per_rank:
-        mine = [s["digest"] for s in r["steps"]]
-        if digests.setdefault(r["m"], mine) != mine:
-            first = first or f"the DP ranks of m={r['m']} end in different digests"
-    lead = per_rank[0]["steps"]
-    return {"config": config, "label": cell.label, "passed": not first, "first_failure": first,
-            "digests": [digests[m] for m in sorted(digests)],
-            "clipped": [s["clipped"] for s in lead],
-            "norms": [s["norm"] for s in lead]}  # fmt: skip
-
-
-def quick_cells() -> list[MPCell]:
-    """Stages 0 and 3 on each mesh (1 and 2 once each), fp32 (the stage-1 cell cuts its slice
-    from the whole GPT: the same digests as the built ones); two bf16 cells and two fp16 cells
-    (loss scaling: the first step overflows and is skipped on every rank); P_a and P_a+cpu at
-    stage 3 on (2, 2), each bitwise equal to the same cell without P_a; optimizer offload (fp16,
-    stage 1) and P_a in the M_D arena (bf16, stage 3) on (2, 2)."""
-    plan = [(1, 2, 0), (1, 2, 1), (1, 2, 3), (2, 2, 0), (2, 2, 3), (2, 1, 0), (2, 1, 2), (2, 1, 3)]
-    cells = [MPCell(dp=d, mp=m, stage=s, from_gpt=(d, m, s) == (1, 2, 1)) for d, m, s in plan]
-    cells += [
-        MPCell(dp=2, mp=2, stage=2, precision="bf16"),
-        MPCell(dp=1, mp=2, stage=3, precision="bf16"),
-        MPCell(dp=1, mp=2, stage=0, precision="fp16"),
-        MPCell(dp=2, mp=2, stage=3, precision="fp16"),
-    ]
-    cells += [MPCell(dp=2, mp=2, stage=3, p_a=p) for p in ("on", "cpu")]
-    return cells + [
-        MPCell(dp=2, mp=2, stage=1, precision="fp16", extra=("offload_optimizer",)),
-        MPCell(dp=2, mp=2, stage=3, precision="bf16", p_a="on", extra=("contiguous_memory",)),
-    ]
-
-
-def complete_cells() -> list[MPCell]:
-    """Every stage × fp32/bf16/fp16 × (N_d, N_m) ∈ {(1,2), (2,2), (2,1), (1,4)} × P_a off/on
-    (at N_m = 1, P_a keeps the whole checkpoint: the plain activation checkpointing); then each
-    of EXTRAS with P_a, bf16, every stage on (2, 2) and (1, 4)."""
-    plain = [
-        MPCell(dp=d, mp=m, stage=s, precision=p, p_a=a)
-        for d, m in ((1, 2), (2, 2), (2, 1), (1, 4))
-        for s in range(4)
-        for p in ("fp32", "bf16", "fp16")
-        for a in ("off", "on")
-    ]
-    return plain + [
-        MPCell(dp=d, mp=m, stage=s, precision="bf16", p_a="on", extra=(x,))
-        for d, m in ((2, 2), (1, 4))
-        for s in range(4)
-        for x in EXTRAS
-    ]
-
-
-def invariance(rows: list[dict]) -> list[dict]:
-    """Cells of one (N_m, precision, steps) without a plant must hold one digest per MP index
-    and step over N_d, stages and P_a on/off."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        c = r["config"]
-        if c["plant"] is None and "digests" in r:
-            groups.setdefault((c["mp"], c["precision"], c["steps"]), []).append(r)
-    out = []
-    for (mp, precision, _), rs in groups.items():
-        passed = len({str(r["digests"]) for r in rs}) == 1
-        out.append({"mp": mp, "precision": precision, "cells": len(rs), "passed": passed,
-                    "dp": sorted({r["config"]["dp"] for r in rs}),
-                    "stages": sorted({r["config"]["stage"] for r in rs})})  # fmt: skip
-    return out
 
 
 def run_section(cells: list[MPCell], *, timeout_s: float = 900, say=print):
@@ -626,19 +405,3 @@ def run_section(cells: list[MPCell], *, timeout_s: float = 900, say=print):
         say(f"  N_m={r['mp']} {r['precision']}: one digest per m over N_d {r['dp']}, stages "
             f"{r['stages']} and P_a ({r['cells']} cells)  {mark}")  # fmt: skip
     return ordered, inv
-
-
-def markdown(rows: list[dict], inv: list[dict]) -> str:
-    lines = ["", "## Model-parallel cells", "", "| cell | clipped | passed | first failure |"]
-    lines.append("|---|---|---|---|")
-    for r in rows:
-        clip = "".join("c" if x else "." for x in r.get("clipped", []))
-        lines.append(f"| {r['label']} | {clip} | {r['passed']} | {r['first_failure']} |")
-    lines += [
-        "",
-        "| N_m | precision | N_d | stages | cells | one digest per m |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [f"| {r['mp']} | {r['precision']} | {r['dp']} | {r['stages']} | {r['cells']} | "
-              f"{r['passed']} |" for r in inv]  # fmt: skip
-    return "\n".join(lines) + "\n"
