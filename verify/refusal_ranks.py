@@ -65,17 +65,24 @@ def save_plain(directory: Path) -> None:
     eng.save(directory / PLAIN)
 
 
-def tp_engine(dp: int, mp: int, *, model_ctx=None, ctx_kw=None, mp_arg=None, **kw):
-    """(model, engine) of a tensor-parallel GPT on this rank's (dp, mp) mesh; model_ctx: the
-    context the model is built with (default: the engine's); mp_arg: what the engine is
-    given as mp= (default: its context)."""
+def mp_context(dp: int, mp: int, **kw):
+    """(groups, a new MPContext of kw) of this rank's (dp, mp) mesh."""
     from zero.collectives import CommCounter
-    from zero.mp import TPGPT, MPContext
+    from zero.mp import MPContext
 
     from .mp_cells import mesh_groups
 
     g = mesh_groups(dp, mp)
-    ctx = MPContext.of(g.mp_group, counter=CommCounter(), **(ctx_kw or {}))
+    return g, MPContext.of(g.mp_group, counter=CommCounter(), **kw)
+
+
+def tp_engine(dp: int, mp: int, *, model_ctx=None, ctx_kw=None, mp_arg=None, **kw):
+    """(model, engine) of a tensor-parallel GPT on this rank's (dp, mp) mesh; model_ctx: the
+    context the model is built with (default: the engine's); mp_arg: what the engine is
+    given as mp= (default: its context)."""
+    from zero.mp import TPGPT
+
+    g, ctx = mp_context(dp, mp, **(ctx_kw or {}))
     model = TPGPT.build(GPTConfig(**TP_GPT), model_ctx or ctx, seed=0)
     cfg = config(model, dp, group_of=None, groups=GROUPS["adam"][:1], **kw)
     return model, ZeroEngine(model, cfg, group=g.dp_group, mp=ctx if mp_arg is None else mp_arg)
@@ -229,59 +236,74 @@ def _tp_forward_too_long():
     model(torch.zeros(1, TP_GPT["block_size"] + 1, dtype=torch.long))
 
 
+def _mlp(**kw) -> MLP:
+    return MLP(MLPConfig(**{**dict(d_in=16, d_hidden=48, d_out=4), **kw}))
+
+
+def _make_engine(kind="mlp", model=None, **kw):
+    return lambda: engine(kind, model=model, **kw)
+
+
+def _tp_counts_missing():
+    from zero.mp import TPGPT
+
+    _, ctx = mp_context(1, 1)
+    model = TPGPT.build(GPTConfig(**TP_GPT), ctx, seed=0)
+    model.counts_in_norm = None
+    ZeroEngine(model, config(model, group_of=None, groups=GROUPS["adam"][:1]), mp=ctx)
+
+
 def one_rank_rows(directory: Path) -> list[Refusal]:
-    """Rows on a pool of one rank: the engine's construction and calls, saves, loads."""
-    mlp = lambda **kw: MLP(MLPConfig(**{**dict(d_in=16, d_hidden=48, d_out=4), **kw}))  # noqa: E731
+    """Rows on a pool of one rank, by subject: the engine's construction, its calls and
+    initialisation, model parallelism, saves and loads."""
+    rows = [*_build_rows(), *_engine_rows(), *_mp_rows(directory), *_checkpoint_rows(directory)]
+    return [Refusal(f"{m}: {w}", m, make, e, s, world=1) for m, w, make, e, s in rows]
+
+
+def _build_rows() -> list[tuple]:
+    """The engine built on a wrong module, config, unit list, parameter or grouping."""
     nested = ("transformer.h.0", "transformer.h.0.attn")
     gpt = GPT(GPTConfig(**SMALL_GPT))
-
-    def make_engine(kind="mlp", model=None, **kw):
-        return lambda: engine(kind, model=model, **kw)
-
-    def other_ctx():
-        from zero.collectives import CommCounter
-        from zero.mp import MPContext
-
-        from .mp_cells import mesh_groups
-
-        tp_engine(1, 1, model_ctx=MPContext.of(mesh_groups(1, 1).mp_group, counter=CommCounter()))
-
-    no_split = _saved_with(directory, "split_rule", None)
-    bad_split = _saved_with(directory, "split_rule", lambda name: "diag")
-    rows = [
+    return [
         ("build", "a module that is not an nn.Module",
          lambda: ZeroEngine("mlp", ZeroConfig()), ValueError,
          "module=str: must be a torch.nn.Module"),
         ("build", "a module without parameters", lambda: ZeroEngine(nn.ReLU(), ZeroConfig()),
          ValueError, "module=ReLU: has no parameters"),
-        ("build", "a config that is not a ZeroConfig", lambda: ZeroEngine(mlp(), {"stage": 1}),
+        ("build", "a config that is not a ZeroConfig", lambda: ZeroEngine(_mlp(), {"stage": 1}),
          ValueError, "config=dict: must be a zero.ZeroConfig"),
-        ("build", "a unit that is not a submodule", make_engine(units=("nope",)), ValueError,
+        ("build", "a unit that is not a submodule", _make_engine(units=("nope",)), ValueError,
          "units: 'nope' is not a submodule of the model"),
-        ("build", "a container as a unit", make_engine(units=("layers",)), ValueError,
+        ("build", "a container as a unit", _make_engine(units=("layers",)), ValueError,
          "units: 'layers' is an nn.ModuleList"),
-        ("build", "nested units", make_engine(model=gpt, units=nested), ValueError,
+        ("build", "nested units", _make_engine(model=gpt, units=nested), ValueError,
          "units: 'transformer.h.0' contains 'transformer.h.0.attn'; nested units"),
         ("zero_r/activations", "nested units checkpointed",
-         make_engine(model=gpt, units=nested, activation_checkpointing=True), ValueError,
+         _make_engine(model=gpt, units=nested, activation_checkpointing=True), ValueError,
          "units: 'transformer.h.0' contains 'transformer.h.0.attn'; activation_checkpointing"),
-        ("build", "a float64 parameter", make_engine(model=MODELS["mlp"][0]().double()),
+        ("build", "a float64 parameter", _make_engine(model=MODELS["mlp"][0]().double()),
          ValueError, "parameter 'layers.0.weight' has dtype torch.float64"),
         ("build", "nothing to train", _frozen_all, ValueError,
          "no parameter with requires_grad=True"),
         ("build", "a meta buffer without reset_running_stats",
          lambda: ZeroEngine(MetaBuffer(), ZeroConfig(chunk=128), device="cpu"), ValueError,
          "buffer 'scale' is on the meta device"),
-        ("build", "group_of beyond the groups", make_engine(group_of=lambda name, p: 5),
+        ("build", "group_of beyond the groups", _make_engine(group_of=lambda name, p: 5),
          ValueError, "group_of('layers.2.weight')=5: allowed are 0..1"),
-        ("build", "group_of not an index", make_engine(group_of=lambda name, p: "0"),
+        ("build", "group_of not an index", _make_engine(group_of=lambda name, p: "0"),
          ValueError, "group_of('layers.2.weight')='0': allowed are 0..1"),
-        ("build", "group_of that raises", make_engine(group_of=lambda name, p: 1 // 0),
+        ("build", "group_of that raises", _make_engine(group_of=lambda name, p: 1 // 0),
          ValueError, "group_of('layers.2.weight') raised ZeroDivisionError"),
         ("build", "a unit whose forward is never called", _bypassed, ValueError,
          "units: the forward of unit 'block' was never called"),
+    ]  # fmt: skip
+
+
+def _engine_rows() -> list[tuple]:
+    """The engine's calls out of order or with wrong values, and its initialisation rules."""
+    return [
         ("engine", "P_a without model parallelism",
-         make_engine(partition_activations=True, activation_checkpointing=True), ValueError,
+         _make_engine(partition_activations=True, activation_checkpointing=True), ValueError,
          "partition_activations=True: P_a needs model parallelism"),
         ("engine", "a meta model built on meta",
          lambda: ZeroEngine(MODELS["mlp"][0](device="meta"), ZeroConfig(), device="meta"),
@@ -304,11 +326,18 @@ def one_rank_rows(directory: Path) -> list[Refusal]:
          "init=) set only some of its elements"),
         ("materialize", "an init hook setting part of a parameter", _hook_init, ValueError,
          "parameter 'w' of unit <root>: its module's initialisation"),
+    ]  # fmt: skip
+
+
+def _mp_rows(directory: Path) -> list[tuple]:
+    """Model parallelism: the mesh, the MP context, the TP model, and what its saves need."""
+    return [
         ("mp/mesh", "a mesh larger than the world", lambda: tp_engine(1, 2), ValueError,
          "world size=1 is not allowed: expected dp·mp = 1·2 = 2"),
         ("mp/step", "mp= not an MPContext", lambda: tp_engine(1, 1, mp_arg="ctx"), ValueError,
          "mp='ctx': must be a zero.mp.MPContext"),
-        ("mp/step", "layers holding another MPContext", other_ctx, ValueError,
+        ("mp/step", "layers holding another MPContext",
+         lambda: tp_engine(1, 1, model_ctx=mp_context(1, 1)[1]), ValueError,
          "mp: the module's tensor-parallel layers must hold this same MPContext"),
         ("mp/step", "a fast MP sum in a deterministic engine",
          lambda: tp_engine(1, 1, ctx_kw=dict(deterministic=False)), ValueError,
@@ -317,10 +346,19 @@ def one_rank_rows(directory: Path) -> list[Refusal]:
          "has no counts_in_norm(name) method"),
         ("mp/gpt", "a TP forward beyond block_size", _tp_forward_too_long, ValueError,
          "sequence length=9 is not allowed: expected at most block_size=8"),
-        ("checkpoint/mpjoin", "a TP model without split_rule saved", no_split, ValueError,
+        ("checkpoint/mpjoin", "a TP model without split_rule saved",
+         _saved_with(directory, "split_rule", None), ValueError,
          "mp: TPGPT has no split_rule(name) method"),
-        ("checkpoint/mpjoin", "an unknown split rule saved", bad_split, ValueError,
+        ("checkpoint/mpjoin", "an unknown split rule saved",
+         _saved_with(directory, "split_rule", lambda name: "diag"), ValueError,
          "split_rule('transformer.wte.weight') = 'diag': expected one of"),
+    ]  # fmt: skip
+
+
+def _checkpoint_rows(directory: Path) -> list[tuple]:
+    """Saves that must be refused, and loads of a checkpoint of another model, optimizer,
+    grouping or world (the "plain" checkpoint)."""
+    return [
         ("checkpoint/commit", "keep_last 0",
          lambda: engine("mlp").save(directory / "never", keep_last=0), ValueError,
          "keep_last=0: must be None or an integer >= 1"),
@@ -339,10 +377,10 @@ def one_rank_rows(directory: Path) -> list[Refusal]:
          lambda: _load(directory, model=GPT(GPTConfig(**SMALL_GPT))), ValueError,
          "parameter 'transformer.wte.weight': model shape (64, 32), not in the checkpoint"),
         ("checkpoint/reshard", "a narrower model",
-         lambda: _load(directory, model=mlp(d_hidden=32)), ValueError,
+         lambda: _load(directory, model=_mlp(d_hidden=32)), ValueError,
          "parameter 'layers.0.weight': checkpoint shape (48, 16), model shape (32, 16)"),
         ("checkpoint/reshard", "a model missing a layer",
-         lambda: _load(directory, model=mlp(d_out=48, n_layer=2)), ValueError,
+         lambda: _load(directory, model=_mlp(d_out=48, n_layer=2)), ValueError,
          "parameter 'layers.2.weight': checkpoint shape (4, 48), not in the model"),
         ("checkpoint/reshard", "another optimizer",
          lambda: _load(directory, optimizer="sgd", groups=GROUPS["sgd"]), ValueError,
@@ -356,19 +394,6 @@ def one_rank_rows(directory: Path) -> list[Refusal]:
          lambda: _no_rng_entry(directory), CheckpointError,
          "files['r0000.bin'] has no entry 'rng:torch_cpu'"),
     ]  # fmt: skip
-    return [Refusal(f"{m}: {w}", m, make, e, s, world=1) for m, w, make, e, s in rows]
-
-
-def _tp_counts_missing():
-    from zero.collectives import CommCounter
-    from zero.mp import TPGPT, MPContext
-
-    from .mp_cells import mesh_groups
-
-    ctx = MPContext.of(mesh_groups(1, 1).mp_group, counter=CommCounter())
-    model = TPGPT.build(GPTConfig(**TP_GPT), ctx, seed=0)
-    model.counts_in_norm = None
-    ZeroEngine(model, config(model, group_of=None, groups=GROUPS["adam"][:1]), mp=ctx)
 
 
 def two_rank_rows(rank: int, directory: Path) -> list[Refusal]:
