@@ -98,6 +98,45 @@ def gradient_errors(spec, rcfg, before, info, grads):
     return c, e_r, g0, e_g0, d_norm
 
 
+def clip_errors(rcfg, norm: float, d_norm: float) -> tuple[float, float]:
+    """(coef, Δcoef): the clipping coefficient s(clip / (norm + eps)) and the bound on its
+    difference (item 2 of the module docstring); (1, 0) without clipping."""
+    if rcfg.clip_norm is None:
+        return 1.0, 0.0
+    coef = min(1.0, rcfg.clip_norm / (norm + CLIP_EPS))
+    low = max(norm - d_norm, 0.0) + CLIP_EPS
+    return coef, rcfg.clip_norm * d_norm / (low * (norm + CLIP_EPS)) + 2 * U32
+
+
+def optimizer_errors(spec, rcfg, before, info, c: float, e_g: dict, used, kernel: str):
+    """(err_p, err_state): bounds on the new master and on every optimizer state, per
+    parameter, from the clipped gradient's bound e_g, against the fused kernel `kernel`. A
+    parameter outside `used` is skipped by both: the engine must leave it exactly as it was."""
+    err_p, err_state = {}, {}
+    for name in spec.names:
+        if name not in used:
+            err_p[name] = np.zeros(spec.shapes[name])
+            err_state[name] = {k: err_p[name] for k in before.opt[name]}
+            continue
+        hp = rcfg.groups[spec.group_of[name]]
+        g_ref = (np.asarray(info.reduced[name], np.float32) * np.float32(c)).astype(np.float32)
+        if info.clip_coef is not None:
+            g_ref = g_ref * info.clip_coef
+        err, _, _ = optimizer_step_error(
+            rcfg.optimizer,
+            hp,
+            before.step_of(name) + 1,
+            before.master[name],
+            g_ref,
+            before.opt[name],
+            {"g": e_g[name]},
+            kernel=kernel,
+        )
+        err_p[name] = err["p"]
+        err_state[name] = {k: v for k, v in err.items() if k not in ("p", "g")}
+    return err_p, err_state
+
+
 def check_fast_step(
     eng, spec, rcfg, before, after, info, grads, *, detail=False, perturb=None
 ) -> dict:
@@ -112,45 +151,17 @@ def check_fast_step(
     perturb = perturb or {}
     n = eng.world_size
     c, e_r, g0, e_g0, d_norm = gradient_errors(spec, rcfg, before, info, grads)
-    norm = float(info.norm)
-    if rcfg.clip_norm is None:
-        coef, d_coef = 1.0, 0.0
-    else:
-        coef = min(1.0, rcfg.clip_norm / (norm + CLIP_EPS))
-        low = max(norm - d_norm, 0.0) + CLIP_EPS
-        d_coef = rcfg.clip_norm * d_norm / (low * (norm + CLIP_EPS)) + 2 * U32
+    coef, d_coef = clip_errors(rcfg, float(info.norm), d_norm)
+    e_g = {  # the clipped gradient's bound
+        k: coef * e_g0[k] + g0[k] * d_coef + 2 * U32 * g0[k] * coef + 2 * ETA32 for k in e_g0
+    }
     used = used_names(grads, spec)
-
-    def optimizer_errors(kernel: str) -> tuple[dict, dict]:
-        """Bounds on master and states, per parameter, against the fused kernel `kernel`."""
-        err_p, err_state = {}, {}
-        for name in spec.names:
-            if name not in used:  # skipped by both: the engine must leave it exactly as it was
-                err_p[name] = np.zeros(spec.shapes[name])
-                err_state[name] = {k: err_p[name] for k in before.opt[name]}
-                continue
-            e_g = coef * e_g0[name] + g0[name] * d_coef + 2 * U32 * g0[name] * coef + 2 * ETA32
-            hp = rcfg.groups[spec.group_of[name]]
-            g_ref = (np.asarray(info.reduced[name], np.float32) * np.float32(c)).astype(np.float32)
-            if info.clip_coef is not None:
-                g_ref = g_ref * info.clip_coef
-            err, _, _ = optimizer_step_error(
-                rcfg.optimizer,
-                hp,
-                before.step_of(name) + 1,
-                before.master[name],
-                g_ref,
-                before.opt[name],
-                {"g": e_g},
-                kernel=kernel,
-            )
-            err_p[name] = err["p"]
-            err_state[name] = {k: v for k, v in err.items() if k not in ("p", "g")}
-        return err_p, err_state
-
     # each unit's update ran where its master lives (offloaded: the host's kernel)
     kernels = {id(u): kernel_for(u.master.device) for u in eng.units}
-    errors = {k: optimizer_errors(k) for k in sorted(set(kernels.values()))}
+    errors = {
+        k: optimizer_errors(spec, rcfg, before, info, c, e_g, used, k)
+        for k in sorted(set(kernels.values()))
+    }
 
     worst = {k: (0.0, 0.0, 0.0) for k in ("reduced", "master", "optimizer", "working")}
 
