@@ -114,4 +114,5 @@ OBSERVABLE = {
         and c.mode == "deterministic" and c.optimizer in ("adam", "adamw")
     ),
 }  # fmt: skip
-"""Where each pair's planted bug (verify/plants.py) must show: verify.matrix.OBSERVABLE's rows."""
+"""Where each pair's planted bug (verify/plants.py) must show: rows of verify.observable's
+OBSERVABLE."""

@@ -9,7 +9,7 @@ plant function that patches the library through a Patch (undone afterwards), nev
 library's own code path when not planted, and the check that must catch it. The base bugs are
 _TABLE's (plants in verify/plants.py: plant_<name>); a feature's bugs live in its record
 (verify/features/). A bug of kind "cells" runs on the --quick cells where its predicate says it
-is observable (verify.matrix.OBSERVABLE for the base ones, [Note: observable] there), a bug of
+is observable (verify.observable.OBSERVABLE for the base ones, [Note: observable] there), a bug of
 kind "resume" on the --resume rows. Every such cell or row must fail *by the bug's named check*
 (a row's `checks`, verify/verdict.py): a row that failed only otherwise, or only by raising, is
 a miss, unless the bug's record says why raising is the right catch. The same cells pass
@@ -35,12 +35,13 @@ from . import resume as resume_mod
 from .cell import Cell
 from .features import Bug
 from .harness import run_cells
+from .observable import OBSERVABLE
 from .plants import Patch
 from .report import merge
 
 _TABLE = (
     # name, what it breaks, where it is observable, kind, the check that must catch it (the
-    # plant: plants.plant_<name>; where: matrix.OBSERVABLE or RESUME_OBSERVABLE)
+    # plant: plants.plant_<name>; where: verify.observable.OBSERVABLE or RESUME_OBSERVABLE)
     ("one_ulp", "one master element on rank N-1 one ULP off",
      "deterministic, N ≥ 2", "cells", "state"),
     ("shard_offset", "ranks >= 1 take their shard one element early",
@@ -106,7 +107,7 @@ RESUME_OBSERVABLE: dict[str, Callable] = {
 
 
 def _base(name, breaks, where, kind, check) -> Bug:
-    seen = RESUME_OBSERVABLE[name] if kind == "resume" else matrix.OBSERVABLE[name]
+    seen = RESUME_OBSERVABLE[name] if kind == "resume" else OBSERVABLE[name]
     plant = getattr(plants, f"plant_{name}")
     return Bug(name=name, breaks=breaks, where=where, plant=plant, observable=seen, kind=kind,
                check=check)  # fmt: skip

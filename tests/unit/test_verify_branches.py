@@ -20,6 +20,7 @@ from verify.expect import (
     reference_units,
 )
 from verify.harness import reference_trajectory
+from verify.observable import BRANCH_PREDICATES, OBSERVABLE, coverage
 from zero.common.memory import model_state_bytes
 
 
@@ -56,12 +57,12 @@ def test_quick_holds_the_branches_the_covering_array_cannot_reach():
         "GPT (tied parameters)",
         "clips on some steps, not on others",
     ):
-        assert any(matrix.BRANCH_PREDICATES[name](c) for c in cells), name
-    assert "NOT COVERED" not in "\n".join(matrix.coverage(cells))
+        assert any(BRANCH_PREDICATES[name](c) for c in cells), name
+    assert "NOT COVERED" not in "\n".join(coverage(cells))
 
 
 def test_the_low_loss_scale_cell_overflows_in_r_only():
-    (c,) = [c for c in quick_cells() if matrix.OBSERVABLE["unchecked_reduced_overflow"](c)]
+    (c,) = [c for c in quick_cells() if OBSERVABLE["unchecked_reduced_overflow"](c)]
     assert c.loss_scale < 1 / c.micro_batches
     draw = c.gradient_draw()
     infos = reference_trajectory(c)

@@ -12,6 +12,7 @@ from verify import interactions, matrix, planted, watchdog_cells
 from verify.expect import expected_released
 from verify.interactions import PAIRS, Pair, covering
 from verify.mp_cells import quick_cells as mp_quick_cells
+from verify.observable import OBSERVABLE
 from verify.resume import resume_cases
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ def test_each_pairs_bug_is_planted_and_observable_on_a_quick_cell():
     cells = matrix.quick()[0]
     for name, pred in interactions.OBSERVABLE.items():
         assert name in planted.BUGS, name
-        assert matrix.OBSERVABLE[name] is pred
+        assert OBSERVABLE[name] is pred
         assert any(pred(c) for c in cells), name
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from verify import matrix
 from verify.features import CHECKS, RESUME_CHECKS
+from verify.observable import OBSERVABLE
 from verify.planted import BUGS, Patch, markdown, observable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_at_least_25_bugs_each_with_a_predicate_and_an_observable_cell():
     assert len(BUGS) >= 25
     cells = {name for name, b in BUGS.items() if b.kind == "cells"}
-    assert cells == set(matrix.OBSERVABLE)
+    assert cells == set(OBSERVABLE)
     for name, bug in BUGS.items():  # a check it names, among those its kind has
         assert bug.check in (RESUME_CHECKS if bug.kind == "resume" else CHECKS), name
     quick = matrix.quick()[0]
@@ -32,8 +33,8 @@ def test_at_least_25_bugs_each_with_a_predicate_and_an_observable_cell():
 def test_the_persist_threshold_bug_is_observable_only_through_the_gap_cell():
     """A bug that --quick could not catch is a gap in the preset: PLANTED_GAPS fills it."""
     quick = [c for c in matrix.quick()[0] if c not in matrix.PLANTED_GAPS]
-    assert not [c for c in quick if matrix.OBSERVABLE["persist_threshold_off_by_one"](c)]
-    assert all(matrix.OBSERVABLE["persist_threshold_off_by_one"](c) for c in matrix.PLANTED_GAPS)
+    assert not [c for c in quick if OBSERVABLE["persist_threshold_off_by_one"](c)]
+    assert all(OBSERVABLE["persist_threshold_off_by_one"](c) for c in matrix.PLANTED_GAPS)
 
 
 def test_the_docs_table_lists_exactly_the_registry():
