@@ -198,7 +198,8 @@ def test_a_planted_read_is_reported(tmp_path):
     assert engine_privates(tmp_path) == {"_losses", "_launch", "_from_base"}
     assert private_reads(tmp_path) == []
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_x.py").write_text(
+    planted = "test_x.py"  # a file of the temporary tree only
+    (tmp_path / "tests" / planted).write_text(
         "def f(engine):\n"
         "    engine._launch()\n"
         "    return getattr(engine, '_losses'), engine._from_base\n"
@@ -209,7 +210,7 @@ def test_a_planted_read_is_reported(tmp_path):
     )
     assert private_reads(tmp_path) == [
         ("verify/cell.py", 3, "_losses"),
-        ("tests/test_x.py", 2, "_launch"),
-        ("tests/test_x.py", 3, "_losses"),
-        ("tests/test_x.py", 3, "_from_base"),
+        (f"tests/{planted}", 2, "_launch"),
+        (f"tests/{planted}", 3, "_losses"),
+        (f"tests/{planted}", 3, "_from_base"),
     ]
