@@ -11,6 +11,7 @@ from torchrun import torchrun
 from verify import matrix, mp_cells, mp_lockstep, parity
 from verify.__main__ import main
 from verify.cell import Cell
+from verify.observable import OBSERVABLE
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {
@@ -169,7 +170,7 @@ def check_preset_report(data, cells):
     )
     ran = [Cell.from_config(r["config"]) for r in rows]
     assert sorted(map(repr, ran)) == sorted(map(repr, cells))
-    for bug, observable in matrix.OBSERVABLE.items():
+    for bug, observable in OBSERVABLE.items():
         assert any(observable(c) for c in ran), f"no cell in the report where {bug} shows"
     inv = data["world_size_invariance"]
     assert inv and all(r["passed"] for r in inv)
@@ -245,7 +246,8 @@ def test_cells_is_the_product_of_its_axes():
         for p, o in (("bf16", "sgd"), ("fp32", "adam"))
     ]
     assert got == want
-    from verify.__main__ import cells_for, parse
+    from verify.command.options import parse
+    from verify.command.section_runs import cells_for
 
     args = parse(["--stages", "1", "2", "--world-sizes", "2", "--mode", "both", "--models", "gpt"])
     assert cells_for(args) == matrix.cells(

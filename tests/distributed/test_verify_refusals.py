@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from verify import refusals
-from verify.__main__ import parse, refusals_section
+from verify.command import sections
+from verify.command.options import parse
 from verify.refusal_damage import damage_rows
 from verify.refusal_rows import Refusal, judge_here, result
 from zero.checkpoint import validate
@@ -74,12 +75,18 @@ def test_a_row_whose_ranks_disagree_names_the_rank():
     assert not got["passed"] and got["message"].startswith("rank 1: ValueError does not say 'b'")
 
 
+def refusals_section(argv: list[str], say):
+    """What verify/command/sections.py's table runs of the refusals section for these options."""
+    invocation = sections.invocation(parse(argv), say)
+    return sections.run(sections.named("refusals"), invocation, {})
+
+
 def test_the_presets_list_the_section_and_other_runs_skip_it():
     said = []
-    assert refusals_section(parse(["--quick", "--list"]), said.append) is None
+    assert refusals_section(["--quick", "--list"], said.append) is None
     assert said == [refusals.count_line()] and said[0].startswith("refusals: ")
-    assert refusals_section(parse(["--stages", "0"]), said.append) is None
-    assert refusals_section(parse(["--parity"]), said.append) is None
+    assert refusals_section(["--stages", "0"], said.append) is None
+    assert refusals_section(["--parity"], said.append) is None
     assert len(said) == 1
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import verify.__main__ as verify_main
+import verify.command.section_runs
 import verify.run
 from verify import harness, resume
 from verify.__main__ import main
@@ -156,7 +156,10 @@ def broken(*args, **kwargs):
 
 @pytest.mark.parametrize(
     ("section", "target", "extra"),
-    [("resume", (resume, "run_table"), ["--resume"]), ("cells", (verify_main, "run_matrix"), [])],
+    [
+        ("resume", (resume, "run_table"), ["--resume"]),
+        ("cells", (verify.command.section_runs, "run_matrix"), []),
+    ],
 )
 def test_a_section_that_raises_still_gives_the_summary_and_json(
     section, target, extra, tmp_path, capsys, monkeypatch

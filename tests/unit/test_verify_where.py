@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from verify import harness
-from verify.__main__ import choose_where, main, parse
+from verify.__main__ import main, parse
+from verify.command.options import choose_where
 from verify.report import markdown
 from zero.common import cli
 from zero.ranks import launch
