@@ -16,11 +16,13 @@ import warnings
 from dataclasses import fields
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import control
 from .config import ZeroConfig
 from .partition import UnitPartition
+from .ranks.nodes import check_rows
 from .stages import stage_class
 from .unit import FlatUnit
 from .zero_r.activations import check_not_nested
@@ -228,7 +230,9 @@ def check_ranks_agree(config: ZeroConfig, named, groups: dict[str, int], *, engi
     """Different models, unit orders, configs or initial values on different ranks would
     hang or silently diverge: compare digests and name the first rank and unit that differ.
     `named` holds every parameter, trainable and frozen (group -1: not in `groups`).
-    engine_like: group, world_size, counter and device (control tensors live there)."""
+    engine_like: group, world_size, counter, device (control tensors live there), and nodes and
+    node (the world's layout and this rank's node, zero/ranks/nodes.py): the first exchange
+    also carries them, so the ranks agree on one node layout."""
     group, world_size = engine_like.group, engine_like.world_size
     counter, device = engine_like.counter, engine_like.device
     cfg = {f.name: repr(getattr(config, f.name)) for f in fields(config) if f.name != "group_of"}
@@ -243,7 +247,10 @@ def check_ranks_agree(config: ZeroConfig, named, groups: dict[str, int], *, engi
         int.from_bytes(hashlib.blake2b(v, digest_size=7).digest(), "little") for _, v in rows
     ]
     mine = torch.tensor([len(named), *digests], dtype=torch.int64, device=device)
-    counts = control.gather_control(mine[:1], group=group, counter=counter, phase="agree")
+    where = [dist.get_rank(), engine_like.nodes.ranks_per_node, engine_like.node]  # nodes.py
+    head = torch.tensor([len(named), *where], dtype=torch.int64, device=device)
+    counts = control.gather_control(head, group=group, counter=counter, phase="agree")
+    check_rows(counts[:, 1:].tolist())  # one node layout on every rank
     for r, c in enumerate(counts[:, 0].tolist()):
         if c != counts[0, 0]:
             raise ValueError(

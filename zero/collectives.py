@@ -33,6 +33,7 @@ from reference.tree import tree_sum
 from .common.traffic import KEEP_STEPS as KEEP_STEPS  # re-exported with the counter
 from .common.traffic import CommCounter as CommCounter  # every collective records into it
 from .common.traffic import CommRecord as CommRecord
+from .ranks.nodes import place
 from .ranks.watchdog import guard, wait
 
 # torch 2.13 renamed the flat collectives; 2.6-2.11 only have the old names.
@@ -83,7 +84,9 @@ def count_call(counter: CommCounter, op: str, elements: int, padding: int, like,
 
 
 def launch(fn, *args, group, async_op, rec, **kwargs):
-    """Launch fn; async_op False: also wait for it, watched (zero/ranks/watchdog.py's wait)."""
+    """Launch fn; async_op False: also wait for it, watched (zero/ranks/watchdog.py's wait).
+    Here, where the group is known, rec's bytes are split by link (zero/ranks/nodes.py)."""
+    place(rec, group)
     with guard(rec, group):
         work = fn(*args, group=group, async_op=True, **kwargs)
     return work if async_op else wait(work, rec, group)
@@ -145,6 +148,7 @@ def all_gather(
     if n == 1:
         return Pending(None, lambda: out.copy_(shard), rec)
     if _p2p(group, shard):  # [Note: all-gather on gloo]
+        place(rec, group)  # counted as the ring it stands in for ([Note: traffic per link])
         with guard(rec, group):
             work = _exchange_shards(out, shard, group, tag.get("unit"))
         pending = Pending(work, lambda: out, rec, (shard,), group)

@@ -17,6 +17,8 @@ from reference.optim import Hyper
 from reference.precision import ScalerConfig
 from reference.step import StepConfig
 
+from .ranks.nodes import check_ranks_per_node
+
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STAGES = (0, 1, 2, 3)
 WATCHDOG_MODES = ("calls", "collectives", "off")
@@ -149,6 +151,12 @@ class ZeroConfig:
     peer. 'collectives': the same before every collective as well (for finding a divergence
     inside a call, such as a unit run on one rank only). 'off': no checks; heartbeats still
     name a stopped or dead rank when a collective fails."""
+    ranks_per_node: int | None = None
+    """R: ranks on each node, the world being node-major (rank r on node r // R); traffic is
+    split by link with it ([Note: traffic per link], zero/common/traffic.py). None: under
+    torchrun the launcher's LOCAL_WORLD_SIZE, else every rank on one node. A value simulates
+    nodes on one machine (2 x 2: ranks_per_node=2 at N = 4); it must divide the world size, and
+    under torchrun equal LOCAL_WORLD_SIZE (zero/ranks/nodes.py)."""
 
     def __post_init__(self):
         if type(self.stage) is not int or self.stage not in STAGES:  # 2.0 == 2 and True == 1
@@ -191,6 +199,7 @@ class ZeroConfig:
             raise ValueError(
                 f"release_grads={self.release_grads!r}: must be None (by device), True or False"
             )
+        check_ranks_per_node(self.ranks_per_node)
         seed = self.dropout_seed
         if seed is not None and (type(seed) is not int or seed < 0):  # not a bool, not 1.0
             raise ValueError(f"dropout_seed={seed!r}: must be None or an integer >= 0")

@@ -37,6 +37,7 @@ from .introspect import Introspection
 from .materialize import StartValues
 from .mp.step import MPStep
 from .optim.update import Shard, live_runs, step_shards, update_batches
+from .ranks.nodes import resolve as resolve_nodes
 from .ranks.watchdog import Watch
 from .stages import STAGE_CLASSES, StageContext, stage_class
 from .stages.base import Clock
@@ -96,6 +97,10 @@ class ZeroEngine(Introspection, nn.Module):
         self.mp = None if mp is None else MPStep(self.module, mp, self.config)
         self.counter = C.CommCounter() if mp is None else self.mp.counter  # MP's counted here
         self.counter.step = -1  # construction's checks are "step -1"
+        self.nodes, self.node = resolve_nodes(  # the world's nodes, checked in _partition
+            self.config.ranks_per_node, rank=dist.get_rank(), world_size=dist.get_world_size()
+        )
+        self.counter.layout = self.nodes  # [Note: traffic per link]
         self.fake = dist.get_backend(self.group) == "fake"  # a simulated rank: no real peers
         self.step_config = self.config.step_config(self.world_size)
 

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from . import beacon
 from .beacon import BEAT_S, describe
+from .nodes import place
 
 BLAME = "watchdog blames"
 
@@ -176,6 +177,7 @@ class Watch:
                 padding=0,
                 nbytes=n * row.numel() * 8,
             )
+            place(rec, self.group)
         side = self.boundary_group()
         on = torch.device("cpu") if side is not self.group else self.device
         out = torch.empty(len(self.ranks), row.numel(), dtype=torch.int64, device=on)
