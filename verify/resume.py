@@ -343,7 +343,10 @@ def guarded_case(case: ResumeCase, directory, *, timeout_s: float) -> dict:
     return guarded(
         case.label,
         lambda: run_case(case, directory, timeout_s=timeout_s),
-        failed=lambda error: case_row(case, f"raised {error}", None, started),
+        failed=lambda error: {
+            **case_row(case, f"raised {error}", None, started),
+            "checks": ["raised"],
+        },
     )
 
 
