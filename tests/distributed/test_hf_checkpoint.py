@@ -13,7 +13,8 @@
    N = 2, stage 3 → the gathered master equals the folder's tensors bit for bit, the engine's
    logits equal the folder's model's, and each rank read exactly the bytes of its own shards
    (counted by wrapping safetensors' get_slice); under bf16 at N = 2 stage 1, the fp32 master
-   is the folder's bits and the working copy their rounding.
+   is the folder's bits and the working copy their rounding; a model built on the meta device
+   (hf.meta_model, N = 2 stage 3) starts from the folder's values.
 3. Refusals, each one line naming the file or key, the value and what is allowed (at N = 1); a
    failed export leaves the folder that was there as it was, and no temporary folder (N = 1, and
    at N = 2 a failure on rank 0 makes both ranks raise).
@@ -44,6 +45,8 @@ from tests.helpers.hf_tools import (
 from zero.checkpoint import hf, hfread
 from zero.checkpoint.commit import _buffers
 from zero.checkpoint.hf import export_hf, init_from_hf
+from zero.config import ZeroConfig
+from zero.engine import ZeroEngine
 from zero.loop import train_steps
 from zero.ranks.local import get_pool
 
@@ -230,6 +233,31 @@ def test_each_rank_reads_only_its_own_shards(imported):
         assert r["read"] == r["reported"] == 4 * r["real"] <= 4 * r["shard"]
         assert r["read"] < 4 * psi  # not the whole model
     assert sum(r["read"] for r in per_rank) == 4 * psi
+
+
+def meta_import_cell(rank, n, folder):
+    """The folder's model built with its parameters on the meta device (hf.meta_model), each
+    unit materialised alone as zeros, then filled by init_from_hf."""
+    model = hf.meta_model(folder, attn_implementation="eager")
+    on_meta = all(p.is_meta for p in model.parameters())
+    cfg = ZeroConfig(stage=3, micro_batches=n, units="auto", chunk=128)
+    eng = ZeroEngine(model, cfg, device="cpu", init_seed=None)
+    init_from_hf(eng, folder)
+    master, _ = eng.gather_state()
+    rules = {r for unit in eng.init_report.values() for r in unit.values()}
+    return on_meta, rules, {k: v.numpy() for k, v in master.items()}, logits(eng)
+
+
+@pytest.mark.dist
+def test_a_meta_device_model_starts_from_the_folder(imported):
+    kind, folder, per_rank = imported
+    saved = folder_tensors(folder)
+    on_meta, rules, master, mine = get_pool(2).run(meta_import_cell, str(folder))[0]
+    assert on_meta and rules == {"zeros"}
+    assert set(master) == set(saved)
+    for k, v in saved.items():
+        assert torch.equal(bits(master[k]), bits(v)), k
+    assert torch.equal(bits(mine), bits(per_rank[0]["theirs"]))
 
 
 def bf16_import_cell(rank, n, folder):

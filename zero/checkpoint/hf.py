@@ -2,6 +2,7 @@
 
     export_hf(engine, engine.module, "out/hf")  # every rank; from_pretrained("out/hf") reads it
     init_from_hf(engine, "out/hf")              # every rank; master and working copy from it
+    meta_model("out/hf")                        # its model, parameters on meta, for ZeroEngine
 
 Legend: N ranks, u a unit, L its shard length; a unit's padded flat buffer has N·L elements and
 rank r owns [r·L, (r+1)·L) of it (zero/partition.py); "extent" a range of that buffer; a "key" a
@@ -51,9 +52,9 @@ from .. import collectives as C
 from ..introspect import Introspect
 from .commit import _buffers, _state_dict_keys
 from .format import _agree, _check_idle, _fsync_dir
-from .hfread import CONFIG, GENERATION, INDEX, SINGLE, HFRead, init_from_hf
+from .hfread import CONFIG, GENERATION, INDEX, SINGLE, HFRead, init_from_hf, meta_model
 
-__all__ = ["HFRead", "export_hf", "init_from_hf"]
+__all__ = ["HFRead", "export_hf", "init_from_hf", "meta_model"]
 
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 EXPORT_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

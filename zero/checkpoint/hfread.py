@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..introspect import Introspect
 from .commit import _buffers
@@ -313,3 +314,35 @@ def init_from_hf(engine: Introspect, folder) -> HFRead:
         error = exc
     _agree(engine, error, f"init_from_hf from {folder}")
     return info
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter registered inside goes to the meta device as it is registered (one real
+    tensor at a time, freed at once); buffers stay where they are built (a rotary embedding's
+    inv_freq has a value the engine could not know). Not thread-safe: it patches nn.Module."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def meta_model(folder, **kwargs):
+    """AutoModelForCausalLM of a Hugging Face folder's config.json, its parameters on the meta
+    device and its buffers real: `ZeroEngine(meta_model(folder), cfg, device=...,
+    init_seed=None)` builds each unit alone (zeros), and init_from_hf(engine, folder) fills
+    them, so no process ever holds the whole model. kwargs go to from_config
+    (attn_implementation="eager", say)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, **kwargs)
