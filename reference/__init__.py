@@ -3,7 +3,8 @@
 Read in this order: tree.py (the reduction order), layout.py (flat units, the norm's chunks),
 precision.py (casts, loss scaler), optim.py (op-ordered optimizers), step.py (the step), and
 simulate.py (ZeRO stages 0-3 on N simulated ranks, which must give step.py's bits; ranks.py
-holds the ranks' buffers and the collectives between them).
+holds the ranks' buffers and the collectives between them). quantize.py is ZeRO++'s block
+quantization and its worst-case error, alone and through a sum (for node-aware communication).
 docs/design.md §2 is the contract these modules implement.
 """
 
