@@ -1,6 +1,7 @@
 """python -m verify: run the engine against the reference over a matrix of cells.
 
-    python -m verify --quick                                  # the CI preset (verify/matrix.py)
+    python -m verify --quick                                  # the CI preset
+    (verify/cells/matrix.py)
     python -m verify --complete --json v.json --markdown v.md # the release covering run
     python -m verify --quick --resume --coverage              # line coverage of the library
     python -m verify --stages 0 1 2 --world-sizes 1 2 4 --precisions fp32 bf16 fp16 \\
@@ -15,20 +16,27 @@ the GPUs where CUDA is available (else gloo on the CPU; --backend and --device c
 the cells of that world size only (the world-size invariance table needs several worlds and is
 skipped there). One row per cell; the exit status is non-zero if any row fails. What raises (in a
 rank, a cell, a resume case, a whole section) is a failing row naming it and the error, and the
-summary and the reports are still written (verify.report.guarded). Deterministic cells must be
-bitwise equal on every rank. Fast cells run in lock-step (verify/lockstep.py): each
+summary and the reports are still written (verify.checks.report.guarded). Deterministic cells must
+be
+bitwise equal on every rank. Fast cells run in lock-step (verify/checks/lockstep.py): each
 step starts from the reference's state and the reduced gradient, master, optimizer states and
 working copy must each lie within their derived bound; the row prints the worst check's measured
 error beside its bound (a cell passes at ratio <= 1).
 
-Sections of the report (verify/report.py): "cells" (gradients from backward), "injected" (gradients
-fed in by verify/inject.py), "world_size_invariance" (verify/invariance.py) and, with --resume,
-"resume" (checkpoint resume and resharding, from verify/resume.py when present); the presets and
+Sections of the report (verify/checks/report.py): "cells" (gradients from backward), "injected"
+(gradients
+fed in by verify/cells/inject.py), "world_size_invariance" (verify/cells/invariance.py) and, with
+--resume,
+"resume" (checkpoint resume and resharding, from verify/checkpoints/resume.py when present); the
+presets and
 --parity add "parity" and "parity_invariance" (the engine against plain PyTorch on several model
-families, verify/parity.py); the presets and --mp add "mp" and "mp_invariance" (ZeRO inside the DP
-group of each tensor-parallel slice against reference/mp.py, verify/mp_cells.py; --no-mp leaves it
-out of a preset). The presets end with "watchdog" (verify/watchdog_cells.py) and "refusals" (bad
-input and damaged checkpoints refused by name, verify/refusals.py). On a GPU (--device cuda) the
+families, verify/parity/section.py); the presets and --mp add "mp" and "mp_invariance" (ZeRO inside
+the DP
+group of each tensor-parallel slice against reference/mp.py, verify/mp/cells.py; --no-mp leaves it
+out of a preset). The presets end with "watchdog" (verify/faults/watchdog_cells.py) and "refusals"
+(bad
+input and damaged checkpoints refused by name, verify/refusals/section.py). On a GPU (--device
+cuda) the
 cells and the invariance table run there; the parity, model-parallel, watchdog, refusals and resume
 sections compute on the CPU and each says in one line that it is skipped. The report names the
 backend and the device (provenance.backend, provenance.device).
@@ -51,12 +59,12 @@ from zero.common import cli
 from zero.common.results import provenance, write_atomic, write_json
 from zero.ranks import launch
 
-from . import invariance
-from .cell import Cell
+from .cells import invariance
+from .cells.cell import Cell
+from .checks.report import console_row, markdown, sanitize, section
 from .command import sections
 from .command.options import check_local_nccl, parse
 from .command.section_runs import Invocation
-from .report import console_row, markdown, sanitize, section
 
 
 def main(argv=None) -> int:

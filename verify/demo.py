@@ -2,11 +2,12 @@
 
     python -m verify.demo              # 2 local gloo ranks, 3 steps per stage, about 10 s
 
-One small GPT (verify.cell.MODELS["gpt"]) trains at stages 0, 1, 2 and 3 on the same 2 ranks, in
+One small GPT (verify.cells.cell.MODELS["gpt"]) trains at stages 0, 1, 2 and 3 on the same 2 ranks,
+in
 deterministic mode and in the paper's configuration (bf16 working copy, gradients reduced in bf16,
 fp32 master, Adam; M = N). One row per stage:
 - loss: the global loss of the last step;
-- same bits: whether the final state's digest (verify.harness.state_digest) equals stage 0's;
+- same bits: whether the final state's digest (verify.checks.harness.state_digest) equals stage 0's;
 - params / grads / master / optimizer: resident model-state bytes on one rank
   (engine.memory_report()), their total over stage 0's beside the paper's (docs/paper.md §1.1);
 - traffic: model-state elements sent per step, summed over ranks, in units of Ψ·(N-1)/N, beside
@@ -56,8 +57,8 @@ def config(stage: int, world_size: int, units: tuple[str, ...]):
 
 def _rank(rank: int, world_size: int, steps: int) -> list[dict]:
     """Every stage in turn on this rank; what each ended with."""
-    from verify.cell import MODELS
-    from verify.harness import state_digest
+    from verify.cells.cell import MODELS
+    from verify.checks.harness import state_digest
     from zero.engine import ZeroEngine
     from zero.loop import train_steps
 

@@ -84,7 +84,7 @@ THRESHOLD = 90.0
 """Percent of the library's statements that the default run must execute: a floor against
 regressions. The collective watchdog, the heartbeats and the clean shutdown (2026-11-24) brought
 the figure from 90.3% to 87.5% (their code runs when ranks fail) and the floor was lowered to
-87; it is back at 90 since verify's refusals section (verify/refusals.py) runs the library's
+87; it is back at 90 since verify's refusals section (verify/refusals/section.py) runs the library's
 refusals of bad input and damaged checkpoints, each checked for its exception and its message,
 instead of listing them as error paths. A floor is raised by adding cells, never lowered to pass."""
 
@@ -178,7 +178,7 @@ def parse(argv=None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv=None) -> int:
     args, rest = parse(argv)
-    from . import uncovered  # imports nothing of zero/: safe before measurement starts
+    from . import uncovered
 
     status, files = measure(rest or list(DEFAULT_ARGS))
     report = uncovered.check(files, uncovered.load(), root=ROOT)

@@ -149,7 +149,7 @@ def _run_job(rank: int, world_size: int, job: Job) -> RankRun:
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
-    from verify.compare import to_numpy
+    from verify.checks.compare import to_numpy
     from zero.engine import ZeroEngine
     from zero.workloads.models import GPT, gpt_microbatches
 
@@ -249,7 +249,7 @@ class _SingleProcess:
 
     def step(self, batches) -> None:
         from reference import working_copy
-        from verify.harness import microbatch_grads
+        from verify.checks.harness import microbatch_grads
 
         work = working_copy(self.state, self.rcfg)
         grads = [microbatch_grads(self.model, work, b, self.dtype, None) for b in batches]
@@ -302,7 +302,7 @@ def _warm_up(job: Job) -> None:
     ranks inherit what the parent has imported."""
     import torch.utils.flop_counter  # noqa: F401
 
-    import verify.harness  # noqa: F401
+    import verify.checks.harness  # noqa: F401
     from zero.workloads.models import GPT
 
     GPT(_gpt_config(job), seed=0)

@@ -1,6 +1,8 @@
-"""External anchors: the reference against plain PyTorch and DDP, in lock-step (verify/anchors.py).
+"""External anchors: the reference against plain PyTorch and DDP, in lock-step
+(verify/parity/anchors.py).
 
-Every bound used here is derived in verify/anchors.py's module docstring (checks 1-5); the tests
+Every bound used here is derived in verify/parity/anchors.py's module docstring (checks 1-5); the
+tests
 assert them, show that an error of 10x a bound fails, and plant semantics bugs (a missing 1/M,
 coupled weight decay) that the anchors must catch by a wide margin.
 """
@@ -12,7 +14,7 @@ from functools import reduce
 import numpy as np
 import pytest
 
-from verify.anchors import (
+from verify.parity.anchors import (
     CHECKS,
     STATES,
     Anchor,
@@ -148,7 +150,8 @@ def test_ddp_anchor_catches_planted_semantics_bugs(reference, bug):
     assert w["grad" if bug == "missing 1/M" else "master"] > 100, w
 
 
-# DeepSpeed: one lock-step (the first) with one parameter group (verify/anchors.py explains why);
+# DeepSpeed: one lock-step (the first) with one parameter group (verify/parity/anchors.py explains
+# why);
 # M = 8 at N = 2 is 4 accumulation steps per rank, and the first step clips (asserted).
 DS_ANCHOR = Anchor(model="gpt", micro_batches=8, steps=1, clip_norm=0.5, one_group=True)
 

@@ -1,8 +1,10 @@
 """measure.bench's model-parallel systems (measure/bench_mp.py) at N = 4 gloo ranks, small GPT.
 
-- Counted traffic per step: kind "mp" = docs/design.md §6's table (deterministic: verify/expect.py's
+- Counted traffic per step: kind "mp" = docs/design.md §6's table (deterministic:
+verify/checks/expect.py's
   expected_mp_traffic; fast: the table's fast column, written out here), kind "model" = §2's
-  table for the slice in the DP group (verify/expect.py's expected_traffic), for megatron-lm and
+  table for the slice in the DP group (verify/checks/expect.py's expected_traffic), for megatron-lm
+  and
   ZeRO stages at N_m = 1, 2, 4; the records of run_bench carry the same per-step counts.
 - megatron-lm-det trains, bit for bit, what a stage-0 engine at N_m = 4, N_d = 1 built here from the
   config alone trains: the slice cut from the whole GPT (TPGPT.from_gpt, not the benchmark's
@@ -44,9 +46,9 @@ def fast_mp_traffic(cfg, b: int, n: int) -> list[tuple[str, str, int]]:
 
 def _traffic(rank, world, systems, cfg):
     """Worker: each system built by the benchmark, two steps; per system this rank's counted
-    traffic of the second (bench_mp.step_traffic) and what verify/expect.py expects of it."""
+    traffic of the second (bench_mp.step_traffic) and what verify/checks/expect.py expects of it."""
     from measure.bench_mp import step_traffic
-    from verify.expect import expected_mp_traffic, expected_traffic, reference_spec
+    from verify.checks.expect import expected_mp_traffic, expected_traffic, reference_spec
 
     torch.set_num_threads(1)
     out = {}
@@ -86,7 +88,7 @@ def _megatron_against_engine(rank, world, cfg, steps):
     """Worker: (losses, final slice) of the benchmark's megatron-lm-det and of an engine built here
     from the config alone, both as bit patterns."""
     from reference.optim import Hyper
-    from verify.mp_cells import mesh_groups
+    from verify.mp.cells import mesh_groups
     from zero.collectives import CommCounter
     from zero.config import ZeroConfig, decay_matrices_only
     from zero.engine import ZeroEngine

@@ -153,7 +153,7 @@ def _grads_between_steps(rank, n, stage, deterministic, kw):
     import time
     import weakref
 
-    from verify.harness import state_digest
+    from verify.checks.harness import state_digest
 
     out = {}
     for keep in (False, True):

@@ -22,10 +22,8 @@ from torch import nn
 
 from reference import ModelSpec, init_state, train_step, working_copy
 from reference.optim import Hyper, state_names
-from verify.bounds import optimizer_step_error
-from verify.cell import GROUPS
-from verify.harness import microbatch_grads
-from verify.resume import (
+from verify.cells.cell import GROUPS
+from verify.checkpoints.resume import (
     ResumeCase,
     build,
     check_saved,
@@ -36,6 +34,8 @@ from verify.resume import (
     run_rank,
     state_of,
 )
+from verify.checks.bounds import optimizer_step_error
+from verify.checks.harness import microbatch_grads
 from zero import checkpoint
 from zero.checkpoint import CheckpointError
 from zero.config import ZeroConfig, decay_matrices_only
@@ -62,7 +62,8 @@ def bits_equal(a, b) -> bool:
 def test_resume_at_another_world_size_and_stage_is_bitwise(case, tmp_path):
     """k steps at (N1, s1), save, load at (N2, s2) into a model built from another seed, train
     on: masters, optimizer states, counters, scaler and losses = the uninterrupted run's bits.
-    The row also consolidates ([Note: a resume row that consolidates] in verify/resume.py): the
+    The row also consolidates ([Note: a resume row that consolidates] in
+    verify/checkpoints/resume.py): the
     consolidated dict = the saving engine's state and the reference's next step from it = the
     resumed engine's, bitwise; torch.optim's step from it lies within its one-step bound."""
     row = run_case(case, tmp_path)
@@ -345,7 +346,7 @@ def test_consolidate_equals_the_reference_and_resumes_plain_torch(optimizer, tmp
     """1. consolidate(engine at N = 2, stage 2) = the NumPy reference's masters and states
     bitwise. 2. A plain GPT and torch.optim accept it (strict), and one torch step after
     loading equals, bitwise, torch stepping from the same state placed by hand, and lies
-    within the derived one-step bound (verify/bounds.py) of the reference's step t + 1, while
+    within the derived one-step bound (verify/checks/bounds.py) of the reference's step t + 1, while
     a state loaded with the step count one off does not."""
     root = tmp_path / "ck"
     got = get_pool(2).run(train_beside_reference, 2, optimizer, 3, str(root))[0]
@@ -457,7 +458,8 @@ FAULT_CASE = ResumeCase(n1=2, s1=2, n2=2, s2=2, precision="bf16", optimizer="ada
 
 @pytest.mark.dist
 def test_the_resume_tables_consolidation_check_sees_a_flipped_bit(tmp_path):
-    """verify/resume.py's check of the saved checkpoint (pruning, checksums, consolidation
+    """verify/checkpoints/resume.py's check of the saved checkpoint (pruning, checksums,
+    consolidation
     loaded into plain torch) can fail: one bit flipped in the expected state, or a step
     directory more than keep_last allows, is named."""
     case = ResumeCase(n1=2, s1=1, n2=1, s2=0, optimizer="adam", steps_before=3)
@@ -476,10 +478,11 @@ def test_the_resume_tables_consolidation_check_sees_a_flipped_bit(tmp_path):
 def test_the_resume_tables_damage_check_sees_a_checkpoint_reader_that_accepts(
     tmp_path, monkeypatch
 ):
-    """verify/resume.py's check_refusals ([Note: refused checkpoints]) passes on the real
+    """verify/checkpoints/resume.py's check_refusals ([Note: refused checkpoints]) passes on the
+    real
     reader, and names the damage when a reader stops checking: sha256 skipped, then the
     manifest's validation skipped."""
-    from verify.resume import check_refusals
+    from verify.checkpoints.resume import check_refusals
     from zero.checkpoint import format as fmt
 
     case = ResumeCase(n1=2, s1=3, n2=1, s2=0, optimizer="adamw", steps_before=1)

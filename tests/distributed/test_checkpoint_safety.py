@@ -25,7 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from verify.resume import ResumeCase, build, compare_states, microbatches, run_rank, state_of
+from verify.checkpoints.resume import (
+    ResumeCase,
+    build,
+    compare_states,
+    microbatches,
+    run_rank,
+    state_of,
+)
 from zero import checkpoint
 from zero.checkpoint import CheckpointError, lock
 from zero.checkpoint import format as fmt

@@ -11,7 +11,7 @@ import pytest
 
 from reference.layout import model_layout
 from verify import demo
-from verify.cell import MODELS
+from verify.cells.cell import MODELS
 from zero.common.memory import bytes_per_param, model_state_breakdown
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]

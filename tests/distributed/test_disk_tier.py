@@ -5,7 +5,8 @@ the counted disk traffic, a full disk refused in one line (before any file, or a
 folder then removed), a state file changed from outside refused by name, the files removed with
 the engine, and the configuration's refusals (how a process's end removes them:
 tests/distributed/test_disk_exits.py, tests/unit/test_disk_cleanup.py). verify's DISK cells and
-disk resume row run the same at every stage (verify/matrix.py, verify/resume.py)."""
+disk resume row run the same at every stage (verify/cells/matrix.py,
+verify/checkpoints/resume.py)."""
 
 import errno
 import gc

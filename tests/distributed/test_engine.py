@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reference.precision import DTYPES
-from verify import matrix
-from verify.cell import Cell
-from verify.harness import run_cells
-from verify.matrix import OPTIMIZERS, PRECISIONS, STAGES
+from verify.cells import matrix
+from verify.cells.cell import Cell
+from verify.cells.matrix import OPTIMIZERS, PRECISIONS, STAGES
+from verify.checks.harness import run_cells
 from zero import collectives
 from zero.common.memory import model_state_breakdown
 from zero.config import ZeroConfig
@@ -518,7 +518,7 @@ def fast_cells(n, model="mlp"):
 @pytest.mark.parametrize("n", [2, 4])
 def test_fast_cells_stay_within_their_derived_bounds(n):
     """Backend reduce-scatter/all-reduce, local accumulation, torch's optimizer kernels: every
-    step from the reference's state, R and the update within verify/lockstep.py's bounds."""
+    step from the reference's state, R and the update within verify/checks/lockstep.py's bounds."""
     assert failures(n, fast_cells(n) + fast_cells(n, model="gpt")[:3]) == []
 
 
@@ -618,7 +618,7 @@ def injected_run(rank, n, stage, precision, poison):
     tensor in [-30, 10], so bf16/fp16 see subnormals and near-overflow values; with `poison`,
     rank 1's second micro-batch of step 0 carries an inf (fp16: skip and halve the scale)."""
     from reference.step import ModelSpec, init_state, train_step
-    from verify.harness import compare_rank
+    from verify.checks.harness import compare_rank
 
     k = 2
     model, eng = mlp_engine(stage, n, k, precision=precision)
@@ -652,7 +652,7 @@ def injected_run(rank, n, stage, precision, poison):
 
 
 def to_np(t):
-    from verify.compare import to_numpy
+    from verify.checks.compare import to_numpy
 
     return to_numpy(t).copy()
 

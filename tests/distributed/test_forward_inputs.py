@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from reference import ModelSpec, init_state, train_step, working_copy
-from verify.cell import GROUPS
-from verify.harness import microbatch_loss_and_grads
+from verify.cells.cell import GROUPS
+from verify.checks.harness import microbatch_loss_and_grads
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.engine import ZeroEngine
 from zero.hooks import forward_rng

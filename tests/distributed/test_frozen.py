@@ -6,7 +6,8 @@ spec holds the trainable parameters alone and its micro-batch gradients are comp
 process on the working copy (the frozen values in the compute dtype); the frozen values never
 change. Against plain torch.optim.AdamW over the trainable parameters: one step with clipping
 within a derived bound, and the clipping norm leaves the frozen parameters out. memory_report
-and the traffic counter equal verify/expect.py's expectations (built from the model and config
+and the traffic counter equal verify/checks/expect.py's expectations (built from the model and
+config
 alone) exactly; checkpoints restore frozen values across N and stage and consolidate them.
 """
 
@@ -21,7 +22,7 @@ from reference.optim import Hyper
 from reference.precision import DTYPES, cast
 from reference.simulate import World
 from reference.step import StepConfig, init_state, train_step, working_copy
-from verify import expect
+from verify.checks import expect
 from zero import checkpoint
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine, backward_scaled, cast_inputs
@@ -179,7 +180,8 @@ def test_lora_trains_to_the_references_bits_and_frozen_values_never_change(runs)
     assert all(not np.array_equal(master0[n], start[n]) for n in spec.names)
 
 
-# -- 3. resident bytes and traffic: exactly what verify/expect.py builds from the model ------
+# -- 3. resident bytes and traffic: exactly what verify/checks/expect.py builds from the model
+# ------
 
 
 @pytest.mark.dist

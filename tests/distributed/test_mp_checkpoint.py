@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from verify.mp_resume import (
+from verify.mp.resume import (
     CFG,
     CHUNK,
     K,
@@ -114,10 +114,11 @@ def test_a_join_in_the_wrong_order_is_caught(saved):
 
 
 def test_a_plain_checkpoint_cut_wrong_on_load_is_caught_by_its_row_alone(saved, tmp_path):
-    """verify's "plain 2 -> 1x2" row (verify/interactions.py: MP × a plain checkpoint) with the
+    """verify's "plain 2 -> 1x2" row (verify/cells/interactions.py: MP × a plain checkpoint) with
+    the
     loader cutting QKV as plain rows: the loaded state differs from the plain run's. The (2, 2)
     checkpoint at (1, 2), the same N_m, is read directly and still loads with the saved bits."""
-    from verify.mp_resume import PLAIN_STAGE, save_plain
+    from verify.mp.resume import PLAIN_STAGE, save_plain
 
     root, state, *_ = saved
     plant = (("plant", "qkv_cut_as_rows"),)
@@ -228,7 +229,7 @@ def bad_input(rank, world, root):
         split_rule = None
 
     def no_rule():
-        from verify.mp_cells import mesh_groups
+        from verify.mp.cells import mesh_groups
 
         g = mesh_groups(1, 2)
         ctx = MPContext.of(g.mp_group, counter=CommCounter())

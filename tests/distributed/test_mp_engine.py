@@ -8,7 +8,8 @@
   for bit, and the engine's norm is the reference's; a planted double count of the replicated
   parameters (counts_in_norm always true) gives another norm, and the check sees it.
 - Counted traffic per step: kind "model" is docs/design.md §2's table for the slice
-  (verify/expect.py's expected_traffic on the slice's spec, within the DP group), kind "mp" is
+  (verify/checks/expect.py's expected_traffic on the slice's spec, within the DP group), kind "mp"
+  is
   §6's table, written here again, k times forward and backward, and the MP control exchange
   is one all-gather of (overflow, s_m, used flags).
 - An overflow in one slice alone (an injected inf on MP rank m = 1 of DP index 0) skips the
@@ -24,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from verify import mp_cells
-from verify.mp_cells import BATCH, CFG, CHUNK, M
+from verify.mp import cells as mp_cells
+from verify.mp.cells import BATCH, CFG, CHUNK, M
 from zero.ranks.local import get_pool
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
@@ -34,7 +35,7 @@ _groups, _bits, _setup = mp_cells.mesh_groups, mp_cells.float_bits, mp_cells.set
 
 
 def _reference_grads(g, cfg, working, batches, dtype, scale):
-    """Every slice's micro-batch gradients (verify/mp_cells.py's reference side)."""
+    """Every slice's micro-batch gradients (verify/mp/cells.py's reference side)."""
     return mp_cells.reference_grads(g, cfg, working, batches, dtype, scale)[1]
 
 
@@ -45,13 +46,13 @@ def run_mp(rank, world, dp, mp, runs):
 
     from reference.mp import mp_train_step
     from reference.step import init_state, working_copy
-    from verify.expect import (
+    from verify.checks.expect import (
         expected_traffic,
         reference_spec,
         reference_step_config,
         traffic_of_step,
     )
-    from verify.harness import state_digest
+    from verify.checks.harness import state_digest
     from zero.config import TORCH_DTYPES
     from zero.mp import counts_in_norm
     from zero.workloads.models import gpt_microbatches
@@ -118,7 +119,7 @@ def run_mp(rank, world, dp, mp, runs):
 def run_overflow(rank, world, dp, mp):
     """Worker: injected gradients, an inf in a split parameter on (d, m) = (0, 1) only; returns
     (skipped, norm, the state digest before and after) per rank."""
-    from verify.harness import state_digest
+    from verify.checks.harness import state_digest
 
     g, model, init, zcfg, eng = _setup(dp, mp, 2, "fp32", nonfinite="skip")
     before = eng.gather_state()
@@ -165,8 +166,8 @@ def test_used_flags_are_the_maximum_over_the_mp_group():
 
 def mp_traffic(n, k):
     """docs/design.md §6's table for one step of k micro-batches (deterministic mode), as
-    sorted (op, phase, elements) records: verify/expect.py's expected_mp_traffic."""
-    from verify.expect import expected_mp_traffic
+    sorted (op, phase, elements) records: verify/checks/expect.py's expected_mp_traffic."""
+    from verify.checks.expect import expected_mp_traffic
     from zero.workloads.models import GPTConfig
 
     return expected_mp_traffic(GPTConfig(**CFG), BATCH, n, k)
@@ -270,7 +271,7 @@ def test_overflow_on_one_slice_skips_everywhere():
 FAKE_RANKS = """
 import json, sys, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from verify.expect import expected_memory, reference_spec
+from verify.checks.expect import expected_memory, reference_spec
 from zero.collectives import CommCounter
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
@@ -302,7 +303,8 @@ print(json.dumps(out))
 
 def test_simulated_rank_holds_its_slice_on_the_fake_process_group():
     """Ranks (0, 0) and (2, 1) of a 4 × 2 job, each alone in one process: after a step (values
-    void, collectives instant) the engine's resident bytes at stages 0-3 equal verify.expect's
+    void, collectives instant) the engine's resident bytes at stages 0-3 equal
+    verify.checks.expect's
     per-unit model (zero/common/memory.py) for the slice's spec at N = N_d, and the slice has
     tp_num_params(cfg, 2) parameters (counted by hand here)."""
     import json

@@ -1,16 +1,16 @@
 """Tensor parallelism (zero/mp) on gloo ranks against the N_m = 1 GPT (docs/design.md §6).
 
-Lock-step over operators (verify/mp_lockstep.py, for the reason docs/design.md §6 gives: a
+Lock-step over operators (verify/mp/lockstep.py, for the reason docs/design.md §6 gives: a
 difference of one rounding changes every later rounding, so whole models have no derivable
 bound): each MP rank runs its slice of every split operator on the N_m = 1 model's real input
-and output gradient. Outputs and input gradients must lie within verify/mp_bounds.py's derived
+and output gradient. Outputs and input gradients must lie within verify/mp/bounds.py's derived
 bound, weight gradients must be the exact slices (bitwise), and a planted error (a missing sum,
 a sum scaled by 1/N_m, a row-parallel bias added on every rank) must fail.
 """
 
 import pytest
 
-from verify.mp_lockstep import CHECKS, LockCell, run_section
+from verify.mp.lockstep import CHECKS, LockCell, run_section
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(600)
 def check_lockstep(n, deterministic):
     (r,) = run_section([LockCell(mp=n, deterministic=deterministic)], say=lambda *a: None)
     assert "error" not in r.get("first_failure", ""), r
-    # every ratio is error / derived bound (verify/mp_bounds.py, docs/design.md §6): <= 1
+    # every ratio is error / derived bound (verify/mp/bounds.py, docs/design.md §6): <= 1
     for key in CHECKS:
         assert r["ratios"][key] <= 1.0, (key, r["ratios"][key])
     assert r["passed"], r["first_failure"]

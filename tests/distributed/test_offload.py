@@ -7,7 +7,7 @@ import pytest
 from engine_tools import OptCell, failures, mlp_engine, one_step
 
 from reference.precision import DTYPES
-from verify.matrix import PRECISIONS, STAGES, cells
+from verify.cells.matrix import PRECISIONS, STAGES, cells
 from zero.ranks.local import get_pool
 
 pytestmark = pytest.mark.timeout(600)

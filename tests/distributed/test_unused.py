@@ -1,7 +1,8 @@
 """Parameters without a gradient in a step ([Note: unused parameters], reference/step.py):
 skipped by the optimizer exactly as torch.optim skips `grad is None`, at every stage.
 
-The model is verify/branch.py's BranchMLP: a side branch (its own unit) that odd data steps skip,
+The model is verify/cells/branch.py's BranchMLP: a side branch (its own unit) that odd data steps
+skip,
 and that on even steps some ranks use and others do not ("mlp-branch"; at stage 3 the ranks agree:
 "mlp-skip", docs/models.md)."""
 
@@ -13,10 +14,10 @@ import pytest
 import torch
 
 from reference.optim import Hyper
-from verify.bounds import gamma, optimizer_step_error
-from verify.branch import BranchMLP, branch_microbatches, skip_microbatches
-from verify.cell import Cell
-from verify.harness import reference_trajectory, run_cells
+from verify.cells.branch import BranchMLP, branch_microbatches, skip_microbatches
+from verify.cells.cell import Cell
+from verify.checks.bounds import gamma, optimizer_step_error
+from verify.checks.harness import reference_trajectory, run_cells
 from zero import checkpoint
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
@@ -54,7 +55,8 @@ def test_the_branch_is_unused_on_odd_steps_in_the_reference():
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_every_stage_equals_the_reference_bitwise(n):
     """Stages 0-3 at N: masters, states, working copies, norms and every parameter's own step
-    count are the reference's bits, step by step (verify/harness.py). At stage 3 the side unit
+    count are the reference's bits, step by step (verify/checks/harness.py). At stage 3 the side
+    unit
     runs on no rank in odd steps: its zeros are built from metadata, where FlatUnit.grads()
     used to read the sharded parameters and raise an error about a read nobody made."""
     per_rank = get_pool(n).run(run_cells, branch_cells(n), timeout_s=600)
@@ -129,7 +131,8 @@ def step_bound(g, p, state, t_p, numel_max, count):
     elements per tensor, then of `count` tensor norms, two square roots) is within
     ρ = γ_{numel_max + count + 4} of the exact norm relatively, the engine's float64 norm within
     1e-12; each side divides and rounds (2u), so |Δcoef| <= coef·(ρ + 4u), and each side rounds
-    g·coef (u each): e_g = |g|·(ρ + 6u). verify/bounds.optimizer_step_error carries e_g through
+    g·coef (u each): e_g = |g|·(ρ + 6u). verify/checks/bounds.optimizer_step_error carries e_g
+    through
     AdamW's lines, charging both implementations' roundings per line."""
     rho = gamma(numel_max + count + 4, U) + 1e-12
     e_g = np.abs(g.astype(np.float64)) * (rho + 6 * U)

@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 from torchrun import torchrun
 
-from verify import matrix, mp_cells, mp_lockstep, parity
 from verify.__main__ import main
-from verify.cell import Cell
-from verify.observable import OBSERVABLE
+from verify.cells import matrix
+from verify.cells.cell import Cell
+from verify.cells.observable import OBSERVABLE
+from verify.mp import cells as mp_cells
+from verify.mp import lockstep as mp_lockstep
+from verify.parity import section as parity
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {
@@ -135,9 +138,9 @@ def test_under_torchrun_it_uses_the_given_world(tmp_path):
 
 @pytest.mark.dist
 def test_resume_section_is_wired_in(tmp_path):
-    """--resume adds the checkpoint resume/reshard table of verify/resume.py as its own
+    """--resume adds the checkpoint resume/reshard table of verify/checkpoints/resume.py as its own
     section, in the JSON and the Markdown, and its rows count towards the exit status."""
-    pytest.importorskip("verify.resume")
+    pytest.importorskip("verify.checkpoints.resume")
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     argv = ["--stages", "2", "--world-sizes", "2", "--precisions", "fp32", "--optimizers", "sgd"]
     argv += ["--models", "mlp", "--steps", "1", "--resume", "--json", str(out)]
@@ -202,14 +205,14 @@ def test_quick_preset_passes_and_has_teeth(tmp_path, capsys):
     }
     text = md.read_text()
     assert "## World-size invariance" in text and "## Injected gradients" in text
-    # the parity section (verify/parity.py): at least one cell per model family, all passing
+    # the parity section (verify/parity/section.py): at least one cell per model family, all passing
     assert {r["config"]["family"] for r in data["parity"]} == set(parity.FAMILIES)
     assert all(r["passed"] for r in data["parity"] + data["parity_invariance"])
     assert "## Parity with plain PyTorch" in text
-    # the model-parallel section (verify/mp_cells.py): its quick cells, all passing
+    # the model-parallel section (verify/mp/cells.py): its quick cells, all passing
     assert len(data["mp"]) == len(mp_cells.quick_cells()) and data["mp_invariance"]
     assert all(r["passed"] for r in data["mp"] + data["mp_invariance"])
-    # and N_m = 2 against N_m = 1, operator by operator (verify/mp_lockstep.py)
+    # and N_m = 2 against N_m = 1, operator by operator (verify/mp/lockstep.py)
     assert len(data["mp_operators"]) == len(mp_lockstep.quick_cells())
     assert all(r["passed"] for r in data["mp_operators"]) and "## Model parallelism against" in text
     printed = capsys.readouterr().out

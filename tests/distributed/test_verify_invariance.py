@@ -1,9 +1,9 @@
-"""World-size invariance (verify/invariance.py): the table's logic on made-up digests, and on
+"""World-size invariance (verify/cells/invariance.py): the table's logic on made-up digests, and on
 real ranks that a different summation order at one world size breaks it."""
 
 import pytest
 
-from verify import invariance
+from verify.cells import invariance
 from zero import collectives
 from zero.ranks.local import get_pool
 

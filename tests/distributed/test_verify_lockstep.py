@@ -1,4 +1,5 @@
-"""Fast mode in lock-step (verify/lockstep.py): every check reports its measured error beside its
+"""Fast mode in lock-step (verify/checks/lockstep.py): every check reports its measured error
+beside its
 derived bound, and each check fails when an error of 10× its bound is injected ([Note:
 non-vacuity]): the check is not vacuous."""
 
@@ -6,11 +7,11 @@ import functools
 
 import pytest
 
-from verify import harness
-from verify.cell import Cell
-from verify.harness import run_cells
-from verify.lockstep import check_fast_step
-from verify.report import merge
+from verify.cells.cell import Cell
+from verify.checks import harness
+from verify.checks.harness import run_cells
+from verify.checks.lockstep import check_fast_step
+from verify.checks.report import merge
 from zero.ranks.local import get_pool
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]

@@ -1,4 +1,4 @@
-"""verify's model-parallel section (verify/mp_cells.py): its quick cells pass with clipping
+"""verify's model-parallel section (verify/mp/cells.py): its quick cells pass with clipping
 active on every step, one digest per MP index over N_d, stages and P_a on/off; and planted
 engine bugs fail their cells: the replicated parameters counted in the norm on every MP rank,
 P_a's gather assembling the MP ranks' parts in the wrong order, and every row-parallel output
@@ -7,8 +7,8 @@ gradients come from the plain GPT, not zero/mp, so the engine no longer moves wi
 
 import pytest
 
-from verify import mp_cells
-from verify.mp_cells import MPCell, run_section
+from verify.mp import cells as mp_cells
+from verify.mp.cells import MPCell, run_section
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 

@@ -1,15 +1,15 @@
-"""Parity with plain PyTorch (verify/parity.py): the quick cells pass for every family, with
+"""Parity with plain PyTorch (verify/parity/section.py): the quick cells pass for every family, with
 steps that clip and steps that do not; deterministic cells give one digest over N and stage; and
 every check fails where it must: planted semantics bugs in two or more families, and an error
-of 10× each bound ([Note: non-vacuity] in verify/lockstep.py)."""
+of 10× each bound ([Note: non-vacuity] in verify/checks/lockstep.py)."""
 
 import importlib.util
 import math
 
 import pytest
 
-from verify import parity
-from verify.parity import FAMILIES, Family, ParityCell, run_section
+from verify.parity import section as parity
+from verify.parity.section import FAMILIES, Family, ParityCell, run_section
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

@@ -1,6 +1,6 @@
 """The harness has teeth: deliberately broken engines must be reported failing.
 
-The bugs, their patches and where each is observable live in verify/planted.py (BUGS: the base
+The bugs, their patches and where each is observable live in verify/planted/suite.py (BUGS: the base
 bugs' table and each feature's record, verify/features/); this file runs them. Each bug is
 planted by patching the library inside the worker function (undone when the cells are done) and
 run on the --quick cells (or --resume rows) where it is observable. Every such cell must fail by
@@ -13,7 +13,7 @@ bug; the release tier runs every observable cell, which also checks the predicat
 
 import pytest
 
-from verify.observable import OBSERVABLE
+from verify.cells.observable import OBSERVABLE
 from verify.planted import BUGS, by_its_check, checks_of, cost, observable, run_bug
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]

@@ -1,4 +1,5 @@
-"""verify's refusals section (verify/refusals.py): every row passes on the real library, and a
+"""verify's refusals section (verify/refusals/section.py): every row passes on the real library,
+and a
 refusal planted away, a wrong expected text or another exception fails exactly its row, saying
 what happened instead."""
 
@@ -6,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from verify import refusals
 from verify.command import sections
 from verify.command.options import parse
-from verify.refusal_damage import damage_rows
-from verify.refusal_rows import Refusal, judge_here, result
+from verify.refusals import section as refusals
+from verify.refusals.damage import damage_rows
+from verify.refusals.rows import Refusal, judge_here, result
 from zero.checkpoint import validate
 
 
@@ -93,7 +94,7 @@ def test_the_presets_list_the_section_and_other_runs_skip_it():
 def test_a_world_whose_rows_do_not_come_back_is_one_failing_row(section, monkeypatch):
     """The parent expects a row the ranks never ran (their pool was forked before the plant):
     the world's rows become one failing row naming the error, and the section goes on."""
-    from verify import refusal_ranks
+    from verify.refusals import ranks as refusal_ranks
 
     _, directory, _ = section
     extra = Refusal("a row the ranks never ran", "build", lambda: None, ValueError, "x", world=1)

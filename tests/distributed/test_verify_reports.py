@@ -7,13 +7,14 @@ import json
 
 import pytest
 
+import verify.cells.run
 import verify.command.section_runs
-import verify.run
-from verify import harness, resume
 from verify.__main__ import main
-from verify.plants import Patch
-from verify.report import error_text
-from verify.resume import ResumeCase
+from verify.checkpoints import resume
+from verify.checkpoints.resume import ResumeCase
+from verify.checks import harness
+from verify.checks.report import error_text
+from verify.planted.plants import Patch
 from zero.checkpoint import CheckpointError, reshard
 from zero.ranks.launch import RankError
 
@@ -35,7 +36,8 @@ def refuse(step_dir):
 
 
 def refusing_rank(rank, n, case, stage, steps, save_to=None, load_from=None, first=False):
-    """verify.resume.run_rank, whose loader's manifest read refuses the checkpoint in the REFUSED
+    """verify.checkpoints.resume.run_rank, whose loader's manifest read refuses the checkpoint in
+    the REFUSED
     case: patched here, in the rank's own process, and undone when it returns."""
     with Patch() as p:
         if load_from is not None and case == REFUSED:
@@ -48,7 +50,8 @@ def full_disk(*args, **kwargs):
 
 
 def failing_saver(rank, n, case, stage, steps, save_to=None, load_from=None, first=False):
-    """verify.resume.run_rank whose save raises in the REFUSED case: in a pool's worker, so
+    """verify.checkpoints.resume.run_rank whose save raises in the REFUSED case: in a pool's
+    worker, so
     the pool breaks (zero.ranks.local.WorkerPool)."""
     from zero.engine import ZeroEngine
 
@@ -125,7 +128,8 @@ def raise_for_stage_1(real):
 
 
 def cells_with_a_raising(name, rank, n, cells):
-    """verify.harness.run_cells with harness.<name> raising in stage-1 cells, in the worker."""
+    """verify.checks.harness.run_cells with harness.<name> raising in stage-1 cells, in the
+    worker."""
     with Patch() as p:
         p.setattr(harness, name, raise_for_stage_1(getattr(harness, name)))
         return harness.run_cells(rank, n, cells)
@@ -134,7 +138,9 @@ def cells_with_a_raising(name, rank, n, cells):
 @pytest.mark.parametrize("name", ["build_cell", "check_memory"])
 def test_a_cell_that_raises_is_a_failing_row_naming_it(name, tmp_path, capsys, monkeypatch):
     out = tmp_path / "v.json"
-    monkeypatch.setattr(verify.run, "run_cells", functools.partial(cells_with_a_raising, name))
+    monkeypatch.setattr(
+        verify.cells.run, "run_cells", functools.partial(cells_with_a_raising, name)
+    )
     argv = [*ONE_CELL[:1], "0", "1", *ONE_CELL[2:], "--json", str(out)]  # stages 0 and 1
     assert main(argv) == 1
     said = capsys.readouterr().out
@@ -209,9 +215,11 @@ def test_a_world_that_dies_fails_its_invariance_rows_naming_the_error(monkeypatc
             raise RankError(1, child)
         return [[["same digest"] * 3 for _ in runs]] * n
 
-    monkeypatch.setattr(verify.run, "pool_run", pool)
+    monkeypatch.setattr(verify.cells.run, "pool_run", pool)
     runs = [{"stage": 0, "precision": "fp32", "optimizer": "sgd"}]
-    rows = verify.run.invariance_table(runs, timeout_s=10, say=lambda *a: None, sizes=[1, 2, 4])
+    rows = verify.cells.run.invariance_table(
+        runs, timeout_s=10, say=lambda *a: None, sizes=[1, 2, 4]
+    )
     by_n = {r["world_size"]: r for r in rows}
     assert sorted(by_n) == [1, 2, 4]
     assert by_n[1]["passed"] and by_n[4]["passed"] and "error" not in by_n[4]

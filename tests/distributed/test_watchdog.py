@@ -233,9 +233,9 @@ def test_under_torchrun_the_stopped_rank_is_blamed(tmp_path):
 
 @pytest.mark.dist
 def test_verify_watchdog_section_passes_and_has_teeth():
-    """verify's watchdog cells (verify/watchdog_cells.py) pass; with the majority rule broken
+    """verify's watchdog cells (verify/faults/watchdog_cells.py) pass; with the majority rule broken
     (every rank blamed whenever the calls differ) the majority cell fails."""
-    from verify import watchdog_cells
+    from verify.faults import watchdog_cells
 
     rows = watchdog_cells.run_section(timeout_s=120, say=lambda *a: None)
     assert [r["passed"] for r in rows] == [True] * len(watchdog_cells.CELLS)
@@ -250,7 +250,7 @@ def test_a_tie_names_every_rank_and_a_planted_weak_majority_fails_it(n):
     """A tie (1-1 at N = 2, 2-2 at N = 4): every rank names every rank and says there was no
     strict majority. With the majority rule planted as 'at least half' (>= for >), one side of
     the tie is blamed instead, and the cell's verdict reports it."""
-    from verify import watchdog_cells
+    from verify.faults import watchdog_cells
 
     cell = next(c for c in watchdog_cells.CELLS if watchdog_cells.is_tie(c) and c.world_size == n)
     pool = watchdog_cells.get_pool(n)
@@ -264,7 +264,7 @@ def test_a_tie_names_every_rank_and_a_planted_weak_majority_fails_it(n):
 
 
 def _planted_weak_majority(rank, n, cell):
-    from verify import watchdog_cells
+    from verify.faults import watchdog_cells
     from zero.ranks import watchdog
 
     real = watchdog._odd_ones
@@ -283,7 +283,7 @@ def _planted_weak_majority(rank, n, cell):
 
 
 def _planted_majority(rank, n, cell):
-    from verify import watchdog_cells
+    from verify.faults import watchdog_cells
     from zero.ranks import watchdog
 
     real = watchdog._odd_ones

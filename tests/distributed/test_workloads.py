@@ -7,7 +7,8 @@ and 2,
    bits at every stage and N, the first-step loss equal to the plain model's, and one step within
    a derived bound of torch.optim.AdamW on the mean gradient.
 
-Deterministic mode, fp32, AdamW throughout. "Same bits" compares verify.harness.state_digest: a
+Deterministic mode, fp32, AdamW throughout. "Same bits" compares
+verify.checks.harness.state_digest: a
 hash of the full gathered fp32 master, both Adam moments, the working parameters, t and the norm.
 """
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from reference import Hyper
-from verify.harness import state_digest
+from verify.checks.harness import state_digest
 from zero.build import auto
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine

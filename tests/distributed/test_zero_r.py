@@ -9,8 +9,8 @@ import pytest
 import torch
 from engine_tools import OptCell, failures, mlp_engine, one_step, patched, probe_gpt_engine
 
-from verify.harness import run_cells
-from verify.matrix import PRECISIONS, cells
+from verify.cells.matrix import PRECISIONS, cells
+from verify.checks.harness import run_cells
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
 from zero.ranks.launch import RankError

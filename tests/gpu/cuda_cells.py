@@ -2,7 +2,7 @@
 
     python tests/gpu/cuda_cells.py OUT.json
 
-Runs injected-gradient cells (verify/inject.py) at every stage and precision, with and without
+Runs injected-gradient cells (verify/cells/inject.py) at every stage and precision, with and without
 ZeRO-Offload and contiguous buffers, on an engine built on cuda:0, and writes the merged rows.
 Injected cells feed the same gradients to the engine and to the reference, so the comparison is
 bitwise on any device: the reduction tree, the casts and the op-ordered optimizer must give the
@@ -17,9 +17,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from verify.cell import Cell
-from verify.harness import run_cells
-from verify.report import merge
+from verify.cells.cell import Cell
+from verify.checks.harness import run_cells
+from verify.checks.report import merge
 
 
 def cells() -> list[Cell]:

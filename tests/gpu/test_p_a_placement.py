@@ -1,4 +1,4 @@
-"""Where P_a+cpu's parts live on a CUDA device (verify/interactions.py's "P_a+cpu × a CUDA
+"""Where P_a+cpu's parts live on a CUDA device (verify/cells/interactions.py's "P_a+cpu × a CUDA
 device"): on a CPU host and device are one memory, so only a GPU can show that the offloaded
 checkpoint parts are in pinned host memory, that nothing but them left the device, and that
 they come back to the device bit for bit.

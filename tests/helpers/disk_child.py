@@ -22,7 +22,7 @@ import time
 
 import torch.distributed as dist
 
-from verify.cell import GROUPS
+from verify.cells.cell import GROUPS
 from zero.common import cli
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine

@@ -7,8 +7,8 @@ zero.ranks.launch's forked worker pools can use it on every rank. Nothing here i
 import contextlib
 import dataclasses
 
-from verify.cell import Cell
-from verify.harness import run_cells
+from verify.cells.cell import Cell
+from verify.checks.harness import run_cells
 from zero.config import ZeroConfig
 from zero.engine import ZeroEngine
 from zero.ranks.local import get_pool
@@ -17,7 +17,7 @@ from zero.workloads.models import MLP, MLPConfig, mlp_microbatches
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptCell(Cell):
-    """A verify cell with extra ZeroConfig fields (verify.harness builds the rest)."""
+    """A verify cell with extra ZeroConfig fields (verify.checks.harness builds the rest)."""
 
     options: tuple = ()  # ((field, value), ...)
 

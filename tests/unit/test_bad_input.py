@@ -3,7 +3,7 @@ and every command-line option, given a value that is non-finite, negative, zero,
 wrong type or a path that cannot be used, gives one line that names the field, before any work
 starts: a ValueError in the API, exit status 2 and no traceback on the command line.
 
-The survey itself, one row per bad value tried, is verify/bad_inputs.py (the fault suite,
+The survey itself, one row per bad value tried, is verify/refusals/bad_inputs.py (the fault suite,
 python -m verify.faults, runs the same rows). `test_survey_size` states how many there are, so
 that a row removed shows up in review."""
 
@@ -12,7 +12,7 @@ import math
 import pytest
 from torch import nn
 
-from verify import bad_inputs
+from verify.refusals import bad_inputs
 from zero.collectives import CommCounter
 from zero.common import cli
 from zero.config import ZeroConfig

@@ -1,6 +1,7 @@
 """Fast mode's optimizer bound against CUDA's fused Adam/AdamW, checked on a CPU.
 
-verify/bounds.py's [Note: kernel scalars]: CUDA's fused kernel rounds lr, b1, b2, wd and eps to
+verify/checks/bounds.py's [Note: kernel scalars]: CUDA's fused kernel rounds lr, b1, b2, wd and eps
+to
 float32 and computes 1 - b and the bias corrections from them in float32. `cuda_fused_adam`
 below is that kernel's arithmetic written out in NumPy float32, one operation at a time
 (docs/verification.md, "Fast mode on CUDA"), with powf's error as a parameter, so that the bound
@@ -15,7 +16,7 @@ import pytest
 
 from reference import optim
 from reference.optim import Hyper
-from verify.bounds import (
+from verify.checks.bounds import (
     KERNEL_SCALARS,
     ScalarGaps,
     kernel_for,

@@ -12,7 +12,7 @@ module takes from a sibling verify module that itself imported them from zero), 
 fails here until it is classified, and an entry that matches no import fails as stale. The
 parameter groups are the case that started this: the reference side once called
 zero.config.decay_matrices_only, the predicate the engine's config hands it; it now reads
-verify.expect.GROUPINGS, checked below against the models and the library.
+verify.checks.expect.GROUPINGS, checked below against the models and the library.
 """
 
 import ast
@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from verify import expect, mp_lockstep, parity
-from verify.cell import MODELS
+from verify.cells.cell import MODELS
+from verify.checks import expect
+from verify.mp import lockstep as mp_lockstep
+from verify.parity import section as parity
 from zero.config import decay_matrices_only
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,74 +34,73 @@ MODEL = "the model's definition, built alike for the engine and the expected sid
 DATA = "the data both sides train on"
 POOL = "where the ranks run; no value is compared or expected"
 IMPORTS = {
-    ("verify/expect_memory.py", "zero.common.memory.model_state_breakdown"): (
+    ("verify/checks/expect_memory.py", "zero.common.memory.model_state_breakdown"): (
         "c", "docs/design.md §3's bytes per category; the engine never calls it (tested below)"),
-    ("verify/parity.py", "zero.config.ZeroConfig"): ("b", "the engine's configuration"),
-    ("verify/parity.py", "zero.config.decay_matrices_only"): (
+    ("verify/parity/section.py", "zero.config.ZeroConfig"): ("b", "the engine's configuration"),
+    ("verify/parity/section.py", "zero.config.decay_matrices_only"): (
         "b", "the engine config's group_of; the plain side's groups are expect.decay_groups"),
-    ("verify/parity.py", "zero.engine.ZeroEngine"): (
+    ("verify/parity/section.py", "zero.engine.ZeroEngine"): (
         "a", "the engine under test: gather_state and its step's results are compared"),
-    ("verify/parity.py", "zero.workloads.lora.add_lora"): ("b", MODEL),
-    ("verify/parity.py", "zero.workloads.resnet.ResNet"): ("b", MODEL),
-    ("verify/parity.py", "zero.workloads.resnet.ResNetConfig"): ("b", MODEL),
-    ("verify/mp_lockstep.py", "zero.collectives.CommCounter"): ("b", MP_SOURCE),
-    ("verify/mp_lockstep.py", "zero.mp.MPContext"): ("b", "the MP group the operators run in"),
-    ("verify/mp_lockstep.py", "zero.mp.layers"): (
+    ("verify/parity/section.py", "zero.workloads.lora.add_lora"): ("b", MODEL),
+    ("verify/parity/section.py", "zero.workloads.resnet.ResNet"): ("b", MODEL),
+    ("verify/parity/section.py", "zero.workloads.resnet.ResNetConfig"): ("b", MODEL),
+    ("verify/mp/lockstep.py", "zero.collectives.CommCounter"): ("b", MP_SOURCE),
+    ("verify/mp/lockstep.py", "zero.mp.MPContext"): ("b", "the MP group the operators run in"),
+    ("verify/mp/lockstep.py", "zero.mp.layers"): (
         "a", "the tensor-parallel operators under test; outputs and gradients compared"),
-    ("verify/mp_lockstep.py", "zero.mp.tp_comm"): (
+    ("verify/mp/lockstep.py", "zero.mp.tp_comm"): (
         "a", "patched by the plants only; its sums run inside the operators under test"),
-    ("verify/mp_lockstep.py", "zero.mp.split_rule"): (
+    ("verify/mp/lockstep.py", "zero.mp.split_rule"): (
         "b", "the partition (which layer splits how); a wrong one breaks mp_cells' TP GPT"),
-    ("verify/mp_lockstep.py", "zero.mp.split_state"): (
+    ("verify/mp/lockstep.py", "zero.mp.split_state"): (
         "b", "rank m's slice of the weights, the operators' input; it names the rank's elements"),
-    ("verify/mp_lockstep.py", "zero.workloads.models.GPT"): ("b", MODEL + " (values redrawn)"),
-    ("verify/mp_lockstep.py", "zero.workloads.models.GPTConfig"): ("b", MODEL),
-    ("verify/mp_lockstep.py", "zero.workloads.models.gpt_microbatches"): ("b", DATA),
-    # verify/mp_cells.py and verify/mp_resume.py: as their owner left them on this table's date
-    ("verify/mp_cells.py", "zero.collectives.CommCounter"): (
-        "a", "the engine's traffic counter, read and compared with verify.expect"),
-    ("verify/mp_cells.py", "zero.config.TORCH_DTYPES"): (
+    ("verify/mp/lockstep.py", "zero.workloads.models.GPT"): ("b", MODEL + " (values redrawn)"),
+    ("verify/mp/lockstep.py", "zero.workloads.models.GPTConfig"): ("b", MODEL),
+    ("verify/mp/lockstep.py", "zero.workloads.models.gpt_microbatches"): ("b", DATA),
+    # verify/mp/cells.py and verify/mp/resume.py: as their owner left them on this table's date
+    ("verify/mp/cells.py", "zero.collectives.CommCounter"): (
+        "a", "the engine's traffic counter, read and compared with verify.checks.expect"),
+    ("verify/mp/cells.py", "zero.config.TORCH_DTYPES"): (
         "b", "the torch dtype a precision name means: the cast both sides apply"),
-    ("verify/mp_cells.py", "zero.config.ZeroConfig"): ("b", "the engine's configuration"),
-    ("verify/mp_cells.py", "zero.engine.ZeroEngine"): ("a", "the engine under test"),
-    ("verify/mp_cells.py", "zero.mp.MPContext"): ("b", "the MP group the engine runs in"),
-    ("verify/mp_cells.py", "zero.mp.Mesh"): ("b", "the (N_d, N_m) mesh's process groups"),
-    ("verify/mp_cells.py", "zero.mp.TPGPT"): ("b", MODEL),
-    ("verify/mp_cells.py", "zero.mp.gpt"): ("a", "patched by the tp_scale plant only"),
-    ("verify/mp_cells.py", "zero.mp.partitioned"): ("a", "patched by the p_a_order plant only"),
-    ("verify/mp_cells.py", "zero.mp.tp_num_params"): (
+    ("verify/mp/cells.py", "zero.config.ZeroConfig"): ("b", "the engine's configuration"),
+    ("verify/mp/cells.py", "zero.engine.ZeroEngine"): ("a", "the engine under test"),
+    ("verify/mp/cells.py", "zero.mp.MPContext"): ("b", "the MP group the engine runs in"),
+    ("verify/mp/cells.py", "zero.mp.Mesh"): ("b", "the (N_d, N_m) mesh's process groups"),
+    ("verify/mp/cells.py", "zero.mp.TPGPT"): ("b", MODEL),
+    ("verify/mp/cells.py", "zero.mp.gpt"): ("a", "patched by the tp_scale plant only"),
+    ("verify/mp/cells.py", "zero.mp.partitioned"): ("a", "patched by the p_a_order plant only"),
+    ("verify/mp/cells.py", "zero.mp.tp_num_params"): (
         "a", "under test: compared with the count of the cut GPT (_count_check)"),
-    ("verify/mp_cells.py", "zero.workloads.models.GPT"): ("b", MODEL),
-    ("verify/mp_cells.py", "zero.workloads.models.GPTConfig"): ("b", MODEL),
-    ("verify/mp_cells.py", "zero.workloads.models.gpt_microbatches"): ("b", DATA),
-    ("verify/mp_resume.py", "zero.checkpoint.consolidate"): (
+    ("verify/mp/cells.py", "zero.workloads.models.GPT"): ("b", MODEL),
+    ("verify/mp/cells.py", "zero.workloads.models.GPTConfig"): ("b", MODEL),
+    ("verify/mp/cells.py", "zero.workloads.models.gpt_microbatches"): ("b", DATA),
+    ("verify/mp/resume.py", "zero.checkpoint.consolidate"): (
         "a", "under test: the consolidated checkpoint is compared with the saved state"),
-    ("verify/mp_resume.py", "zero.checkpoint.mpjoin"): (
+    ("verify/mp/resume.py", "zero.checkpoint.mpjoin"): (
         "a", "patched by the reversed-join plant only"),
-    ("verify/mp_resume.py", "zero.collectives.CommCounter"): ("b", MP_SOURCE),
-    ("verify/mp_resume.py", "zero.config.ZeroConfig"): ("b", "the engine's configuration"),
-    ("verify/mp_resume.py", "zero.engine.ZeroEngine"): ("a", "the engine under test"),
-    ("verify/mp_resume.py", "zero.mp.MPContext"): ("b", "the MP group the engine runs in"),
-    ("verify/mp_resume.py", "zero.mp.TPGPT"): ("b", MODEL),
-    ("verify/mp_resume.py", "zero.ranks.launch.under_torchrun"): ("b", POOL),
-    ("verify/mp_resume.py", "zero.ranks.local.get_pool"): ("b", POOL),
-    ("verify/mp_resume.py", "zero.workloads.models.GPT"): ("b", MODEL),
-    ("verify/mp_resume.py", "zero.workloads.models.GPTConfig"): ("b", MODEL),
-    ("verify/mp_resume.py", "zero.workloads.models.gpt_microbatches"): ("b", DATA),
+    ("verify/mp/resume.py", "zero.collectives.CommCounter"): ("b", MP_SOURCE),
+    ("verify/mp/resume.py", "zero.config.ZeroConfig"): ("b", "the engine's configuration"),
+    ("verify/mp/resume.py", "zero.engine.ZeroEngine"): ("a", "the engine under test"),
+    ("verify/mp/resume.py", "zero.mp.MPContext"): ("b", "the MP group the engine runs in"),
+    ("verify/mp/resume.py", "zero.mp.TPGPT"): ("b", MODEL),
+    ("verify/mp/resume.py", "zero.ranks.launch.under_torchrun"): ("b", POOL),
+    ("verify/mp/resume.py", "zero.ranks.local.get_pool"): ("b", POOL),
+    ("verify/mp/resume.py", "zero.workloads.models.GPT"): ("b", MODEL),
+    ("verify/mp/resume.py", "zero.workloads.models.GPTConfig"): ("b", MODEL),
+    ("verify/mp/resume.py", "zero.workloads.models.gpt_microbatches"): ("b", DATA),
 }  # fmt: skip
 """(verify module, imported zero name) -> (kind, why)."""
-EXPECTED_SIDE = ("expect", "lockstep", "bounds", "anchors", "parity", "mp_", "verdict")
+EXPECTED_SIDE = ("checks/expect*.py", "checks/lockstep.py", "checks/bounds.py", "checks/verdict.py",
+                 "parity/*.py", "mp/*.py")  # fmt: skip
 MODULES = sorted(
     {m for m, _ in IMPORTS}
-    | {
-        f"verify/{p.name}"
-        for p in (ROOT / "verify").glob("*.py")
-        if p.stem.startswith(EXPECTED_SIDE)
-    }
+    | {p.relative_to(ROOT).as_posix() for g in EXPECTED_SIDE for p in (ROOT / "verify").glob(g)}
 )
-"""The modules that state expected values or check against them: every verify module named for
-it (the expectations, the bounds, the lock-step sides, parity, model parallelism, the verdict),
-found on disk, so that a module split out of one of them is scanned without being listed."""
+"""The modules that state expected values or check against them: verify/checks/' expectations,
+bounds and verdict, and every module of verify/parity/ and verify/mp/, found on disk, so that a
+module added there (or split out of an expect*.py) is scanned without being listed. The harness
+and its sides (verify/checks/harness.py, sides.py) drive the engine: they are the side under
+test and its inputs."""
 
 
 def _is_zero(module: str | None) -> bool:
@@ -119,18 +120,32 @@ def zero_bindings(source: str) -> dict[str, str]:
     return out
 
 
-def zero_imports(source: str, sibling=lambda name: "") -> set[str]:
-    """The zero.* names a module imports: its own imports, and the names it takes from a
-    sibling verify module (`from .cell import x`) that are that module's zero imports.
-    sibling(module name) -> that module's source ('' when there is none)."""
+def zero_imports(source: str, sibling=lambda name: "", package: str = "") -> set[str]:
+    """The zero.* names a module imports: its own imports, and the names it takes from another
+    verify module (`from .expect import x`, `from ..cells.cell import x`, `from verify.x import
+    y`) that are that module's zero imports. package: the importing module's package under
+    verify ("checks", "" at the top), against which relative imports resolve. sibling(dotted
+    name under verify) -> that module's source ('' when there is none)."""
     found = set(zero_bindings(source).values())
+    parts = package.split(".") if package else []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ImportFrom) or not node.module:
             continue
-        if node.level == 1 or (node.level == 0 and node.module.startswith("verify.")):
-            theirs = zero_bindings(sibling(node.module.removeprefix("verify.")))
-            found |= {theirs[a.name] for a in node.names if a.name in theirs}
+        if node.level:
+            base = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
+            name = ".".join([*base, node.module])
+        elif node.module.startswith("verify."):
+            name = node.module.removeprefix("verify.")
+        else:
+            continue
+        theirs = zero_bindings(sibling(name))
+        found |= {theirs[a.name] for a in node.names if a.name in theirs}
     return found
+
+
+def package_of(module: str) -> str:
+    """ "checks" for verify/checks/expect.py; "" for a module at verify/'s top."""
+    return ".".join(Path(module).parent.parts[1:])
 
 
 def verify_source(name: str) -> str:
@@ -140,7 +155,8 @@ def verify_source(name: str) -> str:
 
 def unclassified(module: str, source: str, sibling=verify_source) -> list[str]:
     """The zero.* names `module` imports that IMPORTS does not classify."""
-    return sorted(x for x in zero_imports(source, sibling) if (module, x) not in IMPORTS)
+    found = zero_imports(source, sibling, package_of(module))
+    return sorted(x for x in found if (module, x) not in IMPORTS)
 
 
 def test_every_zero_import_of_the_expected_side_is_classified():
@@ -149,7 +165,11 @@ def test_every_zero_import_of_the_expected_side_is_classified():
 
 
 def test_no_entry_is_stale():
-    found = {(m, x) for m in MODULES for x in zero_imports((ROOT / m).read_text(), verify_source)}
+    found = {
+        (m, x)
+        for m in MODULES
+        for x in zero_imports((ROOT / m).read_text(), verify_source, package_of(m))
+    }
     assert not sorted(set(IMPORTS) - found)
 
 
@@ -162,15 +182,16 @@ def test_the_scanner_reports_a_planted_expected_side_import():
     """The bug that started this: the reference side calling the library's predicate, imported
     inside a function, or taken from a sibling module that imported it."""
     direct = "def reference_groups(model):\n    from zero.config import decay_matrices_only\n"
-    assert unclassified("verify/expect.py", direct) == ["zero.config.decay_matrices_only"]
+    assert unclassified("verify/checks/expect.py", direct) == ["zero.config.decay_matrices_only"]
     aliased = "import zero.config as zc\n"
-    assert unclassified("verify/expect.py", aliased) == ["zero.config"]
-    cell = {"cell": "from zero.config import ZeroConfig, decay_matrices_only\nGROUPS = {}\n"}
-    for via in ("from .cell import GROUPS, decay_matrices_only\n",
-                "def f():\n    from verify.cell import decay_matrices_only\n"):  # fmt: skip
-        got = unclassified("verify/anchors.py", via, lambda m: cell.get(m, ""))
+    assert unclassified("verify/checks/expect.py", aliased) == ["zero.config"]
+    cell = {"cells.cell": "from zero.config import ZeroConfig, decay_matrices_only\nGROUPS = {}\n"}
+    for via in ("from ..cells.cell import GROUPS, decay_matrices_only\n",
+                "def f():\n    from verify.cells.cell import decay_matrices_only\n"):  # fmt: skip
+        got = unclassified("verify/parity/anchors.py", via, lambda m: cell.get(m, ""))
         assert got == ["zero.config.decay_matrices_only"], via
-    assert unclassified("verify/anchors.py", "from .cell import GROUPS\n", cell.get) == []
+    plain = "from ..cells.cell import GROUPS\n"
+    assert unclassified("verify/parity/anchors.py", plain, lambda m: cell.get(m, "")) == []
 
 
 def test_the_memory_formula_is_not_the_engines():
@@ -184,7 +205,8 @@ def test_the_memory_formula_is_not_the_engines():
     assert users == []
 
 
-# -- the parameter groups (verify.expect.GROUPINGS) ---------------------------------------------
+# -- the parameter groups (verify.checks.expect.GROUPINGS)
+# ---------------------------------------------
 
 
 def _models():

@@ -1,4 +1,4 @@
-"""Bad input refused before any work, where the survey's rows (verify/bad_inputs.py, run by
+"""Bad input refused before any work, where the survey's rows (verify/refusals/bad_inputs.py, run by
 tests/unit/test_bad_input.py) cannot show it alone: the simulated rank's fit check counts the
 padding of a large world, a CUDA device this process lacks is named, the Python API refuses
 before building, group_of's errors are named on the engine itself, and under torchrun the rank
@@ -17,7 +17,7 @@ from torch import nn
 from measure import fake_rank
 from measure.bench import read_results
 from measure.fake_rank import SimulateConfig, estimate_peak_bytes, refuse_unless_fits
-from verify import bad_inputs
+from verify.refusals import bad_inputs
 from zero.ranks import launch
 from zero.ranks.watchdog import CollectiveError, blame_line
 

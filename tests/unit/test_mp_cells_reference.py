@@ -1,4 +1,4 @@
-"""verify/mp_cells.py's reference side, which must not come from zero/mp (the code under test):
+"""verify/mp/cells.py's reference side, which must not come from zero/mp (the code under test):
 its split rule against docs/design.md §6.1 written out by hand, its cut and join as inverses that
 place QKV's heads, and SlicedGPT (the plain GPT with its split operators evaluated slice by
 slice) computing the plain GPT's function. That it also gives the TP slices' bits is what the
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from verify import mp_cells
-from verify.harness import microbatch_loss_and_grads
+from verify.checks.harness import microbatch_loss_and_grads
+from verify.mp import cells as mp_cells
 from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
 CFG = GPTConfig(**{**mp_cells.CFG, "n_head": 4})  # 4 heads: N_m up to 4

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from reference import optim
 from reference.optim import Hyper
-from verify.bounds import optimizer_step_error
+from verify.checks.bounds import optimizer_step_error
 from zero.optim import plain as zero_plain
 
 STEPS = 20
@@ -64,7 +64,8 @@ def _trajectories(kind, hp, seed, n):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_anchor_torch_optim(case):
     """20 steps from the same start and gradients: |ours - torch.optim| stays within the
-    running-error bound of verify/bounds.py (both implementations' roundings per line, propagated
+    running-error bound of verify/checks/bounds.py (both implementations' roundings per line,
+    propagated
     through the recurrence). The twin below shows the check fails for 10x the bound."""
     kind, hp = CASES[case]
     ours, theirs, bound = trajectories(kind, hp, seed=sum(map(ord, case)))

@@ -7,7 +7,7 @@ import pytest
 
 from reference import Hyper, ModelSpec, ScalerConfig, StepConfig, cast, init_state, train_step
 from reference.precision import bits
-from verify.bounds import UNIT_ROUNDOFF, gamma
+from verify.checks.bounds import UNIT_ROUNDOFF, gamma
 
 UNITS = [[("w", (6, 5)), ("b", (5,))], [("h", (40,))]]
 SPEC = ModelSpec.build(UNITS, {"b": 1}, chunk=128)

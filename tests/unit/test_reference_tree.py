@@ -17,7 +17,7 @@ from reference.tree import (
     reduce_microbatches,
     tree_sum,
 )
-from verify.bounds import UNIT_ROUNDOFF, gamma
+from verify.checks.bounds import UNIT_ROUNDOFF, gamma
 from zero.control import tree_total
 
 

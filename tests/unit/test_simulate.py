@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from reference import Hyper, ModelSpec, StepConfig, cast, init_state, train_step, working_copy
 from reference.precision import DTYPES, bits
 from reference.simulate import World
-from verify.bounds import sum_bound
+from verify.checks.bounds import sum_bound
 from zero.common.memory import model_state_breakdown, model_state_bytes
 
 OPTIMIZERS = {
@@ -285,7 +285,7 @@ def test_resident_bytes_equal_the_analytic_model(
 @pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
 def test_fast_mode_within_the_summation_bound(stage, reduce_dtype):
     """Fast mode sums in another order. Both it and the reference are orders of the same M
-    terms, so |R_fast - R_ref| <= 2·γ_{M-1}·Σ|g_j| elementwise (verify/bounds.py)."""
+    terms, so |R_fast - R_ref| <= 2·γ_{M-1}·Σ|g_j| elementwise (verify/checks/bounds.py)."""
     n, m = 4, 16
     spec, units = make_spec([[37, 5], [300]])
     rng = np.random.default_rng(5)

@@ -1,8 +1,10 @@
 """What the --quick preset exercises, and the expectations verify builds without an engine.
 
-The branches are checked on the reference alone (verify.harness.reference_trajectory): which steps
+The branches are checked on the reference alone (verify.checks.harness.reference_trajectory): which
+steps
 of a cell clip, skip or overflow does not depend on the engine under test. The traffic and memory
-expectations (verify/expect.py) are checked against the design's tables written out again here."""
+expectations (verify/checks/expect.py) are checked against the design's tables written out again
+here."""
 
 import dataclasses
 
@@ -10,17 +12,17 @@ import numpy as np
 import pytest
 
 from paper_figures.comm_volume import factor, root_saving
-from verify import matrix
-from verify.cell import MODELS
-from verify.expect import (
+from verify.cells import matrix
+from verify.cells.cell import MODELS
+from verify.cells.observable import BRANCH_PREDICATES, OBSERVABLE, coverage
+from verify.checks.expect import (
     expected_memory,
     expected_traffic,
     reference_groups,
     reference_spec,
     reference_units,
 )
-from verify.harness import reference_trajectory
-from verify.observable import BRANCH_PREDICATES, OBSERVABLE, coverage
+from verify.checks.harness import reference_trajectory
 from zero.common.memory import model_state_bytes
 
 

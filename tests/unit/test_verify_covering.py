@@ -1,4 +1,4 @@
-"""Covering arrays (verify/covering.py): every t-tuple appears, the rows are valid and
+"""Covering arrays (verify/cells/covering.py): every t-tuple appears, the rows are valid and
 reproducible, and the checker itself finds a missing pair."""
 
 import itertools
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verify import matrix
-from verify.covering import covering_array, required_tuples, uncovered
+from verify.cells import matrix
+from verify.cells.covering import covering_array, required_tuples, uncovered
 
 
 def all_tuples_present(rows, dims, t):

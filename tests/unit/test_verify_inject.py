@@ -6,7 +6,7 @@ unit size, parameter sizes, clipping) and the gradients' GradientDraw: the bulk 
 (down into the subnormals, up to the fp16 maximum), a fraction of exact zeros, and special
 values at drawn places: any float32 or float16 (inf, NaN and subnormals included) and the
 edges themselves (±65504, 2^-24, 2^-14, -0.0). The cell is shipped to the ranks, which
-materialise the same M micro-batches each (verify/inject.py), so shrinking never strands a
+materialise the same M micro-batches each (verify/cells/inject.py), so shrinking never strands a
 world. A non-finite value anywhere must make every rank skip the step, as the reference does.
 """
 
@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference.precision import cast
-from verify.cell import Cell
-from verify.harness import run_cells
-from verify.inject import FINITE_MAX, PLANS, GradientDraw, ParamModel, draw_for
-from verify.report import merge
+from verify.cells.cell import Cell
+from verify.cells.inject import FINITE_MAX, PLANS, GradientDraw, ParamModel, draw_for
+from verify.checks.harness import run_cells
+from verify.checks.report import merge
 from zero.ranks.local import get_pool
 
 pytestmark = pytest.mark.timeout(600)

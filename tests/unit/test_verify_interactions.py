@@ -1,6 +1,7 @@
-"""verify/interactions.py: every feature pair is run by the --quick plan (the GPU's by a test of
+"""verify/cells/interactions.py: every feature pair is run by the --quick plan (the GPU's by a test
+of
 tests/gpu), each pair's planted bug is a bug verify.planted knows with a --quick cell to show it,
-and verify.expect.expected_released states the release_grads contract by hand."""
+and verify.checks.expect.expected_released states the release_grads contract by hand."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from verify import interactions, matrix, planted, watchdog_cells
-from verify.expect import expected_released
-from verify.interactions import PAIRS, Pair, covering
-from verify.mp_cells import quick_cells as mp_quick_cells
-from verify.observable import OBSERVABLE
-from verify.resume import resume_cases
+from verify import planted
+from verify.cells import interactions, matrix
+from verify.cells.interactions import PAIRS, Pair, covering
+from verify.cells.observable import OBSERVABLE
+from verify.checkpoints.resume import resume_cases
+from verify.checks.expect import expected_released
+from verify.faults import watchdog_cells
+from verify.mp.cells import quick_cells as mp_quick_cells
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 def quick_plans() -> dict[str, list]:
-    from verify import mp_resume
+    from verify.mp import resume as mp_resume
 
     return {
         "cells": matrix.quick()[0],

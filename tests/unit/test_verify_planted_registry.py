@@ -1,4 +1,4 @@
-"""The planted-bug registry (verify/planted.py): its size, its predicates, its table.
+"""The planted-bug registry (verify/planted/suite.py): its size, its predicates, its table.
 
 Every bug must have a predicate and at least one --quick cell (or --resume quick row) where it is
 observable; the table in docs/verification.md must list exactly the registry's bugs with their
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from verify import matrix
+from verify.cells import matrix
+from verify.cells.observable import OBSERVABLE
 from verify.features import CHECKS, RESUME_CHECKS
-from verify.observable import OBSERVABLE
 from verify.planted import BUGS, Patch, markdown, observable
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Reports (verify/report.py): rows merged from per-rank verdicts, JSON-safe values, Markdown
+"""Reports (verify/checks/report.py): rows merged from per-rank verdicts, JSON-safe values, Markdown
 tables and the per-precision heatmap, on made-up verdicts (no ranks)."""
 
 import json
@@ -7,8 +7,8 @@ import math
 import matplotlib
 import pytest
 
-from verify.cell import Cell
-from verify.report import failed_rows, heatmap, markdown, merge, sanitize
+from verify.cells.cell import Cell
+from verify.checks.report import failed_rows, heatmap, markdown, merge, sanitize
 
 matplotlib.use("Agg")
 

@@ -4,9 +4,9 @@ rank). A section added to the table is one entry: its option, its choice, its re
 
 import pytest
 
+from verify.cells.run import Where
 from verify.command import options, sections
 from verify.command.section_runs import Invocation
-from verify.run import Where
 
 PRESET = ["cells", "parity", "mp", "watchdog", "refusals"]
 

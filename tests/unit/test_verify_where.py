@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from verify import harness
 from verify.__main__ import main, parse
+from verify.checks import harness
+from verify.checks.report import markdown
 from verify.command.options import choose_where
-from verify.report import markdown
 from zero.common import cli
 from zero.ranks import launch
 

@@ -112,7 +112,7 @@ def test_the_kernels_oom_counter_is_read_where_linux_has_it():
 
 
 def test_verifys_stopped_cell_fails_late_or_unnamed_verdicts():
-    from verify.watchdog_cells import CELLS, STOP_SLACK_S, verdict
+    from verify.faults.watchdog_cells import CELLS, STOP_SLACK_S, verdict
 
     cell = next(c for c in CELLS if c.fault == "stopped")
     stopped = {"blamed": None, "message": "stopped, then continued", "stopped": True}
@@ -128,7 +128,7 @@ def test_verifys_stopped_cell_fails_late_or_unnamed_verdicts():
 
 
 def test_verifys_killed_cell_fails_without_the_signal_or_the_folder():
-    from verify.watchdog_cells import CELLS, verdict
+    from verify.faults.watchdog_cells import CELLS, verdict
 
     cell = next(c for c in CELLS if c.fault == "killed")
     line = "watchdog blames rank 1: its process ended without reporting: signal 9 (SIGKILL), ..."

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from zero.ranks import launch
 
-from .. import matrix
-from ..cell import Cell
-from ..observable import coverage
-from ..report import guarded
-from ..run import Where, run_matrix
+from ..cells import matrix
+from ..cells.cell import Cell
+from ..cells.observable import coverage
+from ..cells.run import Where, run_matrix
+from ..checks.report import guarded
 
 MODES = ("deterministic", "fast")
 
@@ -101,10 +101,14 @@ def plan(args, alone: bool) -> tuple[list[Cell], list[dict]]:
 
 
 def list_plans(args) -> dict[str, list]:
-    """The plans besides the cells that `--list` reports feature pairs over (verify/
+    """The plans besides the cells that `--list` reports feature pairs over (verify/cells/
     interactions.py): the resume cases and model-parallel rows with --resume, the model-parallel
     cells and the watchdog cells with a preset, the GPU tests that exist in this checkout."""
-    from .. import interactions, mp_cells, mp_resume, resume, watchdog_cells
+    from ..cells import interactions
+    from ..checkpoints import resume
+    from ..faults import watchdog_cells
+    from ..mp import cells as mp_cells
+    from ..mp import resume as mp_resume
 
     plans: dict[str, list] = {}
     if args.resume:
@@ -129,7 +133,7 @@ def matrix_listing(inv: Invocation) -> None:
 
 
 def matrix_run(inv: Invocation) -> dict:
-    """The matrix (verify/run.py): "cells", "injected", "world_size_invariance", "errors" and
+    """The matrix (verify/cells/run.py): "cells", "injected", "world_size_invariance", "errors" and
     "timing"; no_matrix's report when it raised as a whole."""
     t0 = time.time()
     return guarded(
@@ -166,13 +170,14 @@ def matrix_closing(inv: Invocation, report: dict) -> list[str]:
 
 
 def resume_run(inv: Invocation) -> dict:
-    """The checkpoint resume/reshard table (verify/resume.py): the quick cases, or every case
-    with --complete; no rows when this checkout has no verify/resume.py."""
+    """The checkpoint resume/reshard table (verify/checkpoints/resume.py): the quick cases, or
+    every case
+    with --complete; no rows when this checkout has no verify/checkpoints/resume.py."""
     say, args = inv.say, inv.args
-    if importlib.util.find_spec("verify.resume") is None:
-        say("--resume: verify/resume.py is not in this checkout; no resume table")
+    if importlib.util.find_spec("verify.checkpoints.resume") is None:
+        say("--resume: verify/checkpoints/resume.py is not in this checkout; no resume table")
         return {"resume": []}
-    module = importlib.import_module("verify.resume")
+    module = importlib.import_module("verify.checkpoints.resume")
     kwargs = {"timeout_s": args.timeout, "quick": not args.complete}
     if args.world_sizes is not None:
         kwargs["world_sizes"] = tuple(args.world_sizes)
@@ -190,20 +195,20 @@ def resume_run(inv: Invocation) -> dict:
 
 
 def parity_cells(args) -> list:
-    """The parity cells (verify/parity.py): the quick ones, or every one with --complete."""
-    from .. import parity
+    """The parity cells (verify/parity/section.py): the quick ones, or every one with --complete."""
+    from ..parity import section as parity
 
     return in_sizes(parity.complete_cells() if args.complete else parity.quick_cells(), args)
 
 
 def parity_listing(inv: Invocation) -> None:
-    from .. import parity
+    from ..parity import section as parity
 
     inv.say(f"parity: {len(parity_cells(inv.args))} cells over {len(parity.FAMILIES)} families")
 
 
 def parity_run(inv: Invocation) -> dict:
-    from .. import parity
+    from ..parity import section as parity
 
     cells = parity_cells(inv.args)
     rows, inv_rows = parity.run_section(cells, timeout_s=inv.args.timeout, say=inv.say)
@@ -218,15 +223,16 @@ def parity_tally(got: dict, timing: dict) -> str:
 
 
 def parity_markdown(got: dict) -> str:
-    from ..parity import markdown
+    from ..parity.section import markdown
 
     return markdown(got["parity"], got["parity_invariance"])
 
 
 def mp_plan(args) -> tuple[list, list]:
-    """(cells of verify/mp_cells.py, operator cells of verify/mp_lockstep.py): the quick ones,
+    """(cells of verify/mp/cells.py, operator cells of verify/mp/lockstep.py): the quick ones,
     or every one with --complete."""
-    from .. import mp_cells, mp_lockstep
+    from ..mp import cells as mp_cells
+    from ..mp import lockstep as mp_lockstep
 
     cells = mp_cells.complete_cells() if args.complete else mp_cells.quick_cells()
     ops = mp_lockstep.complete_cells() if args.complete else mp_lockstep.quick_cells()
@@ -239,9 +245,10 @@ def mp_listing(inv: Invocation) -> None:
 
 
 def mp_run(inv: Invocation) -> dict:
-    """ZeRO in the DP group of each tensor-parallel slice against reference/mp.py (verify/
-    mp_cells.py), and N_m > 1 against N_m = 1 (verify/mp_lockstep.py)."""
-    from .. import mp_cells, mp_lockstep
+    """ZeRO in the DP group of each tensor-parallel slice against reference/mp.py (verify/mp/
+    cells.py), and N_m > 1 against N_m = 1 (verify/mp/lockstep.py)."""
+    from ..mp import cells as mp_cells
+    from ..mp import lockstep as mp_lockstep
 
     cells, ops = mp_plan(inv.args)
     rows, inv_rows = mp_cells.run_section(cells, timeout_s=inv.args.timeout, say=inv.say)
@@ -257,15 +264,16 @@ def mp_tally(got: dict, timing: dict) -> str:
 
 
 def mp_markdown(got: dict) -> str:
-    from ..mp_cells import markdown
-    from ..mp_lockstep import markdown as operators_markdown
+    from ..mp.cells import markdown
+    from ..mp.lockstep import markdown as operators_markdown
 
     return markdown(got["mp"], got["mp_invariance"]) + operators_markdown(got["mp_operators"])
 
 
 def watchdog_run(inv: Invocation) -> dict:
-    """A diverging rank must be named, the right one, on every rank (verify/watchdog_cells.py)."""
-    from .. import watchdog_cells
+    """A diverging rank must be named, the right one, on every rank
+    (verify/faults/watchdog_cells.py)."""
+    from ..faults import watchdog_cells
 
     cells = in_sizes(watchdog_cells.CELLS, inv.args)
     inv.say("watchdog (some ranks diverge; every rank must name them, or all ranks at a tie):")
@@ -277,7 +285,7 @@ def watchdog_run(inv: Invocation) -> dict:
 
 def watchdog_cell(cell, timeout_s: float, say) -> list[dict]:
     """One watchdog cell's row; a failing row naming it when its world raised (guarded)."""
-    from .. import watchdog_cells
+    from ..faults import watchdog_cells
 
     def failed(row: dict) -> list[dict]:
         say(f"  {cell.label:<56} FAIL raised {row['error']}")
@@ -292,15 +300,15 @@ def watchdog_tally(got: dict, timing: dict) -> str:
 
 
 def refusals_listing(inv: Invocation) -> None:
-    from .. import refusals
+    from ..refusals import section as refusals
 
     inv.say(refusals.count_line())
 
 
 def refusals_run(inv: Invocation) -> dict:
     """Each row's bad input or damaged checkpoint must raise its named error saying its named
-    text (verify/refusals.py)."""
-    from .. import refusals
+    text (verify/refusals/section.py)."""
+    from ..refusals import section as refusals
 
     args = inv.args
     rows = refusals.run_section(timeout_s=args.timeout, say=inv.say, world_sizes=args.world_sizes)

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..report import SECTIONS, section
-from ..run import Where
+from ..cells.run import Where
+from ..checks.report import SECTIONS, section
 from . import section_runs as runs
 
 
@@ -80,7 +80,8 @@ class Section:
     closing: Callable[[runs.Invocation, dict], list[str]] | None = None
     """Its lines in the closing summary, of the report."""
     markdown: Callable[[dict], str] | None = None
-    """Its part of the Markdown report after verify.report.markdown's, of what its run returned."""
+    """Its part of the Markdown report after verify.checks.report.markdown's, of what its run
+    returned."""
 
 
 TABLE: tuple[Section, ...] = (
@@ -103,7 +104,7 @@ TABLE: tuple[Section, ...] = (
         "resume",
         runs.resume_run,
         keys=("resume",),
-        flag=Flag("--resume", "add the resume/reshard table (verify/resume.py)"),
+        flag=Flag("--resume", "add the resume/reshard table (verify/checkpoints/resume.py)"),
         closing=runs.passed_lines("resume"),
     ),
     Section(
@@ -112,8 +113,8 @@ TABLE: tuple[Section, ...] = (
         keys=("parity", "parity_invariance"),
         flag=Flag(
             "--parity",
-            "only the parity-with-plain-PyTorch section (verify/parity.py): its quick cells, "
-            "or every cell with --complete (the presets include it)",
+            "only the parity-with-plain-PyTorch section (verify/parity/section.py): its quick "
+            "cells, or every cell with --complete (the presets include it)",
         ),
         quick=True,
         complete=True,
@@ -129,7 +130,7 @@ TABLE: tuple[Section, ...] = (
         keys=("mp", "mp_invariance", "mp_operators"),
         flag=Flag(
             "--mp",
-            "the model-parallel section (verify/mp_cells.py): ZeRO in the DP group of each "
+            "the model-parallel section (verify/mp/cells.py): ZeRO in the DP group of each "
             "tensor-parallel slice against reference/mp.py; its quick cells, or every cell with "
             "--complete, and nothing else (as --parity); the presets include it, --no-mp leaves "
             "it out",
@@ -219,7 +220,7 @@ def invocation(args, say) -> runs.Invocation:
 def run(s: Section, inv: runs.Invocation, report: dict) -> dict | None:
     """One section: what its run returned, written into the report, with its timing and its
     line; None when it is not chosen, is skipped on this device, is listed (--list) or raised
-    as a whole (its failing row then in report["errors"], verify.report.section)."""
+    as a whole (its failing row then in report["errors"], verify.checks.report.section)."""
     args, say = inv.args, inv.say
     if not chosen(s, args) or (args.list and s.listing is None):
         return None
@@ -242,5 +243,5 @@ def run(s: Section, inv: runs.Invocation, report: dict) -> dict | None:
 
 
 def row_keys() -> tuple[str, ...]:
-    """Every report key that holds rows: verify.report's and the table's."""
+    """Every report key that holds rows: verify.checks.report's and the table's."""
     return tuple(dict.fromkeys((*SECTIONS, *(k for s in TABLE for k in s.keys))))

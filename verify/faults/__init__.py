@@ -8,7 +8,8 @@ Families: signals to ranks and to the launcher (signals.py), divergent and stall
 points of a step (points.py, through the hooks of hooks.py: the disk tier's update, a save's first
 file, a prune) and a too-small offload_dir, damaged, hostile and edited checkpoints, a full disk
 and two jobs on one output directory (storage.py), stale launcher variables, the bad inputs of
-verify/bad_inputs.py and a long run for leaks (inputs.py). core.py runs each case's processes
+verify/refusals/bad_inputs.py and a long run for leaks (inputs.py). core.py runs each case's
+processes
 in their own session, marked, under a deadline, cleans up whatever they leave and counts what a
 crash left that the next run did not remove; runs.py holds the undisturbed training run every
 bitwise verdict is compared with.

@@ -3,7 +3,8 @@
 - Stale environment: RANK, WORLD_SIZE and MASTER_* left in a shell, without torchrun, must
   make `python -m zero.workloads.train` exit 2 at once with one line naming them (it used to wait
   for a peer that never comes).
-- Bad inputs: every row of verify/bad_inputs.py. The API rows are called here, each must raise
+- Bad inputs: every row of verify/refusals/bad_inputs.py. The API rows are called here, each must
+raise
   a one-line ValueError naming the field; the command-line rows run as real processes (two at
   a time), each must exit 2 with one line, `python -m PROG: error: ...`, naming the option, and
   no traceback.
@@ -24,7 +25,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from verify import bad_inputs
+from verify.refusals import bad_inputs
 
 from .core import PY, Case, Ctx, Result, one_line_error
 
@@ -258,7 +259,7 @@ def cases(release: bool) -> list[Case]:
     out = [
         Case("stale_launcher_env", "environment", "RANK/WORLD_SIZE/MASTER_* without torchrun",
              "exit 2 at once, one line naming them", 120, stale_env_case, fast=True),
-        Case("bad_inputs", "bad input", "every bad value of verify/bad_inputs.py",
+        Case("bad_inputs", "bad input", "every bad value of verify/refusals/bad_inputs.py",
              "each a one-line error naming the field (API: ValueError; CLI: exit 2)",
              900 if release else 180, partial(bad_input_case, fast=not release), fast=True),
     ]  # fmt: skip

@@ -1,7 +1,8 @@
 """Checkpoints under attack: damaged, hostile and edited files, a full disk, two jobs on one
 output directory.
 
-Damage: each of verify/resume.py's damages (a flipped byte, a short shard, a symlink, a FIFO,
+Damage: each of verify/checkpoints/resume.py's damages (a flipped byte, a short shard, a symlink, a
+FIFO,
 a shape / a unit's states / the optimizer edited and re-checksummed, `latest` outside the
 root), plus a shard linked to /dev/zero and `latest` removed, made to a copy of the undisturbed
 run's output. `python -m zero.checkpoint verify` and `python -m zero.workloads.train --resume` must
@@ -52,8 +53,8 @@ def _extra_damages(step: Path):
 
 
 def damages(step: Path) -> list:
-    """(what, damage(root) -> the damaged path): verify/resume.py's, and two more."""
-    from verify.resume import _damages
+    """(what, damage(root) -> the damaged path): verify/checkpoints/resume.py's, and two more."""
+    from verify.checkpoints.resume import _damages
 
     return [(what, fn) for what, fn, _ in _damages(step)] + _extra_damages(step)
 

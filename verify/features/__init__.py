@@ -8,8 +8,9 @@
     resume_rows(sizes)  the resume rows they add for these world sizes
     pairs / bugs / branches / traffic_checks / arrangers   their parts, over every feature
 
-Every reader of a feature's facts (verify/cell.py's Cell, matrix.py's presets and --list,
-interactions.py, planted.py, resume.py, harness.py) goes through these; docs/verification.md
+Every reader of a feature's facts (verify/cells/: cell.py's Cell, matrix.py's presets,
+observable.py's --list, interactions.py; planted/suite.py, checkpoints/resume.py,
+checks/harness.py) goes through these; docs/verification.md
 ("Adding a feature") says what a new option takes: one module here and its line below.
 """
 

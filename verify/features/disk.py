@@ -14,9 +14,10 @@ from .record import Bug, Feature, Pair
 def expected_disk_traffic(config, spec, n: int, skipped: bool) -> tuple[str, dict[str, int]]:
     """The disk tier's counted bytes of one step as {"op:u<index>": float32 elements}: per
     unit, its master and optimizer states over the master's extent (as in
-    verify.expect.expected_offload_copies) read once before its update and written once after;
+    verify.checks.expect.expected_offload_copies) read once before its update and written once
+    after;
     nothing in a skipped step, whose update does not run. Empty without offload_dir."""
-    from ..expect import optimizer_states, persistent
+    from ..checks.expect import optimizer_states, persistent
 
     if config.offload_dir is None or skipped:
         return "disk", {}

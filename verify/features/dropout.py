@@ -8,7 +8,7 @@ from .record import Bug, Feature, Pair
 
 
 def gpt_with_dropout(device=None):
-    """verify.cell's GPT with dropout 0.1 in attention, residuals and embeddings."""
+    """verify.cells.cell's GPT with dropout 0.1 in attention, residuals and embeddings."""
     from zero.workloads.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)

@@ -10,7 +10,7 @@ from .record import Bug, Feature, Pair
 
 
 def frozen_mlp(device=None):
-    """verify.cell's MLP with its middle layer frozen."""
+    """verify.cells.cell's MLP with its middle layer frozen."""
     from zero.workloads.models import MLP, MLPConfig
 
     model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3), device=device)
@@ -88,7 +88,7 @@ FEATURE = Feature(
     ),
     bugs=(
         # the frozen parameters are compared with the cast start values after the last step
-        # (verify.verdict.check_memory, a state check); in fast mode that is the only check
+        # (verify.checks.verdict.check_memory, a state check); in fast mode that is the only check
         # fine enough: the reported loss moves within its bound
         Bug(name="frozen_drift", breaks="a frozen parameter moves by one ULP per step",
             where="a model with frozen parameters", plant=plant_frozen_drift,

@@ -1,7 +1,7 @@
 """Model parallelism (zero/mp/): ZeRO in the data-parallel group of each tensor-parallel slice,
 with P_a (activations partitioned over the MP group) and P_a+cpu. Verified in its own section,
-`python -m verify --mp` (verify/mp_cells.py, against reference/mp.py), and its checkpoints in
-the resume table's MP rows (verify/mp_resume.py): a Cell does not take it."""
+`python -m verify --mp` (verify/mp/cells.py, against reference/mp.py), and its checkpoints in
+the resume table's MP rows (verify/mp/resume.py): a Cell does not take it."""
 
 from __future__ import annotations
 

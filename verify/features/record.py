@@ -6,8 +6,9 @@ A Feature holds everything verify knows about one option in one place: how a cel
 ZeroConfig, which models it needs or builds, the cells and resume rows added for it, the
 branches and feature pairs it opens, the bytes it moves that verify counts, and the bugs
 planted to show that verify would see it broken. Every part is data or a small function of a
-cell; the readers (verify/cell.py, matrix.py, interactions.py, planted.py, resume.py,
-harness.py and `python -m verify --list`) loop over the registry and know no feature by name.
+cell; the readers (verify/cells/, verify/planted/, verify/checkpoints/resume.py,
+verify/checks/harness.py and `python -m verify --list`) loop over the registry and know no feature
+by name.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 CHECKS = ("structure", "state", "bound", "reported", "traffic", "memory", "start", "raised")
-"""The harness's named checks (verify/harness.py's Verdict): the engine's units and groups,
+"""The harness's named checks (verify/checks/harness.py's Verdict): the engine's units and groups,
 its state bit for bit, the fast-mode bounds, what it reported, the collectives and disk bytes
 it counted, what it holds resident, what it found at its start (a dead run's leftovers), and
-an exception. A resume row's checks (verify/resume.py) are "state" and "consolidation"."""
+an exception. A resume row's checks (verify/checkpoints/resume.py) are "state" and
+"consolidation"."""
 RESUME_CHECKS = ("state", "consolidation", "raised")
 
 
 @dataclass(frozen=True)
 class Pair:
-    """Two features whose meeting takes a code path of its own (verify/interactions.py)."""
+    """Two features whose meeting takes a code path of its own (verify/cells/interactions.py)."""
 
     features: str  # "A × B"
     path: str  # the code path the pair takes that neither feature takes alone
@@ -35,7 +37,7 @@ class Pair:
 
 @dataclass(frozen=True, kw_only=True)
 class Bug:
-    """One planted bug (verify/planted.py): a patch of the library that verify must report."""
+    """One planted bug (verify/planted/suite.py): a patch of the library that verify must report."""
 
     name: str
     breaks: str
@@ -43,7 +45,7 @@ class Bug:
     where: str
     """Where it is observable, in words (the summary of `observable`)."""
     plant: Callable
-    """plant(p: verify.plants.Patch) patches the library; the Patch undoes it."""
+    """plant(p: verify.planted.plants.Patch) patches the library; the Patch undoes it."""
     observable: Callable
     """Predicate on a --quick cell (kind "cells") or a resume case (kind "resume"): where the
     bug must show."""
@@ -86,11 +88,12 @@ class Feature:
     micro-batches stay the base model's."""
     quick: tuple = ()
     """Cells added for it, in --quick and --complete: dicts of Cell fields over the defaults
-    of verify.matrix.branch_cell (N = 2, M = 2N, 3 steps, deterministic)."""
+    of verify.cells.matrix.branch_cell (N = 2, M = 2N, 3 steps, deterministic)."""
     complete: tuple = ()
     """Cells added for it in --complete only."""
     resume: tuple = ()
-    """Resume rows (verify/resume.py): (world sizes the run must include, ResumeCase fields)."""
+    """Resume rows (verify/checkpoints/resume.py): (world sizes the run must include, ResumeCase
+    fields)."""
     branches: dict | None = None
     """{branch in words: predicate on a cell}: what `verify --list` shows covered."""
     pairs: tuple = ()

@@ -30,7 +30,7 @@ def plant_release_host_shards(p) -> None:
 def plant_release_ignored(p) -> None:
     """release_grads asked for and silently not done: every buffer kept between steps. No bit
     and no reported byte changes (memory_report counts a released buffer as held); only the
-    engine's released_grads() against verify.expect.expected_released shows it."""
+    engine's released_grads() against verify.checks.expect.expected_released shows it."""
     from zero.zero_r.placement import Placement
 
     p.setattr(Placement, "releasable", lambda self, on_host: False)
@@ -74,7 +74,8 @@ FEATURE = Feature(
             plant=plant_release_arena_views, check="raised",
             why_raise="the engine's allocation invariant refuses it while building: no step runs",
             observable=lambda c: bool(c.release_grads) and c.contiguous),
-        # the released buffers are compared after every step (verify.expect.expected_released):
+        # the released buffers are compared after every step
+        # (verify.checks.expect.expected_released):
         # a released host shard is seen after the step that released it, before the next step
         # writes into the freed buffer and raises
         Bug(name="release_host_shards", breaks="release_grads releases offload's host shards",

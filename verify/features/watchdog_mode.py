@@ -3,7 +3,7 @@
 "collectives" (a fingerprint before every collective too) or "off". The fingerprints are control
 traffic, outside what a cell counts, so every mode must leave the bits, the reported values, the
 model traffic and the memory as the default's; what the watchdog names when ranks diverge is the
-watchdog section's (verify/watchdog_cells.py)."""
+watchdog section's (verify/faults/watchdog_cells.py)."""
 
 from __future__ import annotations
 
