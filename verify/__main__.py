@@ -60,7 +60,7 @@ from zero.common.results import provenance, write_atomic, write_json
 from zero.ranks import launch
 
 from .cells import invariance
-from .cells.cell import Cell
+from .cells.cell import Cell, legacy
 from .checks.report import console_row, markdown, sanitize, section
 from .command import sections
 from .command.options import check_local_nccl, parse
@@ -166,11 +166,18 @@ def write_reports(args, report: dict, got: dict) -> None:
         write_atomic(args.markdown, markdown(report) + "".join(parts))
 
 
+def _current(config: dict) -> dict:
+    """A record's config in today's fields (features as a JSON list, as Cell.as_dict writes)."""
+    out = legacy(dict(config))
+    return {**out, "features": list(out.get("features") or ())}
+
+
 def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
     """Rows whose final state digest differs from the same cell's in the report at `path`.
-    Cells are matched by their full configuration. A Cell field added since that report counts
-    as the same cell while it holds its default (the older code had no other value for it);
-    cells in only one report are counted, never compared."""
+    Cells are matched by their full configuration, an older report's read as today's cells
+    (verify.cells.cell.legacy: its option fields as features). A Cell field added since that
+    report counts as the same cell while it holds its default (the older code had no other
+    value for it); cells in only one report are counted, never compared."""
     defaults = {f.name: f.default for f in dataclasses.fields(Cell)}
     old = json.loads(Path(path).read_text())
     if (old.get("provenance") or {}).get("cpu_kernels") is None:
@@ -179,9 +186,10 @@ def compare_baseline(path: str, rows: list[dict], say) -> list[dict]:
             "under the kernels it was taken with ([Note: CPU kernels and digests])"
         )
     before_rows = [r for s in ("cells", "injected") for r in old.get(s) or []]
-    known = set(before_rows[0]["config"]) if before_rows else set()
+    configs = [_current(r["config"]) for r in before_rows]
+    known = set(configs[0]) if configs else set()
     key = lambda config: json.dumps({k: config[k] for k in sorted(known)}, sort_keys=True)
-    before = {key(r["config"]): r.get("digest") for r in before_rows}
+    before = {key(c): r.get("digest") for c, r in zip(configs, before_rows)}
 
     def match(r):
         config = r["config"]

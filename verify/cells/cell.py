@@ -286,5 +286,5 @@ def legacy(config: dict) -> dict:
     if model in LEGACY_MODELS:
         config["model"], name = LEGACY_MODELS[model]
         found.append(name)
-    config["features"] = tuple(found)
+    config["features"] = features.parse_features(found)
     return config
