@@ -15,6 +15,7 @@ from zero.common.results import ISA_LADDER, cpu_kernels, kernel_caps
 from zero.ranks import launch
 from zero.ranks.launch import check_timeout
 
+from ..features import FEATURES
 from . import sections
 
 DESCRIPTION = "python -m verify: run the engine against the reference over a matrix of cells."
@@ -50,6 +51,16 @@ def add_selection(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--accumulation", type=int, default=2, help="M/N micro-steps per step")
+    p.add_argument(
+        "--features",
+        nargs="+",
+        default=None,
+        metavar="FEATURE",
+        help="options of the feature registry (verify/features/: "
+        + ", ".join(n for n, f in FEATURES.items() if not f.section)
+        + "): with a preset, only its cells that use every one named; without, the explicit "
+        "grid with these features (a value as bucket_elements=256)",
+    )
 
 
 def add_reports(p: argparse.ArgumentParser) -> None:

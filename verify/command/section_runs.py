@@ -20,6 +20,7 @@ from pathlib import Path
 
 from zero.ranks import launch
 
+from .. import features
 from ..cells import matrix
 from ..cells.cell import Cell
 from ..cells.observable import coverage
@@ -71,7 +72,23 @@ def cells_for(args) -> list[Cell]:
         model=args.models,
         steps=args.steps,
         accumulation=args.accumulation,
+        features=[features.parse_features(args.features or ())],
     )
+
+
+def with_features(cells: list[Cell], named) -> list[Cell]:
+    """A preset's cells that use every feature `named` (bare names; a value is ignored), each
+    name checked against the registry."""
+    wanted = {n.partition("=")[0] for n in named}
+    known = {n for n, f in features.FEATURES.items() if not f.section}
+    if wanted - known:
+        raise ValueError(
+            f"features={sorted(wanted - known)}: not in the registry; allowed are {sorted(known)}"
+        )
+    out = [c for c in cells if wanted <= set(features.names(c.features))]
+    if not out:
+        raise ValueError(f"features={sorted(wanted)}: no cell of the preset uses them all")
+    return out
 
 
 def plan(args, alone: bool) -> tuple[list[Cell], list[dict]]:
@@ -89,6 +106,8 @@ def plan(args, alone: bool) -> tuple[list[Cell], list[dict]]:
                     f"world_sizes={args.world_sizes}: the {preset} preset has cells of world "
                     f"sizes {has} only; allowed are some of those"
                 )
+        if args.features is not None:  # the features' cells; the invariance table has none
+            cells, runs = with_features(cells, args.features), []
     else:
         cells = cells_for(args)
         runs = matrix.invariance_runs(full=False) if args.invariance else []
