@@ -32,14 +32,14 @@ import torch
 
 from tests.helpers.engine_tools import patched
 from tests.helpers.hf_tools import (
-    VOCAB,
     Counting,
-    T,
+    bad_folders,
     bits,
     engine,
     folder_tensors,
     hf_model,
     logits,
+    snapshot,
     token_batch,
 )
 from zero.checkpoint import hf, hfread
@@ -241,7 +241,7 @@ def meta_import_cell(rank, n, folder):
     model = hf.meta_model(folder, attn_implementation="eager")
     on_meta = all(p.is_meta for p in model.parameters())
     cfg = ZeroConfig(stage=3, micro_batches=n, units="auto", chunk=128)
-    eng = ZeroEngine(model, cfg, device="cpu", init_seed=None)
+    eng = ZeroEngine(model, cfg, device="cpu", init_seed=None)  # each unit zeros
     init_from_hf(eng, folder)
     master, _ = eng.gather_state()
     rules = {r for unit in eng.init_report.values() for r in unit.values()}
@@ -278,9 +278,7 @@ def test_init_from_hf_under_bf16_fills_the_fp32_master_and_the_rounded_working_c
         assert set(master) == set(held) == set(saved)
         for k, v in saved.items():
             assert torch.equal(bits(master[k]), bits(v)), k  # fp32, exact
-            assert held[k].dtype == torch.bfloat16 and torch.equal(
-                bits(held[k]), bits(v.bfloat16())
-            )
+            assert torch.equal(bits(held[k]), bits(v.bfloat16())), k  # bf16, rounded
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (2, 1, 3, 2), (), (0, 3)])
@@ -299,51 +297,6 @@ def test_boxes_read_exactly_a_flat_range(shape):
 
 
 # -- 3. refusals --------------------------------------------------------------------------------
-
-
-def rewrite(folder, change) -> None:
-    """folder's model.safetensors with `change(tensors)` applied (a damaged folder)."""
-    from safetensors.torch import load_file, save_file
-
-    path = Path(folder) / "model.safetensors"
-    tensors = load_file(path)
-    change(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
-def bad_folders(root: Path) -> dict[str, Path]:
-    import shutil
-
-    from transformers import GPT2Config, GPT2Model
-
-    made = {}
-    for name, model in [
-        ("ok", hf_model("gpt2")),
-        ("llama", hf_model("llama")),
-        ("base", GPT2Model(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB))),
-        ("shape", hf_model("gpt2", n_positions=2 * T)),
-    ]:
-        made[name] = root / name
-        model.save_pretrained(made[name])
-    changes = {
-        "missing": lambda t: t.pop("transformer.ln_f.bias"),
-        "f64": lambda t: t.update({"transformer.ln_f.bias": t["transformer.ln_f.bias"].double()}),
-        "int": lambda t: t.update({"transformer.wpe.weight": t["transformer.wpe.weight"].int()}),
-        "extra": lambda t: t.update({"transformer.h.0.attn.extra": torch.zeros(3)}),
-    }
-    for name, change in changes.items():
-        made[name] = root / name
-        shutil.copytree(made["ok"], made[name])
-        rewrite(made[name], change)
-    made["absent"] = root / "absent"
-    made["empty"] = root / "empty"
-    made["empty"].mkdir()
-    (made["empty"] / "config.json").write_text((made["ok"] / "config.json").read_text())
-    return made
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 def refusal_cell(rank, n, folders, root):
@@ -486,3 +439,23 @@ def test_a_rank_that_fails_an_export_makes_every_rank_raise(tmp_path):
     assert kind == "CheckpointError" and "failed on rank 0: OSError" in message
     assert per_rank[0][1] == per_rank[1][1]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no folder, no temporary one
+
+
+@pytest.mark.dist
+def test_the_memory_measurement_runs_on_a_small_llama(tmp_path):
+    """measure/parts/hf_memory.py's ranks on a small shape: each rank's record, the bytes it read
+    those of its shards, both ranks together the folder's values once."""
+    from measure.parts import hf_memory
+
+    args = hf_memory.parser().parse_args(
+        ["--layers", "2", "--width", "64", "--mlp", "128", "--heads", "4", "--kv-heads", "2"]
+        + ["--vocab", "256", "--dir", str(tmp_path)]
+    )
+    hf_memory.check(args)
+    per_rank = get_pool(2).run(hf_memory.rank_main, args, timeout_s=120)
+    assert [r["rank"] for r in per_rank] == [0, 1]
+    assert per_rank[0]["files"] == 3  # config, generation config, one safetensors file
+    assert sum(r["init"]["bytes_read"] for r in per_rank) == 4 * per_rank[0]["params"]
+    for r in per_rank:
+        assert r["init"]["bytes_read"] <= r["rank_model_bytes"]
+        assert set(r["export"]) == {"seconds", "anon_growth", "file_growth", "anon_before"}

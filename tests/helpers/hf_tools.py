@@ -1,5 +1,6 @@
 """Helpers of tests/distributed/test_hf_checkpoint.py: tiny Hugging Face models (no download),
-their engines and batches, bit comparisons, and a counting wrapper of safetensors' reader.
+their engines and batches, bit comparisons, a counting wrapper of safetensors' reader, and the
+damaged folders the refusals are tried on.
 
 Module level, so that the functions the tests hand to zero.ranks' forked worker pools can use
 it on every rank. Nothing here is a test.
@@ -104,3 +105,48 @@ class Counting:
         t = self.inner[box]
         self.log.append(t.numel() * t.element_size())
         return t
+
+
+def rewrite(folder, change) -> None:
+    """folder's model.safetensors with `change(tensors)` applied (a damaged folder)."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(folder) / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def bad_folders(root: Path) -> dict[str, Path]:
+    import shutil
+
+    from transformers import GPT2Config, GPT2Model
+
+    made = {}
+    for name, model in [
+        ("ok", hf_model("gpt2")),
+        ("llama", hf_model("llama")),
+        ("base", GPT2Model(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB))),
+        ("shape", hf_model("gpt2", n_positions=2 * T)),
+    ]:
+        made[name] = root / name
+        model.save_pretrained(made[name])
+    changes = {
+        "missing": lambda t: t.pop("transformer.ln_f.bias"),
+        "f64": lambda t: t.update({"transformer.ln_f.bias": t["transformer.ln_f.bias"].double()}),
+        "int": lambda t: t.update({"transformer.wpe.weight": t["transformer.wpe.weight"].int()}),
+        "extra": lambda t: t.update({"transformer.h.0.attn.extra": torch.zeros(3)}),
+    }
+    for name, change in changes.items():
+        made[name] = root / name
+        shutil.copytree(made["ok"], made[name])
+        rewrite(made[name], change)
+    made["absent"] = root / "absent"
+    made["empty"] = root / "empty"
+    made["empty"].mkdir()
+    (made["empty"] / "config.json").write_text((made["ok"] / "config.json").read_text())
+    return made
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}

@@ -317,7 +317,7 @@ def init_from_hf(engine: Introspect, folder) -> HFRead:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """Every parameter registered inside goes to the meta device as it is registered (one real
     tensor at a time, freed at once); buffers stay where they are built (a rotary embedding's
     inv_freq has a value the engine could not know). Not thread-safe: it patches nn.Module."""
@@ -344,5 +344,5 @@ def meta_model(folder, **kwargs):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
-    with _parameters_on_meta():
+    with parameters_on_meta():
         return AutoModelForCausalLM.from_config(config, **kwargs)
