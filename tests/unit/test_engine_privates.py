@@ -205,11 +205,12 @@ def test_a_planted_read_is_reported(tmp_path):
         "    return getattr(engine, '_losses'), engine._from_base\n"
     )
     (tmp_path / "verify").mkdir()
-    (tmp_path / "verify" / "cell.py").write_text(
+    reader = "cell.py"  # a file of the temporary tree only
+    (tmp_path / "verify" / reader).write_text(
         "class Cell:\n    def run(self):\n        return self._losses\n"
     )
     assert private_reads(tmp_path) == [
-        ("verify/cell.py", 3, "_losses"),
+        (f"verify/{reader}", 3, "_losses"),
         (f"tests/{planted}", 2, "_launch"),
         (f"tests/{planted}", 3, "_losses"),
         (f"tests/{planted}", 3, "_from_base"),
