@@ -315,8 +315,10 @@ def refusal_cell(rank, n, folders, root):
 
     model, eng = engine("gpt2", n, 0)
     for case, folder in folders.items():
-        if case != "ok":
+        if case not in ("ok", "unprefixed"):
             attempt(case, init_from_hf, eng, folder)
+    init_from_hf(eng, folders["unprefixed"])  # the base model's keys are taken
+    unprefixed = {k: v.numpy() for k, v in eng.gather_state()[0].items()}
     attempt("other model", export_hf, eng, hf_model("gpt2"), root / "x")
     attempt("shard bytes", export_hf, eng, model, root / "x", max_shard_bytes=0)
     attempt("dtype", export_hf, eng, model, root / "x", dtype=torch.float64)
@@ -342,7 +344,8 @@ def refusal_cell(rank, n, folders, root):
     with patched(hf, _exchange=lambda a, b: False):  # the two renames, where no swap exists
         export_hf(eng, model, root / "prev")  # now replaced: one file, the trained values
     left = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
-    return said, dict(kept=kept, left=left, replaced=sorted(snapshot(root / "prev")), seen=seen)
+    replaced = sorted(snapshot(root / "prev"))
+    return said, dict(kept=kept, left=left, replaced=replaced, seen=seen, unprefixed=unprefixed)
 
 
 @pytest.fixture(scope="module")
@@ -459,3 +462,13 @@ def test_the_memory_measurement_runs_on_a_small_llama(tmp_path):
     for r in per_rank:
         assert r["init"]["bytes_read"] <= r["rank_model_bytes"]
         assert set(r["export"]) == {"seconds", "anon_growth", "file_growth", "anon_before"}
+
+
+@pytest.mark.dist
+def test_keys_without_the_base_models_prefix_are_taken(refusals):
+    folders, _, _, after = refusals
+    saved = folder_tensors(folders["unprefixed"])
+    assert "wte.weight" in saved and "transformer.wte.weight" not in saved
+    assert set(after["unprefixed"]) == {f"transformer.{k}" for k in saved}
+    for k, v in saved.items():
+        assert torch.equal(bits(after["unprefixed"][f"transformer.{k}"]), bits(v)), k

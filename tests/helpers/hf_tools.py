@@ -117,6 +117,12 @@ def rewrite(folder, change) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def unprefix(tensors: dict) -> None:
+    """GPT-2's keys without the base model's prefix `transformer.`, as the hub's gpt2 has them."""
+    for k in [k for k in tensors if k.startswith("transformer.")]:
+        tensors[k.removeprefix("transformer.")] = tensors.pop(k)
+
+
 def bad_folders(root: Path) -> dict[str, Path]:
     import shutil
 
@@ -136,6 +142,7 @@ def bad_folders(root: Path) -> dict[str, Path]:
         "f64": lambda t: t.update({"transformer.ln_f.bias": t["transformer.ln_f.bias"].double()}),
         "int": lambda t: t.update({"transformer.wpe.weight": t["transformer.wpe.weight"].int()}),
         "extra": lambda t: t.update({"transformer.h.0.attn.extra": torch.zeros(3)}),
+        "unprefixed": unprefix,  # not refused: a base model's keys, as from_pretrained reads
     }
     for name, change in changes.items():
         made[name] = root / name
