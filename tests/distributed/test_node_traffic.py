@@ -88,6 +88,39 @@ def test_stage3_inter_node_bytes_are_the_rings_3psi():
     assert [r["links"] for r in four] == [(0, want)] * N
 
 
+def subgroup_gathers(rank, n):
+    """An all-gather of 10 fp32 elements in the subgroups {0, 2} and {1, 3} (one rank on each
+    node of 2 x 2) and in {0, 1} and {2, 3} (one node each), counted with the 2 x 2 layout."""
+    import torch
+    import torch.distributed as dist
+
+    from zero import collectives as C
+    from zero.common.traffic import NodeLayout
+
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    within = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out = {}
+    for name, groups in (("across", across), ("within", within)):
+        group = next(g for g in groups if rank in dist.get_process_group_ranks(g))
+        counter = C.CommCounter()
+        counter.layout = NodeLayout(n, 2)
+        shard = torch.full((10,), float(rank))
+        got = torch.empty(20)
+        tag = {"phase": "p", "kind": "model", "unit": 0}
+        C.all_gather(got, shard, group=group, counter=counter, padding=0, tag=tag).wait()
+        out[name] = counter.link_volume()
+    return out
+
+
+@pytest.mark.dist
+def test_a_subgroup_is_split_by_its_own_members_nodes():
+    """A group's ring runs over its members in group order: {0, 2} and {1, 3} send their one
+    chunk (40 B) across nodes, {0, 1} and {2, 3} within one."""
+    got = get_pool(N).run(subgroup_gathers)
+    assert [r["across"] for r in got] == [(0, 40)] * N
+    assert [r["within"] for r in got] == [(40, 0)] * N
+
+
 def differing_layout(rank, n):
     """Ranks 0-1 configured as 2 x 2, ranks 2-3 as one node of 4: refused, on every rank, by the
     construction's first exchange."""

@@ -89,10 +89,12 @@ def check_rows(rows: list[list[int]]) -> None:
             )
 
 
-def place(rec: CommRecord, group) -> None:
+def place(rec: CommRecord | None, group) -> None:
     """Split rec's bytes by link for its group ([Note: traffic per link]): called as the
     collective launches (zero/collectives.py's launch, the watchdog's checks), the one point
-    where both the record and its group are known."""
+    where both the record and its group are known. None: an uncounted collective."""
+    if rec is None:
+        return
     n, me = dist.get_world_size(group), dist.get_rank(group)
     layout = rec.layout or _ONE_NODE
     if layout.nodes == 1:
