@@ -39,6 +39,13 @@ def test_torchrun_sets_the_layout_and_refuses_a_config_that_disagrees():
         "ranks_per_node=4: under torchrun the launcher sets it (LOCAL_WORLD_SIZE=2); "
         "allowed are None or 2"
     )
+    uneven = {**env, "LOCAL_WORLD_SIZE": "3"}  # 3 + 1: torchrun's nodes of unequal sizes
+    with pytest.raises(ValueError) as e:
+        resolve(None, rank=2, world_size=4, env=uneven)
+    assert str(e.value) == (
+        "LOCAL_WORLD_SIZE=3: must divide the world size 4 (every node runs as many ranks; "
+        "torchrun --nproc-per-node the same on every node)"
+    )
     bad = {**env, "LOCAL_WORLD_SIZE": "two"}
     with pytest.raises(ValueError, match=r"^LOCAL_WORLD_SIZE='two': must be an integer >= 1"):
         resolve(None, rank=2, world_size=4, env=bad)

@@ -63,6 +63,11 @@ def resolve(
                 f"ranks_per_node={ranks_per_node!r}: under torchrun the launcher sets it "
                 f"(LOCAL_WORLD_SIZE={local}); allowed are None or {local}"
             )
+        if world_size % local:
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE={local}: must divide the world size {world_size} (every node "
+                "runs as many ranks; torchrun --nproc-per-node the same on every node)"
+            )
         layout = NodeLayout(world_size, local)
         node = _env_int(env, "GROUP_RANK") if "GROUP_RANK" in env else layout.node(rank)
         return layout, node
