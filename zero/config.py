@@ -49,7 +49,7 @@ class ZeroConfig:
     deterministic: bool = True
     """True: the reference's reduction tree, every micro-step (bitwise equal to reference/).
     False: the backend's reduce-scatter/all-reduce, local accumulation where the stage allows it,
-    torch's optimizer kernels (within derived bounds, verify/bounds.py)."""
+    torch's optimizer kernels (within derived bounds, verify/checks/bounds.py)."""
     optimizer: str = "adamw"
     """'sgd', 'adam' or 'adamw'."""
     groups: tuple[Hyper, ...] = (Hyper(),)

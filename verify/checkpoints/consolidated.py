@@ -47,9 +47,12 @@ def consolidated_step(case, directory, saved: dict, after: dict) -> dict:
     Returns {state_bitwise, next_step_bitwise, torch_ratio, skipped, first_mismatch}."""
     from zero.checkpoint import consolidate
 
+    from .. import features
+
     out = {"state_bitwise": False, "next_step_bitwise": False, "torch_ratio": None,
            "skipped": False, "first_mismatch": ""}  # fmt: skip
-    ck = consolidate(directory)
+    fmt = features.checkpoint_of(case.features)  # None: the native format
+    ck = consolidate(directory) if fmt is None else fmt.consolidated(case, directory)
     names = [k for g in ck["param_names"] for k in g]
     entries = [ck["optimizer"]["state"].get(i, {}) for i in range(len(names))]
     why = _as_saved(ck, names, entries, saved)  # 1.

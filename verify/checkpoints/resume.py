@@ -121,18 +121,23 @@ def run_rank(
     "first"); the others return None."""
     torch.set_num_threads(1)
     model, eng = build(case, stage, seed=1 if load_from else 0)
+    fmt = features.checkpoint_of(case.features)  # None: the native format
     if load_from is not None:
-        eng.load(load_from)
+        eng.load(load_from) if fmt is None else fmt.load(eng, load_from)
     data, out = microbatches(case, model), {}
     # saving: a checkpoint after every step, the oldest pruned (KEEP_LAST); the resume loads
-    # the newest, so pruning must have kept it
+    # the newest, so pruning must have kept it. Another format: once, after the last step
     on_step = None if save_to is None else (lambda s, r: eng.save(save_to, keep_last=KEEP_LAST))
+    if fmt is not None:
+        on_step = None
     results = train_steps(
         eng, data, 1 if first else steps, start_step=eng.data_step, on_step=on_step
     )
     if first:
         out["first"] = state_of(eng)
         results += train_steps(eng, data, steps - 1, start_step=eng.data_step, on_step=on_step)
+    if fmt is not None and save_to is not None:
+        fmt.save(eng, save_to)
     out.update(state=state_of(eng), losses=[r.loss for r in results])
     return out if rank == 0 else None
 
@@ -247,11 +252,14 @@ def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
     KEEP_LAST step directories, every checksum verified (zero.checkpoint.verify), and its
     consolidation (written with consolidate_to, read back) loaded strictly into a fresh model
     and a torch.optim optimizer, holding the saving run's gathered state bit for bit. '' or
-    the first difference."""
+    the first difference. A row of another format (verify/features/: dcp) checks that format's
+    consolidation as plain PyTorch reads it."""
     from zero.checkpoint import consolidate_to, resolve
     from zero.checkpoint import verify as verify_checkpoint
-    from zero.optim.plain import TORCH_OPTIMIZERS
 
+    fmt = features.checkpoint_of(case.features)
+    if fmt is not None:
+        return holds_state(case, fmt.consolidated(case, directory), state)
     steps = sorted(d.name for d in directory.iterdir() if d.name.startswith("step-"))
     if len(steps) != min(KEEP_LAST, case.steps_before) or resolve(directory).name != steps[-1]:
         return f"checkpoints kept: {steps}, latest {resolve(directory).name}"
@@ -260,6 +268,14 @@ def check_saved(case: ResumeCase, directory: Path, state: dict) -> str:
     if refused:
         return f"damaged checkpoint: {refused}"
     c = torch.load(consolidate_to(directory, directory / "consolidated.pt"), weights_only=True)
+    return holds_state(case, c, state)
+
+
+def holds_state(case: ResumeCase, c: dict, state: dict) -> str:
+    """'' when a consolidated dict ({model, optimizer, param_names, meta}), loaded strictly
+    into a fresh model and torch.optim, holds the saving run's gathered state bit for bit."""
+    from zero.optim.plain import TORCH_OPTIMIZERS
+
     model = case.make_model()
     model.load_state_dict(c["model"], strict=True)
     params = dict(model.named_parameters())

@@ -20,6 +20,7 @@ from . import (
     bucket_elements,
     checkpointing,
     contiguous,
+    dcp,
     disk,
     dropout,
     frozen,
@@ -44,6 +45,7 @@ FEATURES: dict[str, Feature] = {
         frozen,
         dropout,
         watchdog_mode,
+        dcp,
         mp,
     )
 }
@@ -163,6 +165,13 @@ def branches() -> dict:
 def traffic_checks() -> list:
     """traffic(ref_config, spec, n, skipped) of every feature that counts bytes of its own."""
     return [f.traffic for f in FEATURES.values() if f.traffic is not None]
+
+
+def checkpoint_of(features: tuple[str, ...]):
+    """The checkpoint format a resume row's features ask for (Feature.checkpoint), or None for
+    the native one."""
+    found = [f.checkpoint for n in names(features) if (f := FEATURES[n]).checkpoint is not None]
+    return found[0] if found else None
 
 
 def arrangers(features: tuple[str, ...]) -> list:

@@ -104,6 +104,11 @@ class Feature:
     """traffic(ref_config, spec, n, skipped) -> (counter kind, {"op:u<unit>": elements}): the
     bytes it moves that the engine's counter records, expected in every cell (an empty dict
     where the config does not ask for it, so that a cell without it that moves some fails)."""
+    checkpoint: object | None = None
+    """A checkpoint format of its own, for resume rows: an object with save(engine, directory),
+    load(engine, directory) and consolidated(case, directory) -> the dict
+    zero.checkpoint.consolidate returns, read as plain PyTorch reads the format (None: the
+    native format)."""
     section: str = ""
     """A feature verified in a section of its own (e.g. "mp": python -m verify --mp) rather
     than in cells: a Cell refuses it by name."""

@@ -25,6 +25,7 @@ full run's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -103,11 +104,17 @@ _TABLE = (
      "Adam(W) resume rows (consolidation)", "resume", "consolidation"),
 )  # fmt: skip
 
+
+def _native(case) -> bool:
+    """A resume row in the native format: the base bugs patch its loader and consolidation."""
+    return features.checkpoint_of(case.features) is None
+
+
 RESUME_OBSERVABLE: dict[str, Callable] = {
     # the scaler is compared after the resume; only fp16 has one
-    "load_scaler_fresh": lambda case: case.precision == "fp16",
+    "load_scaler_fresh": lambda case: case.precision == "fp16" and _native(case),
     # the consolidated states are compared with the engine's bit for bit; Adam and AdamW only
-    "consolidate_swaps_moments": lambda case: case.optimizer in ("adam", "adamw"),
+    "consolidate_swaps_moments": lambda case: case.optimizer in ("adam", "adamw") and _native(case),
 }
 
 
@@ -138,17 +145,38 @@ def cost(c) -> int:
     return c.n1 + c.n2 + 8 * (c.model == "gpt")
 
 
-def run_planted(rank: int, n: int, bug: str, cells: list[Cell]) -> list[dict]:
-    """On every rank: run_cells with the bug planted (a pool worker's entry point)."""
+_PLANTED: set[str] = set()
+"""[Note: planted once per process] The bugs planted in this process now. A process forked
+while its parent had a bug planted (a resumed run's fresh ranks) inherits the patch and this set
+with it; planting again there would patch the patched function, and a bug that swaps two things
+would swap them back. Pools are started before the parent plants (run_bug), so that no
+long-lived worker keeps a bug for the runs after."""
+
+
+@contextlib.contextmanager
+def planted(bug: str):
+    """The bug planted in this process for the block, unless it already is (inherited)."""
+    if bug in _PLANTED:
+        yield
+        return
     with Patch() as p:
         BUGS[bug].plant(p)
+        _PLANTED.add(bug)
+        try:
+            yield
+        finally:
+            _PLANTED.discard(bug)
+
+
+def run_planted(rank: int, n: int, bug: str, cells: list[Cell]) -> list[dict]:
+    """On every rank: run_cells with the bug planted (a pool worker's entry point)."""
+    with planted(bug):
         return run_cells(rank, n, cells)
 
 
 def planted_resume_rank(rank: int, n: int, *args, bug: str):
     """verify.checkpoints.resume.run_rank with the bug planted (a pool worker's entry point)."""
-    with Patch() as p:
-        BUGS[bug].plant(p)
+    with planted(bug):
         return resume_mod.run_rank(rank, n, *args)
 
 
@@ -183,10 +211,11 @@ def run_bug(name: str, chosen: list, *, timeout_s: float = 300) -> list[dict]:
     if BUGS[name].kind == "resume":
         rows = []
         runner = functools.partial(planted_resume_rank, bug=name)
+        for n in sorted({case.n1 for case in chosen}):
+            get_pool(n)  # started unplanted ([Note: planted once per process])
         for case in chosen:
-            with tempfile.TemporaryDirectory(prefix="zero-planted-") as tmp, Patch() as p:
-                BUGS[name].plant(p)  # in this process too: consolidation runs here
-                try:
+            with tempfile.TemporaryDirectory(prefix="zero-planted-") as tmp, planted(name):
+                try:  # the bug in this process too: consolidation runs here
                     rows.append(resume_mod.run_case(case, tmp, timeout_s=timeout_s, rank_fn=runner))
                 except Exception as exc:  # a broken run is a caught bug, reported as raised
                     first = f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

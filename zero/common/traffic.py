@@ -2,7 +2,7 @@
 (CommCounter), grouped by step, with exact totals for the whole run, and the bytes of each
 record that stay inside a node or cross between nodes ([Note: traffic per link]). Torch-free:
 the collectives (zero/collectives.py) and the model-parallel ones (zero/mp/tp_comm.py) record
-here, and reports, tests and verify read it (verify/expect.py's traffic checks).
+here, and reports, tests and verify read it (verify/checks/expect.py's traffic checks).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ with the reference's bits: Adam and AdamW in one Triton kernel on CUDA or one co
 the CPU where they run (triton_kernels.py, native.py), else in primitive torch ops with the
 step's float32 scalars ([Note: correctly rounded sqrt]). Fast mode hands the same shard to
 torch's own kernels (the fused Adam/AdamW on CPU and CUDA), whose bound against the reference
-is verify/bounds.optimizer_step_error.
+is verify/checks/bounds.optimizer_step_error.
 
 Padding elements are zeros with zero gradients and zero states; every optimizer here maps them
 to zeros again (0·x = 0, 0/eps = 0), so a run may include alignment gaps. Parameters that had
