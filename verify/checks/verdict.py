@@ -211,7 +211,32 @@ def check_traffic(run: CellRun, step: int, info, grads, before_ran, v: Verdict):
         kind, want = expected(run.ref_cfg, run.spec, n, info.skipped)
         ours = {f"{r.op}:u{r.unit}": r.elements for r in counter.of_step(counter.step - 1, kind)}
         v.note("traffic", first_difference(f"step {step}: {kind}", ours, want))
+    v.note("traffic", link_mismatch(run, step, counter.of_step(counter.step - 1)))
     return [r[-1] for r in ran]
+
+
+RING_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def link_mismatch(run: CellRun, step: int, records) -> str:
+    """The step's model bytes per link against the layout alone ([Note: traffic per link]): a
+    ring sends everything to the next rank, so with ranks node-major (R per node) a node's last
+    rank sends all its bytes across nodes and every other rank none; one node keeps them all.
+    '' or the first record that differs."""
+    n = run.eng.world_size
+    per_node = run.ref_cfg.ranks_per_node or n
+    across = n > per_node and run.rank % per_node == per_node - 1
+    for r in records:
+        if r.op not in RING_OPS:
+            return f"step {step}: {r.op}:{r.phase}: no ring; the link check knows ring ops only"
+        want = (0, r.nbytes) if across else (r.nbytes, 0)
+        if (r.intra_bytes, r.inter_bytes) != want:
+            return (
+                f"step {step}: {r.op}:{r.phase} unit {r.unit}: (intra, inter) bytes "
+                f"({r.intra_bytes}, {r.inter_bytes}), expected {want} on rank {run.rank} of "
+                f"{n} at {per_node} per node"
+            )
+    return ""
 
 
 def check_state(run: CellRun, step: int, ref, v: Verdict) -> None:

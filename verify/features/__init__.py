@@ -25,6 +25,7 @@ from . import (
     dropout,
     frozen,
     mp,
+    nodes,
     offload,
     offload_activations,
     release_grads,
@@ -45,6 +46,7 @@ FEATURES: dict[str, Feature] = {
         frozen,
         dropout,
         watchdog_mode,
+        nodes,
         dcp,
         mp,
     )
