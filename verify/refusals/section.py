@@ -64,6 +64,8 @@ def config_rows() -> list[Refusal]:
         ("activation offload without checkpointing", dict(offload_activations=True),
          "offload_activations=True: only checkpointed unit inputs are offloaded"),
         ("an empty bucket", dict(bucket_elements=0), "bucket_elements=0: must be None or"),
+        ("no ranks on a node", dict(ranks_per_node=0),
+         "ranks_per_node=0: must be None or an integer >= 1"),
         ("units a word", dict(units="everything"), "units='everything': a tuple of submodule"),
         ("a unit named twice", dict(units=("a", "a")), "units=('a', 'a'): names must be distinct"),
         ("a disk tier not a path", dict(offload_optimizer=True, offload_dir=5),
@@ -228,6 +230,38 @@ def ranks_rows() -> list[Refusal]:
     return [Refusal(f"{mod}: {what}", mod, make, err, says) for mod, what, make, err, says in rows]
 
 
+def node_rows() -> list[Refusal]:
+    """The node layout (zero/ranks/nodes.py) and the block quantizer (reference/quantize.py):
+    each refusal names the field, its value and what is allowed."""
+    import numpy as np
+
+    from reference.quantize import quantize
+    from zero.common.traffic import link_bytes
+    from zero.ranks.nodes import check_rows, resolve
+
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    rows = [
+        ("ranks/nodes", "ranks per node not dividing the world",
+         lambda: resolve(3, rank=0, world_size=4, env={}), ValueError,
+         "ranks_per_node=3: must divide the world size 4"),
+        ("ranks/nodes", "a layout that differs between ranks",
+         lambda: check_rows([[0, 2, 0], [1, 1, 1]]), ValueError,
+         "ranks_per_node: rank 1 has 1, rank 0 has 2"),
+        ("ranks/nodes", "a rank not numbered node-major",
+         lambda: check_rows([[0, 2, 0], [1, 2, 1]]), ValueError,
+         "node: rank 1 reports node 1, but ranks are node-major"),
+        ("ranks/nodes", "a config that disagrees with torchrun",
+         lambda: resolve(4, rank=0, world_size=4, env=torchrun), ValueError,
+         "ranks_per_node=4: under torchrun the launcher sets it (LOCAL_WORLD_SIZE=2)"),
+        ("common/traffic", "a collective with no link model",
+         lambda: link_bytes("gather", 8, (0, 1), 0), ValueError, "op='gather': no link model"),
+        ("reference/quantize", "a width the quantizer has no grid for",
+         lambda: quantize(np.ones(8, np.float32), block=4, bits=5), ValueError,
+         "bits=5: allowed are (8, 4)"),
+    ]  # fmt: skip
+    return [Refusal(f"{mod}: {what}", mod, make, err, says) for mod, what, make, err, says in rows]
+
+
 def _dropped_step():
     from zero.common.traffic import CommCounter
 
@@ -270,7 +304,7 @@ def common_rows() -> list[Refusal]:
 
 
 def here_rows() -> list[Refusal]:
-    return config_rows() + model_rows() + common_rows() + ranks_rows()
+    return config_rows() + model_rows() + common_rows() + ranks_rows() + node_rows()
 
 
 def row_counts() -> dict[str, int]:
