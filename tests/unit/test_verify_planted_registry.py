@@ -102,6 +102,7 @@ def test_a_bug_caught_only_by_another_check_is_a_miss():
     state = BUGS["one_ulp"]  # must fail "state": the bounds in a fast cell
     fast, det = {"config": {"mode": "fast"}}, {"config": {"mode": "deterministic"}}
     assert by_its_check(state, {**fast, "passed": False, "checks": ["bound"]})
+    assert by_its_check(state, {**fast, "passed": False, "checks": ["state"]})
     assert not by_its_check(state, {**det, "passed": False, "checks": ["bound"]})
 
 

@@ -52,7 +52,7 @@ class Bug:
     check: str
     """The check that must catch it (CHECKS; RESUME_CHECKS for kind "resume"): a row caught
     only by another check, or only by raising, is a miss. "state" means the bits in a
-    deterministic cell and the derived bounds ("bound") in a fast one."""
+    deterministic cell, and the derived bounds ("bound") or the bits in a fast one."""
     kind: str = "cells"
     why_raise: str = ""
     """For check="raised": why an exception is the right catch (nothing to observe first)."""
