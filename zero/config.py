@@ -34,6 +34,18 @@ def decay_matrices_only(name: str, param: torch.Tensor) -> int:
     return 0 if param.ndim >= 2 else 1
 
 
+def check_nodes(config: ZeroConfig) -> None:
+    """The node fields: ranks_per_node (zero/ranks/nodes.py), and hpz, a bool, at stage 3."""
+    check_ranks_per_node(config.ranks_per_node)
+    if not isinstance(config.hpz, bool):
+        raise ValueError(f"hpz={config.hpz!r}: must be True or False")
+    if config.hpz and config.stage != 3:
+        raise ValueError(
+            "hpz=True: hpZ partitions stage 3's gathered parameters inside each node; "
+            f"allowed with stage=3 (stage={config.stage} given)"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """How to train: the ZeRO stage, the numerics of a step, and the engine's structure."""
@@ -157,6 +169,14 @@ class ZeroConfig:
     torchrun the launcher's LOCAL_WORLD_SIZE, else every rank on one node. A value simulates
     nodes on one machine (2 x 2: ranks_per_node=2 at N = 4); it must divide the world size, and
     under torchrun equal LOCAL_WORLD_SIZE (zero/ranks/nodes.py)."""
+    hpz: bool = False
+    """ZeRO++'s hpZ, stage 3 only: each rank also keeps a secondary partition of the
+    compute-dtype parameters inside its node (1/R of every sharded unit, copied from the
+    forward's all-gather), and the backward all-gather gathers those R parts over the node's
+    group instead of the N shards over the world: no backward parameter traffic crosses nodes.
+    Bits unchanged (zero/stages/hpz.py). With one node (ranks_per_node None or N) the node's
+    group is the world: the same traffic, only the parts' memory added. Needs the engine's group
+    to be the whole world (refused with model parallelism)."""
 
     def __post_init__(self):
         if type(self.stage) is not int or self.stage not in STAGES:  # 2.0 == 2 and True == 1
@@ -199,7 +219,7 @@ class ZeroConfig:
             raise ValueError(
                 f"release_grads={self.release_grads!r}: must be None (by device), True or False"
             )
-        check_ranks_per_node(self.ranks_per_node)
+        check_nodes(self)
         seed = self.dropout_seed
         if seed is not None and (type(seed) is not int or seed < 0):  # not a bool, not 1.0
             raise ValueError(f"dropout_seed={seed!r}: must be None or an integer >= 0")

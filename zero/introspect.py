@@ -134,7 +134,8 @@ class Introspection:
 def resident(engine) -> dict[str, list[torch.Tensor]]:
     """The resident tensors by category. With offload_optimizer: host gradient buffers
     under grads, and the compute-dtype upload staging as its own category. Frozen parameters
-    (zero/build.py) are their own category, "frozen", when the model has any."""
+    (zero/build.py) are their own category, "frozen", when the model has any; hpZ's
+    secondary parts (ZeroConfig.hpz) theirs, "hpz"."""
     units = engine.units
     grads = [u.grad for u in units if not u.grad_released]  # reading it would allocate it
     out = {
@@ -146,6 +147,8 @@ def resident(engine) -> dict[str, list[torch.Tensor]]:
     frozen = getattr(engine, "frozen_units", [])
     if frozen:
         out["frozen"] = [engine.working_extent(u)[0] for u in frozen]
+    if engine.config.hpz:  # ZeRO++'s secondary parts (zero/stages/hpz.py)
+        out["hpz"] = [u.secondary for u in units if hasattr(u, "secondary")]
     if engine.placement.offload is not None:
         grads += [t for u in units for t in (u.host_grad, u.host_stage) if t is not None]
         if engine.placement.offload.slots:  # [Note: bounded upload staging]
@@ -183,7 +186,7 @@ def memory_split(engine) -> dict[str, dict[str, int]]:
     # are of the step's model states ([Note: gradients live within a step] in zero/unit.py)
     device["grads"] += extra + sum(u.grad_nbytes for u in engine.units if u.grad_released)
     device["comm_buffers"], host["comm_buffers"] = engine.accounting.transient_peak, 0
-    order = ["params", "frozen", "grads", "master", "optimizer", "comm_buffers", "staging"]
+    order = ["params", "frozen", "grads", "master", "optimizer", "hpz", "comm_buffers", "staging"]
     out = {
         "device": {k: device[k] for k in order if k in device},
         "host": {k: host[k] for k in order if k in host},

@@ -27,6 +27,8 @@ Resident per rank: working params Ψ·compute bytes / N, gradients Ψ·reduction
 states KΨ/N, plus the units gathered at the moment (at most `max_live` besides the root).
 Traffic per micro-step (× (N-1)/N): 3Ψ (all-gather in forward, again in backward, reduce-scatter);
 the root costs 2Ψ_root (one all-gather, one reduce-scatter). At M = N that is the paper's 3Ψ.
+With ZeroConfig.hpz, the backward all-gather comes from a secondary partition inside the node
+(zero/stages/hpz.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from ..unit import FlatUnit
 from .base import OnBackward, StageContext, replace_working
 from .frozen import mark_inputs
+from .hpz import HpZ
 from .sharded import PartitionState, Stage3Parameter
 from .stage0 import Stage0
 from .stage2 import Stage2
@@ -68,6 +71,7 @@ class Stage3(Stage2):
         self.max_live = 2  # gathered non-root units at once: the running one and one prefetched
         self.peak_live = 0
         self.gathering: dict[int, object] = {}  # unit index -> Pending all-gather
+        self.hpz = HpZ(ctx) if ctx.config.hpz else None  # ZeRO++'s secondary partition
 
     def post_backward(self, u: FlatUnit) -> None:
         """u's backward is over: free its gathered parameters first, then copy the gradients
@@ -86,6 +90,8 @@ class Stage3(Stage2):
         u.shard = u.working[u.part.own].clone()  # 1D, compute dtype, L: the resident part
         if u.shard.dtype == torch.float32:  # pure fp32: the shard is the master itself
             u.master = u.shard
+        if self.hpz is not None:  # frozen units keep no part: [Note: hpZ's secondary shards]
+            self.hpz.allocate(u)
         self._shard(u)
 
     def allocate_frozen(self, u: FlatUnit) -> None:
@@ -122,6 +128,8 @@ class Stage3(Stage2):
         return u.shard, u.part.own
 
     def refresh_working(self, u: FlatUnit) -> None:
+        if self.hpz is not None:
+            self.hpz.forget(u)  # the values change: [Note: hpZ's secondary shards]
         if u.master is not u.shard:
             self.write_working(u, u.shard)  # round to nearest even; it stays sharded
 
@@ -159,6 +167,12 @@ class Stage3(Stage2):
             else:
                 self.gathering.pop(u.index).wait()
         u.state = to
+
+    def all_gather(self, u: FlatUnit, out, shard, phase: str, async_op=False):
+        """Over the world; with hpZ a backward gather from the node's parts (stages/hpz.py)."""
+        if self.hpz is not None and self.hpz.serves(u, phase):
+            return self.hpz.all_gather(u, out, self.tag(u, phase), async_op)
+        return super().all_gather(u, out, shard, phase, async_op)
 
     def _live(self) -> int:
         """Gathered or gathering units, the root excepted (it is accounted apart)."""
@@ -222,6 +236,8 @@ class Stage3(Stage2):
         if u not in self.order:
             self.order.append(u)
         self.gather(u, "param_fwd")
+        if self.hpz is not None:
+            self.hpz.keep(u)  # this micro-step's values: [Note: hpZ's secondary shards]
         self.prefetch(self._neighbour(self.last_order, u, +1), "param_fwd")
 
     def post_forward(self, u: FlatUnit, output):
@@ -249,6 +265,8 @@ class Stage3(Stage2):
 
     def end_microstep(self, u: FlatUnit) -> None:
         super().end_microstep(u)
+        if self.hpz is not None:
+            self.hpz.forget(u)
         if u.state is not PartitionState.SHARDED:  # the root, or a unit unused in backward
             if u.index in self.gathering:
                 self.gathering.pop(u.index).wait()
