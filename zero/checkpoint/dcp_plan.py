@@ -23,11 +23,20 @@ ones). No RNG state: randomness is a function of (seed, data step, micro-batch).
 elements. boxes() cuts it into rectangular chunks of the parameter's own shape (a partial first
 row, the whole rows between, a partial last row, recursively along the later dimensions: at most
 2·d − 1 for d dimensions); each is a contiguous run of [a, b), so a reshaped view of a flat
-extent, and each is one DCP chunk of the full-shape tensor. Custom planners, DCP's extension
+extent, and each is one DCP chunk of the full-shape tensor (zero/checkpoint/hfread.py reads a
+flat range of a safetensors tensor as the same boxes). Custom planners, DCP's extension
 point (DefaultSavePlanner and DefaultLoadPlanner subclassed), hand DCP these chunks; DCP's own
 resharding (create_read_items_for_chunk_list) maps the saved chunks onto any requested ones.
 DTensor's placements cut a dimension into even pieces and cannot describe such a range;
 ShardedTensor could (several local shards per rank) but torch is deprecating it for DTensor.
+
+[Note: DCP writes in place] A chunk is a view of a unit's flat buffer. DCP's file writer clones
+a tensor whose storage is larger than the tensor itself, and keeps every tensor it wrote to a
+file until that file is closed (torch 2.13), so handing it the views would copy the rank's whole
+shard. The save planner hands it alone(view) instead: the same memory under a storage of exactly
+the chunk's bytes, which it neither clones nor holds beyond memory that exists anyway. A frozen
+parameter's values are upcast to fp32 first (save_chunks): those copies, the rank's shard of the
+frozen parameters in fp32, are held for the save.
 """
 
 from __future__ import annotations
@@ -206,6 +215,14 @@ def scalars(engine, aliases, buffers) -> tuple[dict[str, torch.Tensor], dict[str
 # -- the planners ----------------------------------------------------------------------------
 
 
+def alone(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous `t` over the same memory, as a tensor whose storage is exactly its own bytes
+    ([Note: DCP writes in place])."""
+    start = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()[start : start + t.nbytes]  # shares t's memory, keeps it alive
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape)
+
+
 class SavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner's global plan and metadata (deduplication, validation that the chunks
     tile every tensor) over this rank's own write items ([Note: DCP writes])."""
@@ -213,7 +230,7 @@ class SavePlanner(DefaultSavePlanner):
     def __init__(self, chunks: list[Chunk], tensors: dict, objects: dict):
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
         self.chunks, self.tensors, self.objects = chunks, tensors, objects
-        self.by_index = {(c.key, c.offsets): c.view() for c in chunks}
+        self.by_index = {(c.key, c.offsets): alone(c.view()) for c in chunks}
         self.by_index.update({(k, (0,) * t.dim()): t for k, t in tensors.items()})
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:

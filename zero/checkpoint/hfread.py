@@ -6,12 +6,13 @@ folder.
 
 [Note: HF import ranges] Each rank fills the extents it holds (the working copy's, which
 contains the master's; at stage 3 its own shard), slot by slot, from the folder: the flat range
-[a, b) of a tensor is read with safetensors' get_slice as a few boxes (_boxes: a partial first
-row, the whole rows between, a partial last row, recursively), so a rank reads exactly the
-elements its extents hold, never a whole tensor it does not hold. Alignment gaps and padding stay
-zeros, as construction leaves them. Values are converted to fp32 (exact from F32, BF16, F16) and
-rounded to the compute dtype for the working copy, as construction does. Optimizer states are
-not touched: they are zeros, since an engine that has stepped is refused.
+[a, b) of a tensor is read with safetensors' get_slice as a few boxes (dcp_plan.py's boxes,
+[Note: DCP boxes]: a partial first row, the whole rows between, a partial last row,
+recursively), so a rank reads exactly the elements its extents hold, never a whole tensor it
+does not hold. Alignment gaps and padding stay zeros, as construction leaves them. Values are
+converted to fp32 (exact from F32, BF16, F16) and rounded to the compute dtype for the working
+copy, as construction does. Optimizer states are not touched: they are zeros, since an engine
+that has stepped is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from ..introspect import Introspect
 from .commit import _buffers
+from .dcp_plan import boxes
 from .format import _agree, _check_idle
 
 CONFIG, GENERATION = "config.json", "generation_config.json"
@@ -84,31 +86,12 @@ def _read_json(path: Path, what: str) -> dict:
 
 def _boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple]:
     """Index tuples (slices, one per dim) whose elements, in order, are the row-major flat
-    range [a, b) of a tensor of `shape`: at most 2·ndim - 1 boxes, nothing outside [a, b)."""
-    if a >= b:
-        return []
-    if not shape:
-        return [()]
-    if len(shape) == 1:
-        return [(slice(a, b),)]
-    rest = shape[1:]
-    row = math.prod(rest)
-    first, last = a // row, (b - 1) // row  # the rows [a, b) touches
-    if first == last:
-        return [
-            (slice(first, first + 1), *x) for x in _boxes(rest, a - first * row, b - first * row)
-        ]
-    out, lo, hi = [], first, last + 1
-    if a % row:
-        out += [(slice(first, first + 1), *x) for x in _boxes(rest, a % row, row)]
-        lo = first + 1
-    tail = []
-    if b % row:
-        tail = [(slice(last, last + 1), *x) for x in _boxes(rest, 0, b % row)]
-        hi = last
-    if lo < hi:
-        out.append((slice(lo, hi), *(slice(0, d) for d in rest)))
-    return out + tail
+    range [a, b) of a tensor of `shape`: dcp_plan.boxes' boxes ([Note: DCP boxes]) as the
+    slices safetensors' get_slice takes, at most 2·ndim - 1, nothing outside [a, b)."""
+    return [
+        tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+        for offsets, sizes, _ in boxes(shape, a, b)
+    ]
 
 
 class _Folder:
