@@ -198,6 +198,13 @@ class Cell:
     def injected(self) -> bool:
         return self.gradients != "backward"
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Steps that reach the optimizer: non-finite draws skip steps 0 and 2
+        (verify.cells.inject.draw_for)."""
+        skipped = min(2, (self.steps + 1) // 2) if self.gradients == "nonfinite" else 0
+        return self.steps - skipped
+
     def gradient_draw(self) -> GradientDraw:
         if self.draw is not None:
             return self.draw

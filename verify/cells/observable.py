@@ -22,11 +22,6 @@ def _det(c: Cell) -> bool:
     return c.mode == "deterministic"
 
 
-def _optimizer_steps(c: Cell) -> int:
-    """Steps that reach the optimizer: non-finite draws skip steps 0 and 2."""
-    return c.steps - (min(2, (c.steps + 1) // 2) if c.gradients == "nonfinite" else 0)
-
-
 OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     # every rank's extents are compared, so one ULP anywhere fails a bitwise cell
     "one_ulp": lambda c: _det(c) and c.world_size >= 2,
@@ -34,7 +29,7 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     "shard_offset": lambda c: _det(c) and c.world_size >= 2 and c.stage >= 1,
     "one_over_n_for_m": lambda c: _det(c) and c.accumulation > 1 and c.clip_norm is None,
     "bias_correction_t_minus_1": lambda c: (
-        _det(c) and c.optimizer in ("adam", "adamw") and _optimizer_steps(c) >= 2
+        _det(c) and c.optimizer in ("adam", "adamw") and c.optimizer_steps >= 2
     ),
     "reduce_order": lambda c: (
         _det(c) and c.world_size >= 3 and (c.precision == "fp32" or c.gradients == "extreme")
@@ -57,7 +52,7 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     # counted collectives are compared every step: any stage-3 cell with a sharded unit
     "extra_all_gather_stage3": lambda c: c.stage == 3 and c.model != "params-even",
     # groups differ in their hyper-parameters (GROUPS), and every model has biases
-    "decay_on_biases": lambda c: _optimizer_steps(c) >= 1 and c.groups == "two",
+    "decay_on_biases": lambda c: c.optimizer_steps >= 1 and c.groups == "two",
     # the groups are compared with verify/checks/expect.py's table when the engine is built, before
     # any step; every verify model has a parameter of group 1 (a bias or a vector); cells of
     # one group (no group_of) never call the predicate
@@ -72,7 +67,7 @@ OBSERVABLE: dict[str, Callable[[Cell], bool]] = {
     # stage) reports its partial sums each step
     "extra_partial_sum": _det,
     # the reported norm is compared in fast mode too (bitwise against the pinned order)
-    "fast_norm_misreported": lambda c: c.mode == "fast" and _optimizer_steps(c) >= 1,
+    "fast_norm_misreported": lambda c: c.mode == "fast" and c.optimizer_steps >= 1,
     # the step count is compared after every step; needs a skipped step
     "t_advances_on_skip": lambda c: c.gradients == "nonfinite" or c.loss_scale is not None,
     # a branch whole steps skip: the skipped parameters are compared (fast mode: bound 0)
@@ -123,7 +118,7 @@ OBSERVABLE.update({
     ),
     # every unit but the first keeps its unclipped gradient: needs steps that clip, two units
     "clip_first_unit_only": lambda c: (
-        _det(c) and c.units == "tiny" and _optimizer_steps(c) >= 1
+        _det(c) and c.units == "tiny" and c.optimizer_steps >= 1
         and (c.clip_norm == CLIP_NORM or clips_on_some_steps(c))
     ),
     # the scale after a skipped step is compared (cells that are sure to skip one)
@@ -133,7 +128,7 @@ OBSERVABLE.update({
     # a parameter of another group starting inside some rank's extent (not at a shard start)
     # (one group: no previous group to take the hyper-parameters of)
     "group_run_boundary": lambda c: (
-        _det(c) and _optimizer_steps(c) >= 1 and c.groups == "two" and _units_of(c)[1]
+        _det(c) and c.optimizer_steps >= 1 and c.groups == "two" and _units_of(c)[1]
     ),
     # the counted all-gathers: a unit gathered again after its backward
     "prefetch_wrong_unit": lambda c: (

@@ -66,10 +66,6 @@ def plant_disk_mapped_private(p) -> None:
     p.setattr(disk.mmap, "mmap", private)
 
 
-def _optimizer_steps(c) -> int:
-    return c.steps - (min(2, (c.steps + 1) // 2) if c.gradients == "nonfinite" else 0)
-
-
 FEATURE = Feature(
     name="disk",
     doc="ZeRO-Infinity's disk tier: master and optimizer states in files (offload_dir)",
@@ -103,7 +99,7 @@ FEATURE = Feature(
         # the states read back from the files are compared after every step: the second shows it
         Bug(name="disk_mapped_private", breaks="the disk tier's state files mapped copy-on-write",
             where="the disk tier, two optimizer steps", plant=plant_disk_mapped_private,
-            observable=lambda c: c.disk and c.mode == "deterministic" and _optimizer_steps(c) >= 2,
+            observable=lambda c: c.disk and c.mode == "deterministic" and c.optimizer_steps >= 2,
             check="state"),
     ),
     traffic=expected_disk_traffic,
