@@ -17,6 +17,7 @@ from paper_figures import (
     paper,
     zero_r_configs,
     zero_r_mp,
+    zeropp_volume,
 )
 from paper_figures.common import Outputs, SummaryRow, markdown_table
 from paper_figures.model_states import (
@@ -30,6 +31,7 @@ from paper_figures.performance import (
     perf_model,
     throughput,
     throughput_mp,
+    zeropp_model,
 )
 from zero.common.memory import GB, STAGE_LABELS, model_state_bytes
 from zero.common.results import read_json, write_atomic
@@ -259,8 +261,10 @@ SOURCES = (
     (table1_memory.NAME, table1_rows, "tables/table1_memory.md"),
     (table2_max_model.NAME, table2_rows, "tables/table2_max_model.md"),
     (comm_volume.NAME, comm_rows, "figures/comm_volume.png, tables/comm_volume.md"),
+    (zeropp_volume.NAME, zeropp_volume.index_rows, "tables/zeropp_volume.md"),
     (activation_memory.NAME, activation_rows, "figures/activation_memory.png"),
     (perf_model.NAME, perf_model.index_rows, "figures/perf_model.png, tables/perf_model.md"),
+    (zeropp_model.NAME, zeropp_model.index_rows, "tables/zeropp_model.md"),
     (throughput.NAME, throughput.index_rows, "figures/throughput_cpu.png, tables/throughput.md"),
     (
         throughput_mp.NAME,

@@ -2,9 +2,10 @@
 points as Runs (their configurations), and the hardware the paper states.
 
 Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
-arXiv 1910.02054 (SC20); transcribed in docs/paper.md, whose section is cited at each
-value. These are the only hand-typed numbers the figures and tables use: everything "ours" comes
-from the JSON records that the sections write.
+arXiv 1910.02054 (SC20), and at the end ZeRO++ (Wang et al., arXiv 2306.10209, with its blog);
+transcribed in docs/paper.md, whose section is cited at each value. These are the only hand-typed
+numbers the figures and tables use: everything "ours" comes from the JSON records that the
+sections write.
 
 Legend: Ψ = num_params (7.5B, 128B, 1T in Table 1), N_d = world_size (the "DP" column),
 K = 12 (mixed-precision Adam), MP = N_m (the model-parallel degree of Table 2), GB = 1e9 bytes.
@@ -300,3 +301,52 @@ def format_size(billions: float, unit: str, decimals: int) -> str:
     if unit == "T":
         return format_number(billions / 1000, decimals) + "T"
     return format_number(billions) + "B"
+
+
+# --- ZeRO++ (Wang et al., arXiv 2306.10209; docs/paper.md §3). ------------------------------------
+ZEROPP_COLLECTIVES = ("forward all-gather", "backward all-gather", "gradient reduce-scatter")
+ZEROPP_VOLUME = {"ZeRO-3": (1.0, 1.0, 1.0), "ZeRO++": (0.5, 0.0, 0.25)}
+"""Cross-node volume per step of each collective, in units of M, the model's bytes in fp16 (the
+volume table of ZeRO++'s blog and paper): 3M for ZeRO-3, 0.75M for ZeRO++."""
+ZEROPP_TECHNIQUE = {"qwZ": (0, 0.5), "hpZ": (1, 0.0), "qgZ": (2, 0.25)}
+"""Each technique: the collective it changes (index into ZEROPP_COLLECTIVES) and that
+collective's cross-node volume with it, in M (qwZ: fp16 -> int8; hpZ: the backward gather stays
+inside a node; qgZ: int4 all-to-all in two hops)."""
+ZEROPP_HEADLINE = 2.16
+"""The abstract: "up to 2.16x better throughput at 384 GPU scale"."""
+ZEROPP_GPUS = 384
+"""Every throughput bar below: 384 V100 GPUs (the blog's Figures 6-8)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroppBar:
+    """One pair of bars of ZeRO++'s blog (docs/paper.md §3.2): TFLOP/s per GPU as printed above
+    the bars (integers), ZeRO-3 beside ZeRO++, and the speedup printed on the arrow, if any."""
+
+    figure: str
+    model: str
+    tokens_per_gpu: int
+    gbps: int
+    """Inter-node bandwidth per node: IB links x 100 Gbps."""
+    zero3_tflops: float
+    zeropp_tflops: float
+    arrow: float | None = None
+
+
+_BARS = (  # (figure, Gbps, tokens per GPU, model, ZeRO-3, ZeRO++, arrow)
+    *(("6", 400, 1024, m, a, b, x) for m, a, b, x in (("18B", 25, 35, None),
+      ("49B", 23, 36, None), ("91B", 23, 36, None), ("138B", 23, 36, 1.56))),
+    *(("6", 400, 2048, m, a, b, x) for m, a, b, x in (("18B", 40, 53, None),
+      ("49B", 36, 51, 1.41), ("91B", 36, 51, None), ("138B", 36, 50, None))),
+    *(("7", 100, 1024, m, a, b, x) for m, a, b, x in (("18B", 14, 31, 2.21),
+      ("49B", 11, 22, None), ("91B", 11, 22, None), ("138B", 11, 22, None))),
+    *(("7", 100, 2048, m, a, b, x) for m, a, b, x in (("18B", 26, 46, 1.77),
+      ("49B", 20, 38, None), ("91B", 20, 38, None), ("138B", 20, 38, None))),
+    ("8", 200, 2048, "18B", 37, 50, None), ("8", 800, 2048, "18B", 47, 54, None),
+    ("8", 200, 2048, "138B", 32, 48, None), ("8", 800, 2048, "138B", 48, 55, None),
+)  # fmt: skip
+ZEROPP_BARS = tuple(
+    ZeroppBar(figure=f, gbps=g, tokens_per_gpu=t, model=m, zero3_tflops=a, zeropp_tflops=b, arrow=x)
+    for f, g, t, m, a, b, x in _BARS
+)
+"""The blog's Figure 6 (4 IB links: 400 Gbps), 7 (1 link: 100 Gbps) and 8 (200 and 800 Gbps)."""

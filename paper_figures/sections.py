@@ -2,9 +2,10 @@
 
 Where they live, by the paper's subject: ``model_states/`` (ZeRO-DP's memory: Figure 1, Tables 1
 and 2, the simulated ranks and the NumPy simulation), ``performance/`` (step time and throughput:
-Figures 2-4, measured on CPU and GPU and modelled); at the top, the communication volume
-(``comm_volume``) and ZeRO-R's residual memory (``activation_memory``, ``zero_r_configs``,
-``zero_r_mp``), beside the machinery every section shares (``common``, ``paper``, ``index``).
+Figures 2-4, measured on CPU and GPU and modelled, and ZeRO++'s modelled speedup); at the top,
+the communication volume (``comm_volume``; ZeRO++'s per link, ``zeropp_volume``) and ZeRO-R's
+residual memory (``activation_memory``, ``zero_r_configs``, ``zero_r_mp``), beside the machinery
+every section shares (``common``, ``paper``, ``index``).
 
 To add a section (the steps are in the package docstring, ``paper_figures/__init__.py``): write a
 module with ``run(*, profile, out) -> list[SummaryRow]``, in the folder of its subject, and append
@@ -23,6 +24,7 @@ from paper_figures import (
     index,
     zero_r_configs,
     zero_r_mp,
+    zeropp_volume,
 )
 from paper_figures.common import Section
 from paper_figures.model_states import (
@@ -37,6 +39,7 @@ from paper_figures.performance import (
     perf_model,
     throughput,
     throughput_mp,
+    zeropp_model,
 )
 
 SECTIONS: list[Section] = [
@@ -55,6 +58,11 @@ SECTIONS: list[Section] = [
         about="bytes per rank per step on gloo ranks: 2Ψ/2Ψ/2Ψ/3Ψ",
     ),
     Section(
+        name=zeropp_volume.NAME,
+        run=zeropp_volume.run,
+        about="ZeRO++: bytes per link per step, analytic (5 schemes), counted (ZeRO-3, hpZ at 2 x 2)",
+    ),
+    Section(
         name=activation_memory.NAME,
         run=activation_memory.run,
         about="activation memory: the footnote's formula vs measurement",
@@ -63,6 +71,11 @@ SECTIONS: list[Section] = [
         name=perf_model.NAME,
         run=perf_model.run,
         about="performance model: fitted on Figure 4, Figures 2-3 held out",
+    ),
+    Section(
+        name=zeropp_model.NAME,
+        run=zeropp_model.run,
+        about="ZeRO++'s speedup over ZeRO-3: two-link model beside the reported (not measured)",
     ),
     Section(
         name=throughput.NAME,

@@ -194,6 +194,16 @@ def sent_seconds(sent_bytes: float, gpus: int, per_node: int, p: Params,
     return collective_seconds(sent_bytes * gpus / (gpus - 1), 1, gpus, per_node, p, hw)
 
 
+def two_link_seconds(intra_bytes: float, inter_bytes: float, p: Params,
+                     hw: Hardware = HARDWARE) -> float:  # fmt: skip
+    """Two link classes, used one after the other (docs/perfmodel.md, *Two link classes*): the
+    busiest GPU's intra-node bytes over its NVSwitch (or NVLink) bandwidth, then a node's
+    inter-node bytes over the node's link. Bytes moved from one class to the other change the
+    time only as far as the two bandwidths differ."""
+    intra = intra_bytes / (hw.nvswitch_bytes_s * p.nvswitch_efficiency)
+    return intra + inter_bytes / (hw.node_bytes_s * p.internode_efficiency)
+
+
 def _split(run: Run, p: Params, hw: Hardware) -> tuple[float, float, float, float, float]:
     """(FLOPs per GPU, GEMM size x, MP communication, DP communication before overlap and
     optimizer seconds): the parts that the three fitted parameters do not change."""
