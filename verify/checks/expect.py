@@ -295,7 +295,10 @@ def expected_traffic(
       stage 2   k reduce-scatters in both modes, one param_update all-gather
       stage 3   k reduce-scatters; with a forward, k all-gathers for forward (param_fwd) and,
           but for the root (gathered from its forward to the end of backward), k for backward
-          (param_bwd); injected gradients gather nothing
+          (param_bwd); injected gradients gather nothing. With hpz (R ranks per node, the
+          config's ranks_per_node, None: N) a backward all-gather gathers the R secondary parts
+          of P = N·L/R elements inside the node: (R-1)·P elements, of which (R-1)·(P - real in
+          part j) padding, j = rank mod R (hpz_gather)
     Each reduce-scatter is cut into ceil(L / (C_B // N)) pieces with bucket_elements C_B; the
     pieces send what the whole would. Every call sends (N-1)·(its shard part) elements. A
     skipped step (overflow) updates nothing, so it gathers no updated parameters.
@@ -337,6 +340,20 @@ def expected_traffic(
     return {key: tuple(v) for key, v in out.items()}
 
 
+def hpz_gather(config, lay, n: int, rank: int) -> tuple[int, int] | None:
+    """(elements, padding) one hpZ backward all-gather of a unit sends from `rank`, or None
+    without hpz: the padded unit [0, N·L) cut in R parts of P = N·L/R, node rank j = rank mod R
+    sends its part j to the R-1 others; its padding is part j's elements that hold no
+    parameter (the layout's real mask)."""
+    if not getattr(config, "hpz", False):
+        return None
+    per_node = config.ranks_per_node or n
+    part = lay.padded_numel(n) // per_node
+    j = rank % per_node
+    real = int(lay.real_mask(n)[j * part : (j + 1) * part].sum())
+    return (per_node - 1) * part, (per_node - 1) * (part - real)
+
+
 def _unit_traffic(add, config, lay, n: int, rank: int, *, root: bool, gathers, skipped: bool):
     """One unit's collectives of a step into add(key, calls, elements, padding), by
     expected_traffic's table; gathers: (forward, backward) all-gathers at stage 3 with a
@@ -366,8 +383,9 @@ def _unit_traffic(add, config, lay, n: int, rank: int, *, root: bool, gathers, s
             add("all_gather:param_fwd", k, k * ag[0], k * ag[1])
         elif gathers is not None:
             f, b = gathers
+            bwd = hpz_gather(config, lay, n, rank) or ag
             add("all_gather:param_fwd", f, f * ag[0], f * ag[1])
-            add("all_gather:param_bwd", b, b * ag[0], b * ag[1])
+            add("all_gather:param_bwd", b, b * bwd[0], b * bwd[1])
 
 
 def traffic_of_step(counter, step: int) -> dict[str, tuple]:

@@ -56,7 +56,9 @@ def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
     its running sum on the device too) and, in mixed precision, two upload staging buffers of
     the largest extent in the compute dtype (the ring zero/zero_r/offload.py reuses). frozen
     (frozen_layouts(...)) adds the category "frozen": each padded buffer in the compute dtype,
-    /N at stage 3 (not persistent)."""
+    /N at stage 3 (not persistent). hpz (stage 3) adds the category "hpz": every sharded unit
+    but the root (unit 0, never gathered for backward) keeps a secondary part of its padded
+    numel / R in the compute dtype, R the config's ranks_per_node (None: N)."""
     cb = DTYPE_BYTES[config.precision]
     gb = DTYPE_BYTES[config.reduce_dtype or "fp32"]
     fp32 = config.precision == "fp32"
@@ -90,6 +92,13 @@ def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
             staging = max(staging, 0 if fp32 else extent * cb)
     if offload and not fp32:  # two slots of the largest extent (bounded upload staging)
         total["staging"] = 2 * staging
+    if getattr(config, "hpz", False):
+        per_node = config.ranks_per_node or n
+        total["hpz"] = sum(
+            lay.padded_numel(n) // per_node * cb
+            for i, lay in enumerate(spec.layouts)
+            if i > 0 and not persistent(config, lay)
+        )
     if frozen:
         total["frozen"] = sum(
             int(

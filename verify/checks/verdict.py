@@ -220,16 +220,22 @@ RING_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 def link_mismatch(run: CellRun, step: int, records) -> str:
     """The step's model bytes per link against the layout alone ([Note: traffic per link]): a
-    ring sends everything to the next rank, so with ranks node-major (R per node) a node's last
-    rank sends all its bytes across nodes and every other rank none; one node keeps them all.
+    ring over the world sends everything to the next rank, so with ranks node-major (R per
+    node) a node's last rank sends all its bytes across nodes and every other rank none; one
+    node keeps them all. With hpz a trainable sharded unit's backward all-gather runs over its
+    node's R ranks, all on one node: every byte stays inside (at R = 1 it sends none).
     '' or the first record that differs."""
-    n = run.eng.world_size
-    per_node = run.ref_cfg.ranks_per_node or n
+    n, cfg = run.eng.world_size, run.ref_cfg
+    per_node = cfg.ranks_per_node or n
     across = n > per_node and run.rank % per_node == per_node - 1
+    layouts = run.spec.layouts
     for r in records:
         if r.op not in RING_OPS:
             return f"step {step}: {r.op}:{r.phase}: no ring; the link check knows ring ops only"
         want = (0, r.nbytes) if across else (r.nbytes, 0)
+        node = r.op == "all_gather" and r.phase == "param_bwd" and getattr(cfg, "hpz", False)
+        if node and r.unit is not None and r.unit < len(layouts):  # frozen units: after these
+            want = (r.nbytes, 0)
         if (r.intra_bytes, r.inter_bytes) != want:
             return (
                 f"step {step}: {r.op}:{r.phase} unit {r.unit}: (intra, inter) bytes "

@@ -24,6 +24,7 @@ from . import (
     disk,
     dropout,
     frozen,
+    hpz,
     mp,
     nodes,
     offload,
@@ -47,6 +48,7 @@ FEATURES: dict[str, Feature] = {
         dropout,
         watchdog_mode,
         nodes,
+        hpz,
         dcp,
         mp,
     )
