@@ -90,6 +90,7 @@ def _zero_fields(bad) -> None:
     bad(group_index, "group_of", GroupOf(ZeroDivisionError("division by zero")))
     bad(ZeroConfig, "micro_batches", 0, -2, 1.5)
     bad(ZeroConfig, "ranks_per_node", 0, -1, True, 2.0, "2")
+    bad(ZeroConfig, "hpz", 1, True, "yes")  # True: refused without stage 3
     bad(ZeroConfig, "clip_norm", INF, NAN, 0.0, -1.0)
     bad(ZeroConfig, "scaler", None)
     bad(ZeroConfig, "nonfinite", "ignore")
