@@ -106,8 +106,10 @@ def test_the_consolidating_row_sees_a_torch_step_outside_its_bound(kind, monkeyp
 @pytest.mark.parametrize(
     "case",
     [
-        ResumeCase(n1=2, s1=2, n2=1, s2=3, offload=True, micro_batches=4),
-        ResumeCase(n1=1, s1=3, n2=2, s2=1, offload=True, micro_batches=4, precision="fp16"),
+        ResumeCase(n1=2, s1=2, n2=1, s2=3, features=("offload",), micro_batches=4),
+        ResumeCase(
+            n1=1, s1=3, n2=2, s2=1, features=("offload",), micro_batches=4, precision="fp16"
+        ),
     ],
     ids=str,
 )

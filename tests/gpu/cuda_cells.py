@@ -48,8 +48,11 @@ def cells() -> list[Cell]:
                     mode="deterministic",
                     model="params-uneven",
                     gradients="random",
-                    offload=offload,
-                    contiguous=contiguous,
+                    features=tuple(
+                        name
+                        for name, on in (("offload", offload), ("contiguous", contiguous))
+                        if on
+                    ),
                 )
             )
     return out
