@@ -13,28 +13,28 @@ file-backed (RssFile) resident memory above theirs, sampled every 5 ms.
 
 Beside each, the analytic bound of its growth ([Note: DCP memory bound]), from the engine's
 extents: for save_dcp the fp32 copies of its frozen values plus one chunk of headroom (a
-rank's largest chunk is at most one unit's shard); for load_dcp the rank's targets (its shard of
-every tensor read, fresh) plus its two largest chunks. The folder is removed afterwards unless
---keep. Prints one JSON record (zero.common.results).
+rank's largest chunk is at most one unit's shard); for load_dcp its fresh targets (step counts
+and buffers; everything else is read in place) plus its two largest chunks. The folder is
+removed afterwards unless --keep. Prints one JSON record (zero.common.results).
 
 [Note: DCP memory bound] save_dcp hands DCP its own memory ([Note: DCP writes in place] in
 zero/checkpoint/dcp_plan.py), so on CPUs DCP copies no tensor: what grows is the fp32 copies of
 frozen values (none when nothing is frozen or it is fp32 already), held throughout, and DCP's
 bookkeeping (plans, metadata), which the one chunk of headroom covers. (On a device DCP copies
 each chunk to the host and keeps the copies until the rank's file is closed: not measured
-here.) load_dcp allocates its targets (the master
-over the working extent, each state over the master extent, frozen values over theirs: at stage
-3 the rank's shard of each, zeros in gaps and padding) and keeps them until every rank has read
-everything, so that a failure leaves the engine as it was; DCP's reader then torch.loads one
-saved chunk at a time into a tensor of its own, copies it into place, and drops it when it
-rebinds its name to the next (two chunks alive for a moment): growth ≤ targets + the two
-largest saved chunks it reads (at the same N and stage, the rank's own chunks).
+here.) load_dcp reads the master, the optimizer states and frozen values straight into the
+engine's own buffers ([Note: DCP reads] in zero/checkpoint/dcp.py) and only the step counts and
+buffers into fresh tensors (its targets);
+DCP's reader torch.loads one saved chunk at a time into a tensor of its own, copies it into
+place, and drops it when it rebinds its name to the next (two chunks alive for a moment):
+growth ≤ targets + the two largest saved chunks it reads (at the same N and stage, the rank's
+own chunks).
 
 Measured on the 2-core, 23 GiB machine (1.10B parameters, N = 2, each rank holding 4.69 GB, its
-master shard 2.20 GB; the folder 4.40 GB in 3 files): save_dcp 11.0 s, +15.2 MB and +7.1 MB
-(bound 262 MB); load_dcp 15.1 s, +2.462 GB and +2.508 GB (bound 2.509 GB). More in
-docs/checkpoints.md ("DCP: exchange with plain PyTorch and FSDP2") and
-benchmarks/status-details.md ("checkpoints that travel").
+master shard 2.20 GB; the folder 4.40 GB in 3 files): save_dcp 9.6 s, +12.0 MB and +7.2 MB
+(bound 262 MB); load_dcp 0.8 s, +285 MB and +306 MB (bound 308 MB; reading into a fresh copy of
+the shard it grew by 2.46 and 2.51 GB). More in docs/checkpoints.md ("DCP: exchange with plain
+PyTorch and FSDP2") and benchmarks/status-details.md ("checkpoints that travel").
 """
 
 from __future__ import annotations
@@ -92,13 +92,9 @@ def bounds(eng) -> dict[str, int]:
     from zero.checkpoint.dcp_plan import param_keys, save_chunks
 
     sizes = sorted(4 * c.flat.numel() for c in save_chunks(eng, param_keys(eng)[0]))
-    targets = 0
-    for u in eng.units:
-        held, ext = eng.working_extent(u)[1], eng.master_extent(u)
-        targets += 4 * ((held.stop - held.start) + len(u.opt) * (ext.stop - ext.start))
-    for u in eng.frozen_units:
-        held = eng.working_extent(u)[1]
-        targets += 4 * (held.stop - held.start)
+    targets = 4 * len(eng.group_index) if eng.config.optimizer != "sgd" else 0  # step counts
+    persistent = eng.module.state_dict(keep_vars=True)
+    targets += sum(b.nbytes for k, b in eng.module.named_buffers() if k in persistent)
     frozen = sum(4 * (u.part.own.stop - u.part.own.start) for u in eng.frozen_units)
     return {
         "rank_shard_bytes": sum(4 * u.part.shard_numel * (1 + len(u.opt)) for u in eng.units),

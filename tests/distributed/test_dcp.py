@@ -24,6 +24,7 @@ from tests.helpers.dcp_tools import (
     dcp_run,
     differences,
     fsdp_round,
+    interrupted,
     plain_load,
     plain_optimizer,
     plain_save,
@@ -235,3 +236,35 @@ def test_same_bits_compares_bits():
     """The helpers' comparison is of bits: -0.0 and 0.0 differ, a NaN equals itself."""
     assert not same_bits(np.float32(-0.0), np.float32(0.0))
     assert same_bits(np.float32("nan"), np.float32("nan"))
+
+
+@pytest.mark.dist
+def test_a_failure_during_the_read_leaves_the_engine_refusing_until_a_good_load(tmp_path):
+    """A data file of the right size whose exp_avg_sq chunks are zeroed (unreadable) passes
+    every check made before the read and fails during it: every rank raises one line, and the
+    partly loaded engine then refuses a step, an eval forward, save_dcp, engine.save and
+    engine.load, each with one line naming the checkpoint; a following load_dcp of a good
+    checkpoint clears that and gives the state a fresh engine loads, and the engine steps."""
+    case = Case(n1=2, s1=1, n2=2, s2=2)
+    good, broken = tmp_path / "good", tmp_path / "broken"
+    get_pool(2).run(dcp_run, case, 1, 1, str(good))
+    shutil.copytree(good, broken)
+    md = dcp.FileSystemReader(broken).read_metadata()
+    data = bytearray((broken / "__1_0.distcp").read_bytes())
+    for index, info in md.storage_data.items():  # rank 1's exp_avg_sq chunks, zeroed
+        if index.fqn.endswith(".exp_avg_sq") and info.relative_path == "__1_0.distcp":
+            data[info.offset : info.offset + info.length] = bytes(info.length)
+    (broken / "__1_0.distcp").write_bytes(bytes(data))
+    got = get_pool(2).run(interrupted, case, str(good), str(broken))
+    refused = r"CheckpointError: {} refused: load_dcp from .*broken did not finish reading, so "
+    refused += r"this engine is partly loaded; load a checkpoint again with load_dcp, or build "
+    refused += r"a new engine"
+    for r in got:
+        assert r["marked"] == str(broken) and r["after"] is None
+        assert sorted(r["errors"]) == ["eval", "load", "read", "save", "save_dcp", "step"]
+        assert "\n" not in r["errors"]["read"] and "broken" in r["errors"]["read"]
+        for label, call in [("step", "forward"), ("eval", "forward"), ("save_dcp", "save")]:
+            assert re.fullmatch(refused.format(call), r["errors"][label]), r["errors"][label]
+        for label in ("save", "load"):
+            assert re.fullmatch(refused.format(label), r["errors"][label]), r["errors"][label]
+        assert r["same"] and len(r["losses"]) == 1 and math.isfinite(r["losses"][0])

@@ -70,8 +70,9 @@ def test_dcp_writes_the_save_planners_chunks_without_copying_them():
 @pytest.mark.dist
 def test_the_memory_measurement_runs_on_a_small_llama(tmp_path):
     """measure/parts/dcp_memory.py's ranks on a small shape: the two ranks together read every
-    parameter once; at stage 3 with SGD without momentum the load's targets are the rank's
-    shard; a chunk is at most one unit's shard; each call's record has its fields."""
+    parameter once; the load reads in place, so with SGD without momentum and no persistent
+    buffer its fresh targets are nothing and its bound (two chunks) is below the rank's shard; a
+    chunk is at most one unit's shard; each call's record has its fields."""
     from measure.parts import dcp_memory
 
     args = dcp_memory.parser().parse_args(
@@ -88,10 +89,11 @@ def test_the_memory_measurement_runs_on_a_small_llama(tmp_path):
     ]
     assert sum(r["load"]["elements_read"] for r in per_rank) == per_rank[0]["params"]
     for r in per_rank:
-        assert r["load_targets_bytes"] == r["rank_shard_bytes"]
+        assert r["load_targets_bytes"] == 0
+        assert r["load_bound"] < r["rank_shard_bytes"]
         assert 0 < r["largest_chunk_bytes"] <= r["largest_unit_shard_bytes"]
         assert r["save_bound"] == r["largest_chunk_bytes"]  # nothing frozen
-        assert r["load_bound"] >= r["load_targets_bytes"] + r["largest_chunk_bytes"]
+        assert r["largest_chunk_bytes"] <= r["load_bound"] <= 2 * r["largest_chunk_bytes"]
         fields = {"seconds", "anon_growth", "file_growth", "anon_before", "hwm_growth"}
         assert set(r["save"]) == fields and set(r["load"]) == fields | {"elements_read"}
     summary = dcp_memory.summary(per_rank)

@@ -266,3 +266,36 @@ def refusals(rank, n, case, good, damaged: dict, fresh) -> dict:
     with patched(SavePlanner, resolve_data=planted):
         _attempt(errors, "failed save", lambda: save_dcp(eng, fresh))
     return {"errors": errors, "unchanged": unchanged}
+
+
+def interrupted(rank, n, case, good, broken) -> dict:
+    """Every rank loads `broken` (a data file unreadable midway: it fails during the read), then
+    tries a step, an eval forward, save_dcp, engine.save and engine.load (each refused), then
+    loads `good` and steps. Returns the refusals, partly_loaded before and after, and whether the
+    engine after the good load has the state of a fresh engine that loaded `good`."""
+    from zero.checkpoint.dcp import partly_loaded
+
+    torch.set_num_threads(1)
+    model, eng = build(case, 2, seed=1)
+    errors = {}
+    _attempt(errors, "read", lambda: load_dcp(eng, broken))
+    marked = partly_loaded(eng)
+    batch = case.microbatches(model)
+    _attempt(errors, "step", lambda: train_steps(eng, batch, 1, start_step=eng.data_step))
+    with torch.no_grad():
+        _attempt(errors, "eval", lambda: eng(*batch(0, 0)))
+    _attempt(errors, "save_dcp", lambda: save_dcp(eng, f"{broken}-again"))
+    _attempt(errors, "save", lambda: eng.save(f"{broken}-native"))
+    _attempt(errors, "load", lambda: eng.load(good))
+    load_dcp(eng, good)
+    _, fresh = build(case, 2, seed=2)
+    load_dcp(fresh, good)
+    same = compare_states(state_of(fresh), state_of(eng)) == ""
+    losses = [r.loss for r in train_steps(eng, batch, 1, start_step=eng.data_step)]
+    return {
+        "errors": errors,
+        "marked": marked,
+        "after": partly_loaded(eng),
+        "same": same,
+        "losses": losses,
+    }

@@ -18,10 +18,21 @@ exists half-written, and a failed save removes the temporary folder. NAME must n
 [Note: DCP reads] Each rank asks for exactly what it holds: the master over its working extent
 (whole at stages 0-2 and for persistent units, its shard at stage 3), which contains the master
 extent; each optimizer state over the master extent; frozen values over their working extent;
-whole buffers; and the scalars. Alignment gaps and padding stay zeros, as every optimizer keeps
-them. Before DCP runs, the checkpoint is checked against the model on every rank (one line per
-refusal: a missing or short data file, a key missing on either side, a shape that differs), and
-nothing of the engine changes until every rank has read everything. DCP's .metadata is a
+whole buffers; and the scalars. Alignment gaps and padding are left as they are (zeros, as every
+optimizer keeps them). Before any tensor of the engine is written, the checkpoint is checked
+against the model on every rank (one line per refusal: a missing or short data file, a key
+missing on either side, a shape that differs), and a first, small read takes the step counts,
+the buffers and EXTRA_KEY into fresh tensors and checks them: any refusal so far leaves the
+engine unchanged. The second read then goes straight into the engine's own buffers (the master
+extent into u.master, the rest of the working extent into the working copy, each state into
+u.opt, frozen values into theirs): DCP's reader loads one saved chunk at a time and copies it
+into place, so a rank's memory grows by about one saved chunk, not by a copy of its shard. A
+failure during that read (a data file that turns out unreadable midway) leaves the engine partly
+loaded: a guard set on every rank before the read (instance attributes `at` and `forward` over
+the engine's methods), cleared only once every rank has read everything, makes every later call
+(step, forward, backward, save, load, gather) refuse with one line naming the checkpoint, until
+a new load_dcp succeeds or a new engine is built; partly_loaded(engine) names the checkpoint.
+After the read the working copies, the buffers and the counters are set. DCP's .metadata is a
 pickle: load only checkpoints you trust, as with torch.load(weights_only=False).
 """
 
@@ -77,7 +88,8 @@ def _dcp_error(what: str, exc: CheckpointException) -> CheckpointError:
     failures = sorted(exc.failures.items())
     rank, (error, _) = failures[0]
     more = f" (and on ranks {[r for r, _ in failures[1:]]})" if len(failures) > 1 else ""
-    return CheckpointError(f"{what}: rank {rank}: {type(error).__name__}: {error}{more}")
+    text = " ".join(str(error).split())  # torch's messages may span lines
+    return CheckpointError(f"{what}: rank {rank}: {type(error).__name__}: {text}{more}")
 
 
 def _fresh_folder(target: Path, given) -> str:
@@ -320,18 +332,11 @@ def _counters(engine, path: Path, targets: Targets, extra: dict) -> dict:
 
 
 def _apply(engine, targets: Targets, counters: dict) -> None:
-    """Copy what was read into the engine (no communication, nothing that can fail)."""
+    """After the read: the working copies of the masters read into u.master, the buffers and the
+    counters (no communication, nothing that can fail)."""
     with torch.no_grad():
-        for u, master, states in targets.units:
-            resident, held = engine.working_extent(u)
-            ext = engine.master_extent(u)
+        for resident, master in targets.synced:
             resident.copy_(master)  # rounded to the compute dtype, as refresh_working does
-            if u.master.untyped_storage().data_ptr() != resident.untyped_storage().data_ptr():
-                u.master.copy_(master[ext.start - held.start : ext.stop - held.start])
-            for x, values in states.items():
-                u.opt[x].copy_(values)
-        for u, values in targets.frozen:
-            engine.working_extent(u)[0].copy_(values)
         module_buffers = dict(_buffers(engine.module))
         for key, values in targets.buffers.items():
             module_buffers[key].copy_(values)
@@ -343,40 +348,89 @@ def _apply(engine, targets: Targets, counters: dict) -> None:
         engine.checkpoint_run_id = counters["run_id"]
 
 
+def partly_loaded(engine) -> str | None:
+    """The checkpoint whose load_dcp into `engine` did not finish reading, else None."""
+    return getattr(vars(engine).get("at"), "partly_loaded", None)
+
+
+def _guard(engine, path: Path) -> None:
+    """[Note: DCP reads]: until a load_dcp finishes, every call of the engine refuses (each
+    step, save, load and gather passes engine.at; an eval forward may not, so forward too)."""
+    line = (
+        f"load_dcp from {path} did not finish reading, so this engine is partly loaded; "
+        "load a checkpoint again with load_dcp, or build a new engine"
+    )
+
+    def at(call: str) -> None:
+        raise CheckpointError(f"{call} refused: {line}")
+
+    def forward(*args, **kwargs):
+        raise CheckpointError(f"forward refused: {line}")
+
+    at.partly_loaded = forward.partly_loaded = str(path)
+    engine.at, engine.forward = at, forward  # instance attributes over the methods
+
+
+def _unguard(engine) -> None:
+    for name in ("at", "forward"):
+        if getattr(vars(engine).get(name), "partly_loaded", None) is not None:
+            delattr(engine, name)
+
+
+def _read(path: Path, group, planner: LoadPlanner) -> None:
+    dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=group)
+
+
+def _prepare(engine, directory, path: Path):
+    """Every check that needs no tensor data (files, keys, shapes): (targets, first planner)."""
+    md = _read_metadata(directory)
+    _check_files(path, md)
+    aliases, buffers = param_keys(engine)
+    targets = load_targets(engine, aliases, buffers)
+    _check_keys(engine, path, md, targets.chunks + targets.small, aliases, buffers)
+    wanted = [EXTRA_KEY] if EXTRA_KEY in md.state_dict_metadata else []
+    return targets, LoadPlanner(targets.small, wanted)
+
+
 def load_dcp(engine: Introspect, directory) -> DcpInfo:
     """Load a DCP checkpoint into this engine at any N and stage; call on every rank. Each rank
-    reads only the ranges it holds ([Note: DCP reads]). The checkpoint is this engine's
-    (save_dcp) or any other with the same keys ([Note: DCP keys]): plain PyTorch's, FSDP2's.
-    The engine's own config (hyper-parameters, M, precision) stays in force. If any rank fails,
-    every rank raises (ValueError or CheckpointError, one line) and the engine is unchanged."""
+    reads only the ranges it holds, straight into its own buffers ([Note: DCP reads]). The
+    checkpoint is this engine's (save_dcp) or any other with the same keys ([Note: DCP keys]):
+    plain PyTorch's, FSDP2's. The engine's own config (hyper-parameters, M, precision) stays in
+    force. If any rank fails, every rank raises (ValueError or CheckpointError, one line): before
+    the read the engine is unchanged; during it, partly loaded, and it refuses every call but a
+    new load_dcp."""
     _refuse(engine, "load_dcp")
-    engine.at("load")  # every rank loads together ([Note: collective fingerprints])
+    type(engine).at(engine, "load")  # every rank loads together; past _guard's refusal
     _check_idle(engine, "load_dcp")
     group, path = scope(engine)[0], Path(directory)
-    planner, targets, error = None, None, None
+    targets, first, counters, error = None, None, None, None
     try:
-        md = _read_metadata(directory)
-        _check_files(path, md)
-        aliases, buffers = param_keys(engine)
-        chunks, targets = load_targets(engine, aliases, buffers)
-        _check_keys(engine, path, md, chunks, aliases, buffers)
-        planner = LoadPlanner(chunks, [EXTRA_KEY] if EXTRA_KEY in md.state_dict_metadata else [])
+        targets, first = _prepare(engine, directory, path)
     except Exception as exc:
         error = exc
     _agree(engine, error, f"load_dcp from {path}")
-    counters, error = None, None
-    try:
-        dcp.load(
-            {}, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=group
-        )
-        extra = _extra(engine, path, planner.objects.get(EXTRA_KEY))
+    error = None
+    try:  # the step counts, buffers and EXTRA_KEY into fresh tensors, then checked
+        _read(path, group, first)
+        extra = _extra(engine, path, first.objects.get(EXTRA_KEY))
         counters = _counters(engine, path, targets, extra)
     except CheckpointException as exc:
         error = _dcp_error(f"load_dcp from {path}", exc)
     except Exception as exc:
         error = exc
     _agree(engine, error, f"load_dcp from {path}")
+    planner, error = LoadPlanner(targets.chunks, []), None
+    _guard(engine, path)  # cleared only once every rank has read everything
+    try:
+        _read(path, group, planner)
+    except CheckpointException as exc:
+        error = _dcp_error(f"load_dcp from {path}", exc)
+    except Exception as exc:
+        error = exc
+    _agree(engine, error, f"load_dcp from {path}")
     _apply(engine, targets, counters)
+    _unguard(engine)
     return DcpInfo(
         directory=path,
         t=counters["t"],
@@ -384,5 +438,5 @@ def load_dcp(engine: Introspect, directory) -> DcpInfo:
         steps=counters["steps"],
         world_size=extra.get("world_size"),
         stage=extra.get("stage"),
-        elements_read=planner.elements,
+        elements_read=first.elements + planner.elements,
     )

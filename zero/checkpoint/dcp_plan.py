@@ -272,7 +272,8 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """Reads into the chunks' own places ([Note: DCP reads]); plain values into `objects`."""
+    """Reads into the chunks' own places ([Note: DCP reads]), in place: DCP's reader copies
+    each saved chunk it loads into the view resolve_tensor gives; plain values into `objects`."""
 
     def __init__(self, chunks: list[Chunk], objects: list[str]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -325,10 +326,11 @@ class LoadPlanner(DefaultLoadPlanner):
 
 @dataclasses.dataclass
 class Targets:
-    """Where load_dcp reads to, before anything of the engine is touched."""
+    """Where load_dcp reads to ([Note: DCP reads] in zero/checkpoint/dcp.py)."""
 
-    units: list = dataclasses.field(default_factory=list)  # (u, master over held, {state: ext})
-    frozen: list = dataclasses.field(default_factory=list)  # (u, fp32 values over held)
+    chunks: list = dataclasses.field(default_factory=list)  # views of the engine's own buffers
+    small: list = dataclasses.field(default_factory=list)  # into the fresh steps and buffers
+    synced: list = dataclasses.field(default_factory=list)  # (working copy, master): after
     steps: dict = dataclasses.field(default_factory=dict)  # name -> 1-element fp32 (Adam)
     buffers: dict = dataclasses.field(default_factory=dict)  # key -> a tensor like the buffer
 
@@ -338,27 +340,30 @@ def whole_chunk(key: str, t: torch.Tensor) -> Chunk:
     return Chunk(key, (0,) * len(shape), shape, shape, t.reshape(-1))
 
 
-def load_targets(engine, aliases, buffers) -> tuple[list[Chunk], Targets]:
-    """The chunks this rank reads and the fresh tensors they land in ([Note: DCP reads])."""
+def load_targets(engine, aliases, buffers) -> Targets:
+    """The chunks this rank reads ([Note: DCP reads]): the master, states and frozen values as
+    views of the engine's own buffers (the master's extent into u.master, the rest of the
+    working extent into the working copy), the step counts and buffers into fresh tensors."""
     kept = keys_of(engine, {name: keys[:1] for name, keys in aliases.items()})
-    chunks, out = [], Targets()
+    out = Targets()
     for u in engine.units:
-        held, ext = engine.working_extent(u)[1], engine.master_extent(u)
-        master = torch.zeros(held.stop - held.start)
-        states = {x: torch.zeros(ext.stop - ext.start) for x in u.opt}
-        chunks += chunks_of(u, held, {"master": master}, kept) + chunks_of(u, ext, states, kept)
-        out.units.append((u, master, states))
+        resident, held = engine.working_extent(u)
+        ext = engine.master_extent(u)
+        a, b = ext.start - held.start, ext.stop - held.start
+        out.chunks += chunks_of(u, slice(held.start, ext.start), {"master": resident[:a]}, kept)
+        out.chunks += chunks_of(u, ext, {"master": u.master, **u.opt}, kept)
+        out.chunks += chunks_of(u, slice(ext.stop, held.stop), {"master": resident[b:]}, kept)
+        if resident[a:b].data_ptr() != u.master.data_ptr():
+            out.synced.append((resident[a:b], u.master))
     for u in engine.frozen_units:
-        held = engine.working_extent(u)[1]
-        values = torch.zeros(held.stop - held.start)
-        chunks += chunks_of(u, held, {"frozen": values}, kept)
-        out.frozen.append((u, values))
+        resident, held = engine.working_extent(u)
+        out.chunks += chunks_of(u, held, {"frozen": resident}, kept)
     if engine.config.optimizer != "sgd":
         for name in engine.group_index:
             out.steps[name] = torch.zeros(1)
-            chunks.append(Chunk(f"state.{name}.step", (), (), (), out.steps[name]))
+            out.small.append(Chunk(f"state.{name}.step", (), (), (), out.steps[name]))
     for key, b in _buffers(engine.module):
         if key in buffers and b.numel():
             out.buffers[key] = torch.empty(b.shape, dtype=b.dtype)
-            chunks.append(whole_chunk(key, out.buffers[key]))
-    return chunks, out
+            out.small.append(whole_chunk(key, out.buffers[key]))
+    return out
