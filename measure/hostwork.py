@@ -97,11 +97,23 @@ class _Dispatch(TorchDispatchMode):
 
 @contextlib.contextmanager
 def python_calls(counts: Counts):
-    """Count Python function calls made on this thread inside the block."""
+    """Count Python function calls made on this thread inside the block. The heartbeat reads of
+    a collective's wait that outlasts a slice (zero/ranks/watchdog.py's _name_silent, once per
+    SLICE_S of waiting) are not counted, nor anything they call: their number follows how long
+    the wait took on a loaded machine, not the model, and would make the count a timing."""
+    from zero.ranks import watchdog
+
+    waiting = {watchdog._name_silent.__code__}
+    inside = [0]  # depth inside a heartbeat read
 
     def profile(frame, event, arg):
         if event == "call":
-            counts.calls += 1
+            if inside[0] or frame.f_code in waiting:
+                inside[0] += 1
+            else:
+                counts.calls += 1
+        elif event == "return" and inside[0]:
+            inside[0] -= 1
 
     previous = sys.getprofile()
     sys.setprofile(profile)
