@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import os
 import sys
 from dataclasses import dataclass, field
@@ -132,15 +133,25 @@ def torch_work(counts: Counts):
 
 def count_step(engine, batch, *, loss_of=lambda out: out[1]) -> dict[str, Counts]:
     """Counts of one step (forward, backward, step) at M = N: the step is run twice, once under
-    the Python profile hook and once under the torch modes, so neither inflates the other."""
+    the Python profile hook and once under the torch modes, so neither inflates the other.
+    Python's cyclic garbage collector is paused while counting: when it runs depends on every
+    thread's allocations (the heartbeat thread's too), and the finalizers it calls would count
+    as the step's calls on a loaded machine and not on an idle one."""
     out: dict[str, Counts] = {p: Counts() for p in PHASES}
-    for counter in (python_calls, torch_work):
-        with counter(out["forward"]):
-            result = engine(*batch)
-        with counter(out["backward"]):
-            engine.backward(loss_of(result))
-        with counter(out["step"]):
-            engine.step()
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for counter in (python_calls, torch_work):
+            with counter(out["forward"]):
+                result = engine(*batch)
+            with counter(out["backward"]):
+                engine.backward(loss_of(result))
+            with counter(out["step"]):
+                engine.step()
+    finally:
+        if collecting:
+            gc.enable()
     return out
 
 
