@@ -19,7 +19,7 @@ import torch
 
 from reference.optim import Hyper
 from tests.helpers.dcp_cases import Case
-from tests.helpers.dcp_tools import dcp_run, full_state, plain_load, plain_optimizer
+from tests.helpers.dcp_tools import dcp_run, fsdp_loaded, full_state
 from verify.checks.bounds import optimizer_step_error
 from zero.config import ZeroConfig, decay_matrices_only
 from zero.ranks.local import get_pool, spawn
@@ -46,16 +46,7 @@ class PlainCase(Case):
 def fsdp_step(rank, n, case, ckpt) -> dict | None:
     """FSDP2 on every rank: load the checkpoint, one AdamW step on micro-batch j = rank of the
     next data step (the loss of one micro-batch; FSDP2 averages over the 2 ranks)."""
-    from torch.distributed.fsdp import fully_shard
-
-    torch.set_num_threads(1)
-    model = case.make_model()
-    for name in model.unit_names():
-        fully_shard(model.get_submodule(name))
-    fully_shard(model)
-    opt = plain_optimizer(case, model)
-    plain_load(model, opt, ckpt)
-    step = int(max(float(s["step"]) for s in opt.state.values()))
+    model, opt, step = fsdp_loaded(case, ckpt)
     _, loss = model(*case.microbatches(model)(step, rank))
     loss.backward()
     opt.step()

@@ -159,11 +159,9 @@ def differences(engine_state: dict, plain: dict, steps: dict) -> list[str]:
 # -- FSDP2 (fully_shard) on gloo ---------------------------------------------------------------
 
 
-def fsdp_round(rank, n, case, ckpt, out) -> dict:
-    """FSDP2 on every rank: fully_shard each unit and the root, AdamW; load our checkpoint
-    (set_state_dict), take one step on this rank's micro-batch of the next data step, save its
-    own DCP checkpoint to `out`. Rank 0 returns the full state after the load and after the
-    step (get_state_dict with full_state_dict, gathered by FSDP2)."""
+def fsdp_loaded(case, ckpt):
+    """FSDP2 on this rank: the case's model with fully_shard on each unit and the root, its
+    torch.optim, both loaded from the DCP checkpoint (plain_load); and the data step it holds."""
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
@@ -173,8 +171,17 @@ def fsdp_round(rank, n, case, ckpt, out) -> dict:
     fully_shard(model)
     opt = plain_optimizer(case, model)
     plain_load(model, opt, ckpt)
-    loaded = full_state(model, opt)
     step = int(max(float(s["step"]) for s in opt.state.values())) if opt.state else 0
+    return model, opt, step
+
+
+def fsdp_round(rank, n, case, ckpt, out) -> dict:
+    """FSDP2 on every rank: fully_shard each unit and the root, AdamW; load our checkpoint
+    (set_state_dict), take one step on this rank's micro-batch of the next data step, save its
+    own DCP checkpoint to `out`. Rank 0 returns the full state after the load and after the
+    step (get_state_dict with full_state_dict, gathered by FSDP2)."""
+    model, opt, step = fsdp_loaded(case, ckpt)
+    loaded = full_state(model, opt)
     x = case.microbatches(model)(step, rank)
     _, loss = model(*x)
     loss.backward()
