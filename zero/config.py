@@ -44,6 +44,65 @@ def check_nodes(config: ZeroConfig) -> None:
             "hpz=True: hpZ partitions stage 3's gathered parameters inside each node; "
             f"allowed with stage=3 (stage={config.stage} given)"
         )
+    g = config.shard_group_size
+    if g is not None:
+        if type(g) is not int or g < 1:
+            raise ValueError(f"shard_group_size={g!r}: must be None or an integer >= 1")
+        if config.stage == 0:
+            raise ValueError(
+                f"shard_group_size={g}: hierarchical sharding shards inside groups of G ranks; "
+                "stage 0 shards nothing; allowed with stage=1, 2 or 3"
+            )
+        if config.deterministic and g & (g - 1):
+            raise ValueError(
+                f"shard_group_size={g}: deterministic mode keeps the reference's sum over the "
+                "N ranks, which splits into sums over groups only for a power-of-two G "
+                "([Note: the tree T], reference/tree.py); allowed: 1, 2, 4, 8, ..., or "
+                "deterministic=False"
+            )
+        if config.hpz:
+            raise ValueError(
+                f"shard_group_size={g} with hpz=True: hpZ's node parts over a sharded group "
+                "are not built; allowed is one of the two"
+            )
+    check_quantized(config)
+
+
+def check_quantized(config: ZeroConfig) -> None:
+    """ZeRO++'s quantized collectives (reference/quantize.py): qwz_bits, qgz_bits, quant_block."""
+    from reference.quantize import QMAX
+
+    for name in ("qwz_bits", "qgz_bits"):
+        bits = getattr(config, name)
+        if bits is None:
+            continue
+        if type(bits) is not int or bits not in QMAX:
+            raise ValueError(f"{name}={bits!r}: allowed are None (off) and {tuple(QMAX)}")
+        if config.stage != 3:
+            raise ValueError(
+                f"{name}={bits}: ZeRO++ quantizes stage 3's collectives; allowed with stage=3 "
+                f"(stage={config.stage} given)"
+            )
+        if config.shard_group_size is not None:
+            raise ValueError(
+                f"{name}={bits} with shard_group_size={config.shard_group_size}: quantized "
+                "collectives over a sharded group are not built; allowed is one of the two"
+            )
+    b = config.quant_block
+    if type(b) is not int or b < 1:
+        raise ValueError(f"quant_block={b!r}: must be an integer >= 1")
+    if (config.qwz_bits, config.qgz_bits) != (None, None) and config.chunk % b:
+        raise ValueError(
+            f"quant_block={b!r}: a block must divide every unit's shard, whose length is a "
+            f"multiple of chunk={config.chunk}; allowed are the divisors of {config.chunk} "
+            "(powers of two)"
+        )
+    if config.qgz_bits is not None and (config.reduce_dtype or "fp32") != "fp32":
+        raise ValueError(
+            f"qgz_bits={config.qgz_bits} with reduce_dtype={config.reduce_dtype!r}: qgZ carries "
+            "a float32 scale per block and sums the dequantized values in float32, which the "
+            f"{config.reduce_dtype} gradients cannot hold; allowed is reduce_dtype None or 'fp32'"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +236,26 @@ class ZeroConfig:
     Bits unchanged (zero/stages/hpz.py). With one node (ranks_per_node None or N) the node's
     group is the world: the same traffic, only the parts' memory added. Needs the engine's group
     to be the whole world (refused with model parallelism)."""
+    shard_group_size: int | None = None
+    """G: hierarchical sharding (FSDP2's HSDP, DeepSpeed's MiCS), stages 1-3. The model states
+    are sharded inside groups of G consecutive ranks and replicated across the N/G groups;
+    gradients are reduce-scattered inside the group and all-reduced across groups. It must
+    divide N; in deterministic mode it must be a power of two, so that the sum over groups of
+    the sums inside them is the reference's tree over the N ranks, bit for bit. None: one group
+    of N (plain ZeRO)."""
+    qwz_bits: int | None = None
+    """ZeRO++'s qwZ, stage 3 only: every parameter all-gather for forward and backward sends
+    each rank's shard block-quantized (quant_block elements per float32 scale, 8 or 4 bits
+    per value; reference/quantize.py), and the unit computes with the dequantized values, cast
+    to the compute dtype. Both passes see the same values (a backward from hpZ's parts copies
+    the forward's). Not bitwise plain ZeRO: bitwise the reference with those weights. None: off."""
+    qgz_bits: int | None = None
+    """ZeRO++'s qgZ, stage 3 only: each micro-step's gradient reduce-scatter becomes two
+    all-to-alls of block-quantized gradients, inside the node and then across nodes, each
+    followed by a float32 tree sum of the dequantized values (reference/quantize.py,
+    qgz_sum); the same in both modes. 8 or 4 bits per value (ZeRO++ uses 4). None: off."""
+    quant_block: int = 256
+    """Elements per float32 scale for qwZ and qgZ: a divisor of `chunk`, so of every shard."""
 
     def __post_init__(self):
         if type(self.stage) is not int or self.stage not in STAGES:  # 2.0 == 2 and True == 1
