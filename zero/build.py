@@ -352,7 +352,7 @@ def build_frozen_units(engine, named, values_of, assign) -> list[FlatUnit]:
     is build.split_frozen's frozen half; `values_of(unit)` its start values
     (zero/materialize.py's PerUnit); `assign(u, kind)` gives u the engine's stage object of
     that class."""
-    cfg, n, rank = engine.config, engine.world_size, engine.rank
+    cfg, n, rank = engine.config, engine.shard_size, engine.shard_rank  # HSDP: a world of G
     out = []
     for j, (uname, params) in enumerate(named):
         part = UnitPartition.build(

@@ -39,7 +39,7 @@ from .mp.step import MPStep
 from .optim.update import Shard, live_runs, step_shards, update_batches
 from .ranks.nodes import resolve as resolve_nodes
 from .ranks.watchdog import Watch
-from .stages import STAGE_CLASSES, StageContext, stage_class
+from .stages import STAGE_CLASSES, StageContext, hsdp, stage_class
 from .stages.base import Clock
 from .stages.stage0 import Stage0
 from .unit import FlatUnit
@@ -91,6 +91,7 @@ class ZeroEngine(Introspection, nn.Module):
         self.group = group if group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         build.check_config(self.config, self.world_size)
+        hsdp.check(self.config, self.world_size, self.group, mp)  # shard_group_size's world
 
     def _join(self, mp) -> None:
         """The traffic counter (MP's, with model parallelism), and whether peers are real."""
@@ -131,21 +132,27 @@ class ZeroEngine(Introspection, nn.Module):
         self.group_index = build.group_index(cfg, named)
         if not self.fake:
             build.check_ranks_agree(cfg, every, self.group_index, engine_like=self)
-        parts = build.partitions(cfg, named, self.group_index, world_size=n, rank=self.rank)
+        s = self.sharding = hsdp.sharding(cfg, self.group, n, self.rank)  # HSDP: groups of G
+        self.shard_group, self.shard_size, self.shard_rank = s.group, s.size, s.rank
+        parts = build.partitions(cfg, named, self.group_index, world_size=s.size, rank=s.rank)
         return parts, [stage_class(cfg.stage, p.layout.numel, cfg.persist_below) for p in parts]
 
     def _build_stages(self, parts, kinds) -> None:
         """ZeRO-R as policies the stages are given (placement: offload, arenas; C_B pieces),
         then one stage object per class: at stage 3 a persistent unit is a stage-0 unit."""
-        cfg, n = self.config, self.world_size
+        cfg, n = self.config, self.shard_size
         self.placement = Placement.build(
             cfg, parts, kinds, device=self.device, counter=self.counter
         )
         self.grad_arena, self.host_grad_arena = self.placement.arenas()
         self.clock = Clock()
-        same = ("group", "rank", "world_size", "counter", "clock", "group_index", "placement")
+        same = ("counter", "clock", "group_index", "placement")
         shared = {k: getattr(self, k) for k in same}  # the engine's own, under the same names
-        self.ctx = StageContext(config=cfg, buckets=bucketing(cfg.bucket_elements, n), **shared)
+        s, k = self.sharding, cfg.micro_batches // self.world_size  # the shard group's, and M/N
+        shared.update(group=s.group, rank=s.rank, world_size=s.size, replicas=s.replicas)
+        self.ctx = StageContext(
+            config=cfg, buckets=bucketing(cfg.bucket_elements, n), per_step=k, **shared
+        )
         self.accounting = self.ctx.accounting
         self.stages: dict[type, Stage0] = {k: k(self.ctx) for k in dict.fromkeys(kinds)}
         main = STAGE_CLASSES[cfg.stage]  # gathered_params' stage (at stage 3, not Persistent)

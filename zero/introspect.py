@@ -39,6 +39,9 @@ class Introspect(Protocol):
     group: object  # the data-parallel process group
     rank: int
     world_size: int
+    shard_group: object  # the ranks sharing the model states: `group`, or HSDP's group of G
+    shard_size: int  # its size: N, or G with hierarchical sharding (zero/stages/hsdp.py)
+    shard_rank: int  # this rank's shard of every unit: rank, or rank mod G
     device: torch.device  # where control tensors and the working copy live
     fake: bool  # a simulated rank (fake process group): values are void
     units: list[FlatUnit]  # in construction order, root first
@@ -208,7 +211,7 @@ def _full(engine, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
         return t
     every = control.gather_control(
         t.to(engine.device).contiguous(),
-        group=engine.group,
+        group=engine.shard_group,
         counter=engine.counter,
         phase="gather_state",
     )

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ..unit import FlatUnit
     from ..zero_r.buckets import Bucketing
     from ..zero_r.placement import Placement
+    from .hsdp import Replicas
 
 
 class Accounting:
@@ -98,14 +99,16 @@ class StageContext:
     """Everything a stage reads; per-unit facts live on the unit and its partition."""
 
     config: ZeroConfig
-    group: object  # the data-parallel process group
+    group: object  # the group the model states are sharded over (HSDP: the shard group)
     rank: int
-    world_size: int  # N
+    world_size: int  # N (HSDP: G, zero/stages/hsdp.py)
+    per_step: int  # micro-steps per step on each rank, M/N (N the whole data-parallel group)
     counter: C.CommCounter  # every collective is counted here
     clock: Clock  # the current micro-step
     group_index: dict[str, int]  # parameter name -> its optimizer parameter group
     placement: Placement  # where buffers live, and the counted copies between host and device
     buckets: Bucketing  # whole-buffer reductions, or constant-size C_B pieces
+    replicas: Replicas | None = None  # HSDP's sum across the shard groups (stages/hsdp.py)
     accounting: Accounting = field(default_factory=Accounting)
     reductions: Reductions = field(default_factory=Reductions)
 

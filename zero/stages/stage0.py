@@ -114,7 +114,7 @@ class Stage0:
         overlaps the rest of backward as DDP's bucketed all-reduce does."""
         if not self.cfg.deterministic:
             self.accumulate_locally(u)
-            if self.ctx.clock.microstep == self.cfg.micro_batches // self.ctx.world_size - 1:
+            if self.ctx.clock.microstep == self.ctx.per_step - 1:
                 self.reduce_accumulated(u)
             return
         u.part.flatten_into(u.grad, u.grads())  # exact upcast into the reduction dtype
@@ -126,7 +126,7 @@ class Stage0:
     def complete(self, u: FlatUnit, pending: C.Pending) -> None:
         """Deterministic: each B_k shard joins the unit's streaming tree ([Note: the tree T])."""
         u.stream.push(pending.wait())
-        if self.ctx.clock.microstep == self.cfg.micro_batches // self.ctx.world_size - 1:
+        if self.ctx.clock.microstep == self.ctx.per_step - 1:
             self.reduced(u)
 
     def reduced(self, u: FlatUnit) -> None:
@@ -154,6 +154,8 @@ class Stage0:
         pad, tag = u.part.padding_scattered + u.part.padding_gathered, self.tag(u, "grad")
         kw = {"group": self.group, "counter": self.counter, "async_op": self.cfg.overlap}
         u.pending = C.all_reduce_sum(u.grad, padding=pad, tag=tag, **kw)
+        if self.ctx.replicas is not None:  # HSDP: and across the shard groups (stages/hsdp.py)
+            u.pending = self.ctx.replicas.after(u.pending, u, self.counter, whole=True)
 
     def reduce_scatter(self, u: FlatUnit, flat: torch.Tensor | None, grads=None) -> C.Pending:
         """Reduce-scatter u's flat gradient `flat` (N·L), whole or in C_B pieces as the
@@ -164,7 +166,10 @@ class Stage0:
         # fortiori. Other backends (NCCL) use their own reduce-scatter.
         tree = self.cfg.deterministic or dist.get_backend(self.group) == "gloo"
         fn = C.reduce_scatter_tree if tree else C.reduce_scatter_fast
-        return self.buckets.reduce_scatter(self.ctx, u, fn, flat, grads, self.tag(u, "grad"))
+        pending = self.buckets.reduce_scatter(self.ctx, u, fn, flat, grads, self.tag(u, "grad"))
+        if self.ctx.replicas is None:
+            return pending
+        return self.ctx.replicas.after(pending, u, self.counter)  # HSDP (stages/hsdp.py)
 
     def all_gather(self, u: FlatUnit, out, shard, phase: str, async_op=False) -> C.Pending:
         pad, tag = u.part.padding_gathered, self.tag(u, phase)
