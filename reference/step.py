@@ -214,10 +214,12 @@ def complete(g: Grads, spec: ModelSpec, dtype: str) -> dict[str, np.ndarray]:
 
 
 def train_step(
-    state: TrainState, grads: Sequence[Grads], spec: ModelSpec, cfg: StepConfig
+    state: TrainState, grads: Sequence[Grads], spec: ModelSpec, cfg: StepConfig, zeropp=None
 ) -> tuple[TrainState, StepInfo]:
-    """One step from per-micro-batch gradients; see the module docstring for the exact order."""
-    used, reduced, overflow, scale, g = reduce_and_unscale(state, grads, spec, cfg)
+    """One step from per-micro-batch gradients; see the module docstring for the exact order.
+    zeropp: ZeRO++'s quantized gradient sum (reference/zeropp.py, [Note: qgZ's sum]) for the
+    units it names, in place of the tree over ranks; None: none."""
+    used, reduced, overflow, scale, g = reduce_and_unscale(state, grads, spec, cfg, zeropp)
     if overflow:
         return skip_step(state, cfg, reduced, scale)
     norm = global_norm(norm_partials(g, spec))
@@ -228,7 +230,9 @@ def train_step(
     )
 
 
-def reduce_and_unscale(state: TrainState, grads: Sequence[Grads], spec: ModelSpec, cfg):
+def reduce_and_unscale(
+    state: TrainState, grads: Sequence[Grads], spec: ModelSpec, cfg, zeropp=None
+):
     """Steps 1-3: (used names, R by name, overflow?, S, g = fp32(R)·s(1/(S·M)) or None)."""
     m = len(grads)
     if m != cfg.micro_batches:
@@ -242,6 +246,11 @@ def reduce_and_unscale(state: TrainState, grads: Sequence[Grads], spec: ModelSpe
         n: reduce_microbatches([cast(g[n], cfg.reduction) for g in grads], cfg.world_size)
         for n in spec.names
     }
+    if zeropp is not None and zeropp.qgz_bits is not None:
+        from .zeropp import quantized_reduction
+
+        fp32 = [{n: cast(g[n], "fp32") for n in spec.names} for g in grads]
+        reduced.update(quantized_reduction(fp32, spec, zeropp, cfg.world_size))
     overflow = any_nonfinite(g[n] for g in grads for n in spec.names) or any_nonfinite(
         reduced.values()
     )

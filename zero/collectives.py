@@ -58,6 +58,16 @@ class Pending:
             self._keep = ()
         return self._result
 
+    def then(self, fn: Callable) -> Pending:
+        """This collective, finished by fn(its result) as well: the same record and work (fn
+        runs now if the collective has already been waited)."""
+        if self._record.end is not None:
+            self._result = fn(self._result)
+            return self
+        finish = self._finish
+        self._finish = lambda: fn(finish())
+        return self
+
     def __del__(self):
         if self._record.end is None and self._work is not None:
             _abandon((self._work, self._keep, self._finish))

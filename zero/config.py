@@ -88,6 +88,12 @@ def check_quantized(config: ZeroConfig) -> None:
                 f"{name}={bits} with shard_group_size={config.shard_group_size}: quantized "
                 "collectives over a sharded group are not built; allowed is one of the two"
             )
+    if config.qgz_bits is not None and config.bucket_elements is not None:
+        raise ValueError(
+            f"qgz_bits={config.qgz_bits} with bucket_elements={config.bucket_elements}: qgZ "
+            "quantizes each unit's whole gradient buffer; its reduction in C_B pieces is not "
+            "built; allowed is bucket_elements=None"
+        )
     b = config.quant_block
     if type(b) is not int or b < 1:
         raise ValueError(f"quant_block={b!r}: must be an integer >= 1")

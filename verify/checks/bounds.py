@@ -206,9 +206,17 @@ def optimizer_step_error(
     m0, v0 = np.abs(state["exp_avg"].astype(f)), state["exp_avg_sq"].astype(f)
     M = np.abs(new_state["exp_avg"].astype(f))
     V = new_state["exp_avg_sq"].astype(f)
-    em = b1 * e["exp_avg"] + (1 - b1) * eg + c * (b1 * m0 + (1 - b1) * Gw) + a
+    Gb = Gw + eg  # the other trajectory's magnitude, for its roundings
+    em = b1 * e["exp_avg"] + (1 - b1) * eg + c * (b1 * m0 + (1 - b1) * Gb) + a
     em = em + gap.one_minus_b1 * (1 - b1) * (Gw + eg)
-    ev = b2 * e["exp_avg_sq"] + (1 - b2) * 2 * Gw * eg + c * (b2 * v0 + (1 - b2) * Gw * Gw) + a
+    # |g_A² - g_B²| = |g_A - g_B|·|g_A + g_B| <= eg·(2·Gw + eg): exact, not first order, for
+    # an input error that is not small (qgZ's quantized gradient: verify/checks/lockstep.py)
+    ev = (
+        b2 * e["exp_avg_sq"]
+        + (1 - b2) * (2 * Gw + eg) * eg
+        + c * (b2 * v0 + (1 - b2) * Gb * Gb)
+        + a
+    )
     ev = ev + gap.one_minus_b2 * (1 - b2) * (Gw + eg) ** 2
     s2 = 1.0 / math.sqrt(1.0 - b2**t)
     root = np.sqrt(V)

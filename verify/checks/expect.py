@@ -219,6 +219,23 @@ def reference_step_config(config, n: int) -> StepConfig:
     )
 
 
+def reference_zeropp(config, spec):
+    """ZeRO++'s quantized collectives as the reference applies them (reference/zeropp.py), read
+    field by field from the config; None without qwZ and qgZ. Only the units stage 3 shards
+    are gathered and reduced by them (not its persistent ones)."""
+    if not (config.qwz_bits or config.qgz_bits):
+        return None
+    from reference.zeropp import ZeroPP
+
+    return ZeroPP(
+        block=config.quant_block,
+        qwz_bits=config.qwz_bits,
+        qgz_bits=config.qgz_bits,
+        ranks_per_node=config.ranks_per_node,
+        units=tuple(not persistent(config, lay) for lay in spec.layouts),
+    )
+
+
 def expected_extents(stage: int, persist_below: int, lay, rank: int, n: int):
     """(master/optimizer extent, working extent) that rank must hold, from the stage alone:
     stage 0 (and stage 3's persistent units) everything; stages 1-2 the master shard r and
@@ -333,7 +350,10 @@ def expected_traffic(
         if config.stage != 3 or persistent(config, lay) or not forward:
             continue
         L, real = lay.shard_numel(n), real_per_shard(lay, n)
-        ag = (k * (n - 1) * L, k * (n - 1) * (L - real[rank]))
+        one = quantized_traffic(config, L, L - real[rank], n).get(
+            "gather", ((n - 1) * L, (n - 1) * (L - real[rank]))
+        )
+        ag = (k * one[0], k * one[1])
         add("all_gather:param_fwd", k, *ag)
         if name:
             add("all_gather:param_bwd", k, *ag)
@@ -352,6 +372,31 @@ def hpz_gather(config, lay, n: int, rank: int) -> tuple[int, int] | None:
     j = rank % per_node
     real = int(lay.real_mask(n)[j * part : (j + 1) * part].sum())
     return (per_node - 1) * part, (per_node - 1) * (part - real)
+
+
+def wire(elements: int, bits: int, block: int) -> int:
+    """Bytes of `elements` values quantized to `bits` bits, one float32 scale per `block`: what a
+    qwZ/qgZ collective sends for them, counted in bytes (docs/design.md §3.13)."""
+    return elements * bits // 8 + 4 * (elements // block)
+
+
+def quantized_traffic(config, L: int, pad: int, n: int) -> dict:
+    """The elements (bytes) a stage-3 unit's quantized collectives send per call from one rank
+    (pad: this rank's padding elements in its shard): qwZ's all-gather of the N shards,
+    (N-1)·wire(L), of which (N-1)·pad·b/8 padding; qgZ's hops over R ranks per node and K nodes,
+    inside the node (R-1)·wire(K·L) ("grad_node"), across nodes (K-1)·wire(L) ("grad_across"),
+    a hop over one rank not run."""
+    out, B = {}, config.quant_block
+    if config.qwz_bits:
+        b = config.qwz_bits
+        out["gather"] = ((n - 1) * wire(L, b, B), (n - 1) * pad * b // 8)
+    if config.qgz_bits:
+        R = config.ranks_per_node or n
+        K, b = n // R, config.qgz_bits
+        hops = {"all_to_all:grad_node": (R - 1) * wire(K * L, b, B)} if R > 1 else {}
+        hops.update({"all_to_all:grad_across": (K - 1) * wire(L, b, B)} if K > 1 else {})
+        out["reduce"] = hops or {"reduce_scatter:grad": 0}
+    return out
 
 
 def _unit_traffic(add, config, lay, n: int, rank: int, *, root: bool, gathers, skipped: bool):
@@ -378,7 +423,10 @@ def _unit_traffic(add, config, lay, n: int, rank: int, *, root: bool, gathers, s
         if not skipped:
             add("all_gather:param_update", 1, *ag)
     else:
-        add(rs[0], *(k * x for x in rs[1:]))
+        q = quantized_traffic(config, L, L - real[rank], n)
+        for key, sent in q.get("reduce", {rs[0]: None}).items():
+            add(key, *((k * rs[1], k * rs[2], k * rs[3]) if sent is None else (k, k * sent, 0)))
+        ag = q.get("gather", ag)
         if gathers is not None and root:
             add("all_gather:param_fwd", k, k * ag[0], k * ag[1])
         elif gathers is not None:

@@ -45,7 +45,13 @@ from zero.engine import ZeroEngine
 
 from .. import features
 from ..cells.cell import Cell
-from .expect import expected_extents, frozen_layouts, reference_spec, reference_step_config
+from .expect import (
+    expected_extents,
+    frozen_layouts,
+    reference_spec,
+    reference_step_config,
+    reference_zeropp,
+)
 from .lockstep import check_fast_step
 from .report import cell_name, guarded
 from .sides import (
@@ -54,11 +60,13 @@ from .sides import (
     InjectedSource,
     cell_device,
     compare_rank,
+    frozen_working,
     injected_delays,
     loss_bound,
     microbatch_grads,
     microbatch_loss_and_grads,
     own_init,
+    qwz_working,
     state_digest,
 )
 from .verdict import (
@@ -111,7 +119,23 @@ def build_cell(rank: int, cell: Cell) -> CellRun:
     eng.keep_reduced = True  # the reduced-gradient and norm checks read R after each step
     ref_model = None if cell.injected else build().to(device)
     checks = [c for c in arranged if c is not None]
-    return CellRun(cell, rank, eng, ref_cfg, spec, frozen, rcfg, start, ref_model, device, checks)
+    zeropp = reference_zeropp(ref_cfg, spec)
+    start_frozen = None if ref_model is None else frozen_working(ref_model, cell.precision)
+    return CellRun(
+        cell,
+        rank,
+        eng,
+        ref_cfg,
+        spec,
+        frozen,
+        rcfg,
+        start,
+        ref_model,
+        device,
+        checks,
+        zeropp,
+        start_frozen,
+    )
 
 
 def run_cell(rank: int, world_size: int, cell: Cell, partial: list | None = None) -> dict:
@@ -133,13 +157,18 @@ def run_cell(rank: int, world_size: int, cell: Cell, partial: list | None = None
     source = (
         InjectedSource(cell, run.eng, run.spec)
         if cell.injected
-        else BackwardSource(cell, run.eng, run.ref_model, run.rcfg, run.device)
+        else BackwardSource(
+            cell, run.eng, run.ref_model, run.rcfg, run.device, lambda w: qwz_working(run, w)
+        )
     )
+    # the quantized reference in deterministic mode; fast mode is checked against the exact
+    # step, within a bound that adds qgZ's error (verify/checks/lockstep.py)
+    zeropp = run.zeropp if cell.mode == "deterministic" else None
     ref, res, before_ran = run.start, None, None
     for step in range(cell.steps):
         grads, losses = source.grads(step, ref)
         before = ref
-        ref, info = train_step(before, grads, run.spec, run.rcfg)
+        ref, info = train_step(before, grads, run.spec, run.rcfg, zeropp)
         if cell.mode == "fast":
             run.eng.load_full_state(
                 before.master, before.opt, t=before.t, data_step=before.data_step,

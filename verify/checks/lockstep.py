@@ -77,10 +77,46 @@ def _perturbed(ours: np.ndarray, bound: np.ndarray, factor: float) -> np.ndarray
     return out
 
 
-def gradient_errors(spec, rcfg, before, info, grads):
+def qgz_errors(config, spec, rcfg, grads) -> dict:
+    """Per parameter, what qgZ adds to e_R (item 1 with qgZ): its micro-step sums y_k are
+    reference/zeropp.py's, each within b_k = qgz_error_bound of the exact sum of its N terms,
+    and the engine sums the K = M/N of them in some order, so
+        |R_q - R_ref| <= 2·γ_{M-1}·Σ_j|g_j| + (1 + γ_{K-1})·Σ_k b_k
+    (|Σ_k y_k - Σ_j g_j| <= Σ_k b_k; the order of the y_k adds γ_{K-1}·Σ_k |y_k| <=
+    γ_{K-1}·(Σ_j|g_j| + Σ_k b_k); the reference's own order γ_{M-1}·Σ_j|g_j|). Returns the
+    second term; {} without qgZ. Units stage 3 keeps whole (persistent) have no qgZ."""
+    if not getattr(config, "qgz_bits", None):
+        return {}
+    from reference.step import complete
+    from reference.zeropp import qgz_error_bound
+
+    from .expect_memory import persistent
+
+    n, m = rcfg.world_size, rcfg.micro_batches
+    full = [
+        {k: cast(v, "fp32") for k, v in complete(g, spec, rcfg.precision).items()} for g in grads
+    ]
+    out = {}
+    for lay in spec.layouts:
+        if persistent(config, lay):
+            continue
+        total = np.zeros(lay.padded_numel(n))
+        for k in range(m // n):
+            xs = [lay.flatten(g, n, np.float32) for g in full[k * n : (k + 1) * n]]
+            total += qgz_error_bound(
+                xs, per_node=config.ranks_per_node, block=config.quant_block, bits=config.qgz_bits
+            )
+        total *= 1 + gamma(m // n - 1, U32)
+        out.update({k: np.asarray(v) for k, v in lay.unflatten(total).items()})
+    return out
+
+
+def gradient_errors(spec, rcfg, before, info, grads, config=None):
     """(c, e_R, |g0|, e_g0, Δnorm) of one lock-step (items 1-2 of the module docstring): the
     unscaling constant, the reduced gradient's bound, the unscaled gradient's magnitude and
-    bound per parameter, and the bound on the global norm's difference."""
+    bound per parameter, and the bound on the global norm's difference. config: the engine's
+    ZeroConfig as the reference side reads it, for qgZ's term (qgz_errors)."""
+    quantized = qgz_errors(config, spec, rcfg, grads)
     m = rcfg.micro_batches
     scale = 1.0 if before.scaler is None else before.scaler.scale
     c = float(f32(1.0 / (scale * m)))
@@ -90,7 +126,7 @@ def gradient_errors(spec, rcfg, before, info, grads):
         # a micro-batch without this parameter's gradient adds zeros ([Note: unused parameters])
         zero = np.zeros(spec.shapes[name])
         abs_sum = sum((np.abs(np.asarray(g[name], np.float64)) for g in grads if name in g), zero)
-        e_r[name] = 2 * gamma(m - 1, u_r) * abs_sum
+        e_r[name] = 2 * gamma(m - 1, u_r) * abs_sum + quantized.get(name, 0.0)
         abs_r = np.abs(np.asarray(info.reduced[name], np.float64))
         g0[name] = abs_r * c
         e_g0[name] = c * e_r[name] + 2 * U32 * c * abs_r + 2 * ETA32
@@ -151,7 +187,7 @@ def check_fast_step(
     """
     perturb = perturb or {}
     n = eng.world_size
-    c, e_r, g0, e_g0, d_norm = gradient_errors(spec, rcfg, before, info, grads)
+    c, e_r, g0, e_g0, d_norm = gradient_errors(spec, rcfg, before, info, grads, eng.config)
     coef, d_coef = clip_errors(rcfg, float(info.norm), d_norm)
     e_g = {  # the clipped gradient's bound
         k: coef * e_g0[k] + g0[k] * d_coef + 2 * U32 * g0[k] * coef + 2 * ETA32 for k in e_g0

@@ -8,11 +8,13 @@ the injected delays before collective launches.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import random
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -290,10 +292,12 @@ class BackwardSource:
     """The gradient source of a model cell: the model's own backward on the step's data, and
     the reference's micro-batches drawn from the reference's copy of the model."""
 
-    def __init__(self, cell: Cell, eng: ZeroEngine, ref_model, rcfg, device):
+    def __init__(self, cell: Cell, eng: ZeroEngine, ref_model, rcfg, device, computes=dict):
+        """computes(working) -> the values forward computes with (qwz_working)."""
         self.cell, self.eng, self.ref_model, self.rcfg = cell, eng, ref_model, rcfg
         self.data, self.device = cell.builder()[1], device
         self.frozen = frozen_working(ref_model, cell.precision)
+        self.computes = computes
 
     def grads(self, step: int, ref):
         batches = self.data(
@@ -305,7 +309,7 @@ class BackwardSource:
         )
         self.batches = [tuple(x.to(self.device) for x in b) for b in batches]
         scale = None if ref.scaler is None else ref.scaler.scale
-        work = {**self.frozen, **working_copy(ref, self.rcfg)}
+        work = self.computes({**self.frozen, **working_copy(ref, self.rcfg)})
         dtype = TORCH_DTYPES[self.cell.precision]
         seed = self.cell.zero_config(()).dropout_seed  # the engine's config, from the cell
         pairs = [
@@ -321,6 +325,24 @@ class BackwardSource:
         del grads, losses
         (res,) = train_steps(self.eng, lambda s, j, b=self.batches: b[j], 1, start_step=step)
         return res
+
+
+def qwz_working(run, work: dict) -> dict:
+    """The values a stage-3 unit computes with under qwZ ([Note: qwZ's values],
+    reference/zeropp.py): every sharded unit's, trainable and frozen, quantized; work itself
+    without qwZ."""
+    z = run.zeropp
+    if z is None or not z.qwz_bits:
+        return work
+    from reference.zeropp import quantized_working
+
+    from .expect_memory import persistent
+
+    n, precision = run.cell.world_size, run.cell.precision
+    out = quantized_working(work, run.spec, z, n, precision)
+    frozen = SimpleNamespace(layouts=[lay for _, lay in run.frozen])
+    sharded = tuple(not persistent(run.ref_cfg, lay) for lay in frozen.layouts)
+    return quantized_working(out, frozen, dataclasses.replace(z, units=sharded), n, precision)
 
 
 @dataclass
@@ -339,3 +361,6 @@ class CellRun:
     ref_model: object  # the reference side's copy of the model (None for injected cells)
     device: torch.device
     start_checks: list  # the features' checks of what the engine's start must have done
+    zeropp: object = None  # reference_zeropp: ZeRO++'s quantized collectives, or None
+    frozen_start: dict | None = None  # frozen_working at the start (the reference's model then
+    # computes with other values under qwZ)

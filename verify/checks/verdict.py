@@ -23,7 +23,7 @@ from .expect import (
     traffic_of_step,
 )
 from .lockstep import gradient_errors
-from .sides import CellRun, compare_rank, engine_norm, frozen_unchanged, frozen_working, loss_bound
+from .sides import CellRun, compare_rank, engine_norm, frozen_unchanged, loss_bound
 
 
 @dataclass
@@ -177,7 +177,7 @@ def norm_check(run: CellRun, before, info, grads):
         return lambda ours, theirs: ""  # a skipped step reports no norm on either side
     n = run.eng.world_size
     pinned = engine_norm(run.eng, run.spec, run.rank, n, info.scale)
-    d = gradient_errors(run.spec, run.rcfg, before, info, grads)[-1]
+    d = gradient_errors(run.spec, run.rcfg, before, info, grads, run.ref_cfg)[-1]
 
     def norm_ok(ours, theirs):
         if ours != pinned:  # bits: the order is pinned in both modes
@@ -230,9 +230,12 @@ def link_mismatch(run: CellRun, step: int, records) -> str:
     across = n > per_node and run.rank % per_node == per_node - 1
     layouts = run.spec.layouts
     for r in records:
-        if r.op not in RING_OPS:
+        if r.op == "all_to_all" and r.phase in ("grad_node", "grad_across"):  # qgZ's two hops:
+            want = (r.nbytes, 0) if r.phase == "grad_node" else (0, r.nbytes)  # over a node,
+        elif r.op not in RING_OPS:  # over one rank of each node
             return f"step {step}: {r.op}:{r.phase}: no ring; the link check knows ring ops only"
-        want = (0, r.nbytes) if across else (r.nbytes, 0)
+        else:
+            want = (0, r.nbytes) if across else (r.nbytes, 0)
         node = r.op == "all_gather" and r.phase == "param_bwd" and getattr(cfg, "hpz", False)
         if node and r.unit is not None and r.unit < len(layouts):  # frozen units: after these
             want = (r.nbytes, 0)
@@ -274,9 +277,7 @@ def check_memory(run: CellRun, v: Verdict) -> None:
     want = expected_memory(run.ref_cfg, run.spec, run.eng.world_size, run.frozen)
     v.memory_bytes = {"engine": memory, "expected": want}
     v.note("memory", first_difference("resident bytes", memory, want))
-    if run.ref_model is not None:  # frozen parameters: the cast start values, never updated
-        why = frozen_unchanged(
-            run.eng, run.eng.module, frozen_working(run.ref_model, run.cell.precision)
-        )
+    if run.frozen_start is not None:  # frozen parameters: the cast start values, never updated
+        why = frozen_unchanged(run.eng, run.eng.module, run.frozen_start)
         if why:
             v.fail(why, "state")

@@ -29,6 +29,8 @@ from . import (
     nodes,
     offload,
     offload_activations,
+    qgz,
+    qwz,
     release_grads,
     watchdog_mode,
 )
@@ -49,6 +51,8 @@ FEATURES: dict[str, Feature] = {
         watchdog_mode,
         nodes,
         hpz,
+        qwz,
+        qgz,
         dcp,
         mp,
     )

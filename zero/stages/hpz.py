@@ -29,8 +29,8 @@ from ..unit import FlatUnit
 class HpZ:
     """The node groups and the secondary parts of one engine's stage-3 units."""
 
-    def __init__(self, ctx):
-        self.ctx, self.counter = ctx, ctx.counter
+    def __init__(self, ctx, nodes):
+        self.ctx, self.counter, self.nodes = ctx, ctx.counter, nodes
         world = dist.get_world_size()
         if ctx.world_size != world:
             raise ValueError(
@@ -38,28 +38,16 @@ class HpZ:
                 "ranks (model parallelism, or a subgroup); hpZ partitions over the world's "
                 "nodes, so it is allowed only when the engine's group is the whole world"
             )
-        layout = ctx.counter.layout  # the world's nodes (zero/ranks/nodes.py), set at _join
-        self.per_node = world if layout is None else layout.ranks_per_node  # R
-        self.j = ctx.rank % self.per_node
-        self._group = None  # created at the first allocation ([Note: one node's group])
+        self.per_node, self.j = nodes.per_node, nodes.j  # R, and this rank's place in its node
 
     # [Note: one node's group] dist.new_group must be called by every rank of the world, for
     # every group, in one order. The groups are created at the first unit's allocation (every
-    # rank allocates the same units in the same order), node by node; a rank keeps its own.
-    # With one node the node's group is the engine's group, the world: then hpZ changes no byte
-    # of traffic and only adds the parts' memory.
+    # rank allocates the same units in the same order), node by node (zero/stages/zeropp.py's
+    # NodeGroups); a rank keeps its own. With one node the node's group is the engine's group,
+    # the world: then hpZ changes no byte of traffic and only adds the parts' memory.
 
     def node_group(self):
-        if self._group is None:
-            R, n = self.per_node, self.ctx.world_size
-            if R == n:
-                self._group = self.ctx.group
-            else:
-                for k in range(n // R):
-                    g = dist.new_group(list(range(k * R, (k + 1) * R)))
-                    if k == self.ctx.rank // R:
-                        self._group = g
-        return self._group
+        return self.nodes.node()
 
     def part(self, u: FlatUnit) -> slice:
         """This rank's secondary part of u's padded buffer: [j·P, (j+1)·P)."""

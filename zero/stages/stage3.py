@@ -36,14 +36,17 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from ..unit import FlatUnit
+from . import zeropp
 from .base import OnBackward, StageContext, replace_working
 from .frozen import mark_inputs
 from .hpz import HpZ
 from .sharded import PartitionState, Stage3Parameter
 from .stage0 import Stage0
 from .stage2 import Stage2
+from .zeropp import NodeGroups
 
 
 class Persistent(Stage0):
@@ -71,7 +74,16 @@ class Stage3(Stage2):
         self.max_live = 2  # gathered non-root units at once: the running one and one prefetched
         self.peak_live = 0
         self.gathering: dict[int, object] = {}  # unit index -> Pending all-gather
-        self.hpz = HpZ(ctx) if ctx.config.hpz else None  # ZeRO++'s secondary partition
+        cfg = ctx.config
+        self.nodes = NodeGroups(ctx) if cfg.hpz or cfg.qgz_bits else None
+        if cfg.qgz_bits and ctx.world_size != dist.get_world_size():
+            raise ValueError(
+                f"qgz_bits={cfg.qgz_bits}: the engine's group has {ctx.world_size} of the "
+                f"world's {dist.get_world_size()} ranks (model parallelism, or a subgroup); qgZ's "
+                "hops run over the world's nodes, so it is allowed only when the engine's group "
+                "is the whole world"
+            )
+        self.hpz = HpZ(ctx, self.nodes) if cfg.hpz else None  # ZeRO++'s secondary partition
 
     def post_backward(self, u: FlatUnit) -> None:
         """u's backward is over: free its gathered parameters first, then copy the gradients
@@ -90,6 +102,8 @@ class Stage3(Stage2):
         u.shard = u.working[u.part.own].clone()  # 1D, compute dtype, L: the resident part
         if u.shard.dtype == torch.float32:  # pure fp32: the shard is the master itself
             u.master = u.shard
+        if self.nodes is not None:  # [Note: one node's group]
+            self.nodes.make()
         if self.hpz is not None:  # frozen units keep no part: [Note: hpZ's secondary shards]
             self.hpz.allocate(u)
         self._shard(u)
@@ -172,7 +186,16 @@ class Stage3(Stage2):
         """Over the world; with hpZ a backward gather from the node's parts (stages/hpz.py)."""
         if self.hpz is not None and self.hpz.serves(u, phase):
             return self.hpz.all_gather(u, out, self.tag(u, phase), async_op)
+        if self.cfg.qwz_bits and phase in ("param_fwd", "param_bwd"):  # [Note: qwZ's values]
+            return zeropp.qwz_all_gather(self.ctx, u, out, shard, self.tag(u, phase), async_op)
         return super().all_gather(u, out, shard, phase, async_op)
+
+    def reduce_scatter(self, u: FlatUnit, flat, grads=None):
+        """With qgZ, the two quantized hops of [Note: qgZ's sum] (zero/stages/zeropp.py)."""
+        if not self.cfg.qgz_bits:
+            return super().reduce_scatter(u, flat, grads)
+        tag = self.tag(u, "grad")
+        return zeropp.qgz_reduce_scatter(self.ctx, self.nodes, flat, tag, self.cfg.overlap)
 
     def _live(self) -> int:
         """Gathered or gathering units, the root excepted (it is accounted apart)."""
