@@ -60,8 +60,7 @@ SECTIONS: list[Section] = [
     Section(
         name=zeropp_volume.NAME,
         run=zeropp_volume.run,
-        about="ZeRO++: bytes per link per step, analytic (5 schemes), "
-        "counted (ZeRO-3, hpZ at 2 x 2)",
+        about="ZeRO++: bytes per link per step, analytic and counted at 2 x 2 (5 schemes)",
     ),
     Section(
         name=activation_memory.NAME,

@@ -3,21 +3,26 @@ step, inside a node and between nodes, beside ZeRO++'s claim (3M between nodes -
 
 Two kinds of rows. *Analytic*, for every scheme: derived below from the definitions, for the
 algorithms zero/common/traffic.py's [Note: traffic per link] takes the collectives to use.
-*Counted*, for the schemes the engine runs (ENGINE_FLAGS: ZeRO-3 and hpZ so far): a stage-3 step
-of a small GPT on four gloo ranks simulated as two nodes of two (ZeroConfig.ranks_per_node = 2),
-each rank's intra- and inter-node bytes read from the engine's counter (link_volume), set beside
-the analytic bytes of the same Ψ, N and layout. The others' (qwZ, qgZ, all three) counted rows
-say "not yet built".
+*Counted*, for every scheme (ENGINE_FLAGS, the ZeroConfig flags of each): a stage-3 step of a
+small GPT on four gloo ranks simulated as two nodes of two (ZeroConfig.ranks_per_node = 2), each
+rank's intra- and inter-node bytes read from the engine's counter (link_volume), set beside the
+analytic bytes of the same Ψ, N and layout. The counted layout's shards are multiples of its
+128-element chunk, and a quantization block must divide the chunk (zero/config.py
+check_quantized), so the counted rows (and their analytic twins) use B = COUNTED_BLOCK = 128;
+the limits use B = BLOCK = 256.
 
 The derivation. One step at M = N (one micro-step per rank); per unit u of shard length L_u
 (padded, N·L_u >= Ψ_u: reference/layout.py), every rank sends:
 - forward all-gather, a ring over the world: N-1 shards, (N-1)·e·L_u bytes. qwZ: each owner
   quantizes its shard to int8 in blocks of B with one fp32 scale per block, and the scales travel
-  with it: (N-1)·q8(L_u).
-- backward all-gather, the same ring in fp16 (none for the root unit, which stays gathered from
-  its forward to the end of backward: docs/design.md §2). hpZ: each rank keeps the 1/R slice of
-  the forward's gathered unit (k·L_u elements, its secondary shard), and the backward gathers
-  those around a ring inside the node: (R-1)·e·k·L_u bytes, all intra-node.
+  with it ([Note: quantized wire] in zero/stages/zeropp.py): (N-1)·q8(L_u).
+- backward all-gather, the same ring (none for the root unit, which stays gathered from its
+  forward to the end of backward: docs/design.md §2). qwZ quantizes it too, as the forward's:
+  (N-1)·q8(L_u) (reference/zeropp.py [Note: qwZ's values]; DeepSpeed passes its
+  quantized-weights flag to backward gathers as well). hpZ: each rank keeps the 1/R slice of the
+  forward's gathered unit (k·L_u elements, its secondary shard, in the compute dtype: with qwZ,
+  the forward's dequantized W'), and the backward gathers those around a ring inside the node:
+  (R-1)·e·k·L_u bytes, all intra-node, not quantized.
 - gradient reduce-scatter, the ring over the world: (N-1)·e·L_u. qgZ: an all-to-all in two hops,
   int4: to each of its R-1 node peers one chunk of k·L_u values ((R-1)·q4(k·L_u), intra-node);
   after summing what it received, to the rank of its local index on each of the k-1 other nodes
@@ -29,22 +34,24 @@ and qgZ's first hop stay inside; qgZ's second hop crosses. A node's inter-node b
 over its ranks (every node alike).
 
 In units of M with no padding (N·ΣL = Ψ, B dividing L), a node's inter-node bytes per step are
-(N-1)/N per fp16 ring collective, (N-1)/N·(1/2 + 2/B) for qwZ's int8 gather, 0 for hpZ's
-backward gather and (k-1)/k·(1/4 + 2/B) for qgZ (R ranks, each (k-1)·L/2 values' bytes plus
-scales). As N and k grow:
-    ZeRO-3   1 + 1 + 1                       = 3M
-    hpZ      1 + 0 + 1                       = 2M
-    qwZ      (1/2 + 2/B) + 1 + 1             = 2.5M + 2M/B
-    qgZ      1 + 1 + (1/4 + 2/B)             = 2.25M + 2M/B
-    ZeRO++   (1/2 + 2/B) + 0 + (1/4 + 2/B)   = 0.75M + 4M/B
+(N-1)/N per fp16 ring collective; (N-1)/N·(1/2 + 2/B) for each of qwZ's int8 gathers (the
+node's last rank sends (N-1)·(L + 4L/B) bytes, N·L = Ψ, M = 2Ψ); 0 for hpZ's backward gather;
+and (k-1)/k·(1/4 + 2/B) for qgZ (R ranks, each (k-1)·(L/2 + 4L/B) bytes, R·L = Ψ/k). As N and
+k grow:
+    ZeRO-3   1 + 1 + 1                               = 3M
+    hpZ      1 + 0 + 1                               = 2M
+    qwZ      (1/2 + 2/B) + (1/2 + 2/B) + 1           = 2M + 4M/B
+    qgZ      1 + 1 + (1/4 + 2/B)                     = 2.25M + 2M/B
+    ZeRO++   (1/2 + 2/B) + 0 + (1/4 + 2/B)           = 0.75M + 4M/B
 the scale overhead being exactly 4 bytes per B values, 2/B of M per quantized collective
 (B = 256: 0.0078M). Intra-node, each rank sends (R-1)/R·M for hpZ's gather and
 (R-1)/R·(1/4 + 2/B)·M for qgZ's first hop. Where a row differs from the claim: the scales; the
 factors (N-1)/N and (k-1)/k, which only reach 1 at many ranks and nodes (at 2 x 2: 3/4 and 1/2);
 padding (Ψ_padded/Ψ); the root unit's one gather (2Ψ_root, not 3Ψ_root); and the claim counts a
 node's bytes over its link: the ring puts all of them on one rank, qgZ spreads them over R.
-qwZ here quantizes the forward gather only, as the claim's table credits it (DeepSpeed's
-coordinator passes its quantized-weights flag to backward gathers too: without hpZ that is 2M).
+qwZ alone sits below its claim (2.5M: ZeRO-3's with only the forward gather's 1M halved, as the
+claim's table credits it) because it quantizes the backward gather too; in ZeRO++ the backward
+gather is hpZ's, inside the node, so the two agree there.
 
 Legend: Ψ parameters, e = 2 bytes (bf16/fp16), M = e·Ψ, N ranks, R ranks per node, k = N/R
 nodes (ranks node-major), L_u a unit's shard, B the quantization block.
@@ -73,14 +80,27 @@ USES = {
 MODEL = {"vocab_size": 64, "block_size": 32, "n_layer": 4, "n_head": 2, "n_embd": 64}
 """The counted GPT: comm_volume's (four blocks and a root of 3% of Ψ)."""
 WORLD, PER_NODE, CHUNK, BLOCK, ELEM = 4, 2, 128, 256, 2
-"""The counted layout: 2 nodes x 2 ranks; 128-element chunks; qwZ/qgZ blocks of 256; bf16."""
+"""The counted layout: 2 nodes x 2 ranks; 128-element chunks; bf16. BLOCK: the limits' qwZ/qgZ
+block."""
+COUNTED_BLOCK = 128
+"""The counted layout's block: it must divide the 128-element chunk (zero/config.py)."""
+QWZ_BITS, QGZ_BITS = 8, 4
+"""ZeRO++'s widths: int8 weights, int4 gradients."""
 ALIGN = 128
 """Every parameter's offset in its unit is a multiple of 128 elements (reference/layout.py)."""
 COLLECTIVES = ("forward all-gather", "backward all-gather", "gradient reduction")
-ENGINE_FLAGS: dict[str, dict] = {"ZeRO-3": {}, "hpZ": {"hpz": True}}
-"""The schemes the engine can run, with their ZeroConfig flags: each is counted and set beside
-its analytic row; the others' counted rows say "not yet built". A scheme's engine path, once
-built, is one entry here."""
+_QWZ = {"qwz_bits": QWZ_BITS, "quant_block": COUNTED_BLOCK}
+_QGZ = {"qgz_bits": QGZ_BITS, "quant_block": COUNTED_BLOCK, "reduce_dtype": "fp32"}
+ENGINE_FLAGS: dict[str, dict] = {
+    "ZeRO-3": {},
+    "hpZ": {"hpz": True},
+    "qwZ": _QWZ,
+    "qgZ": _QGZ,
+    "ZeRO++": {"hpz": True, **_QWZ, **_QGZ},
+}
+"""Every scheme's ZeroConfig flags over counted_step's (which reduce in bf16): each is counted
+and set beside its analytic row. qgZ reduces quantized float32 gradients, so it asks
+reduce_dtype='fp32' (zero/config.py refuses bf16); its wire bytes do not depend on it."""
 PAPER_SCALE = (384, 16)
 """384 GPUs (ZeRO++'s evaluation) taken as 24 nodes of 16 (docs/paper.md §3)."""
 
@@ -129,16 +149,17 @@ def _ring(sent: int, c: Cluster, *, world: bool) -> list[tuple[int, int]]:
 def collectives(scheme: str, u: Unit, c: Cluster) -> dict[str, list[tuple[int, int]]]:
     """One unit's bytes per collective: (intra, inter) for each local rank of a node."""
     uses, n, r, k, e = USES[scheme], c.world, c.per_node, c.nodes, c.elem
-    fwd = (n - 1) * (qbytes(u.shard, 8, c.block) if "qwZ" in uses else e * u.shard)
-    out = {COLLECTIVES[0]: _ring(fwd, c, world=True)}
+    gather = (n - 1) * (qbytes(u.shard, QWZ_BITS, c.block) if "qwZ" in uses else e * u.shard)
+    out = {COLLECTIVES[0]: _ring(gather, c, world=True)}
     if not u.twice:
         out[COLLECTIVES[1]] = [(0, 0)] * r
     elif "hpZ" in uses:
         out[COLLECTIVES[1]] = _ring((r - 1) * e * k * u.shard, c, world=False)
     else:
-        out[COLLECTIVES[1]] = _ring((n - 1) * e * u.shard, c, world=True)
+        out[COLLECTIVES[1]] = _ring(gather, c, world=True)
     if "qgZ" in uses:
-        hop = ((r - 1) * qbytes(k * u.shard, 4, c.block), (k - 1) * qbytes(u.shard, 4, c.block))
+        q = QGZ_BITS
+        hop = ((r - 1) * qbytes(k * u.shard, q, c.block), (k - 1) * qbytes(u.shard, q, c.block))
         out[COLLECTIVES[2]] = [hop] * r
     else:
         out[COLLECTIVES[2]] = _ring((n - 1) * e * u.shard, c, world=True)
@@ -168,10 +189,11 @@ def step_traffic(scheme: str, units: list[Unit], c: Cluster) -> dict:
 def limit(scheme: str, block: int) -> tuple[Fraction, Fraction, Fraction]:
     """A node's inter-node bytes per collective in M as N and k grow (module docstring)."""
     uses, q = USES[scheme], Fraction(2, block)
+    gather = Fraction(QWZ_BITS, 16) + q if "qwZ" in uses else Fraction(1)
     return (
-        Fraction(1, 2) + q if "qwZ" in uses else Fraction(1),
-        Fraction(0) if "hpZ" in uses else Fraction(1),
-        Fraction(1, 4) + q if "qgZ" in uses else Fraction(1),
+        gather,
+        Fraction(0) if "hpZ" in uses else gather,
+        Fraction(QGZ_BITS, 16) + q if "qgZ" in uses else Fraction(1),
     )
 
 
@@ -211,27 +233,18 @@ def model_units(n: int = WORLD) -> list[Unit]:
 
 def counted_step(rank: int, n: int, ranks_per_node: int, flags: dict | None = None) -> dict:
     """One stage-3 step of the MODEL GPT (bf16, M = N) with the ZeroConfig `flags` of a scheme
-    (ENGINE_FLAGS); this rank's counted bytes per link. Runs in a pool worker."""
+    (ENGINE_FLAGS, over the defaults here); this rank's counted bytes per link. Runs in a pool
+    worker."""
     from zero.config import ZeroConfig
     from zero.engine import ZeroEngine
     from zero.workloads.models import GPT, GPTConfig, gpt_microbatches
 
     cfg = GPTConfig(**MODEL)
     model = GPT(cfg, seed=0)
-    engine = ZeroEngine(
-        model,
-        ZeroConfig(
-            stage=3,
-            precision="bf16",
-            reduce_dtype="bf16",
-            optimizer="adam",
-            micro_batches=n,
-            chunk=CHUNK,
-            units=tuple(model.unit_names()),
-            ranks_per_node=ranks_per_node,
-            **(flags or {}),
-        ),
-    )
+    base = {"stage": 3, "precision": "bf16", "reduce_dtype": "bf16", "optimizer": "adam",
+            "micro_batches": n, "chunk": CHUNK, "units": tuple(model.unit_names()),
+            "ranks_per_node": ranks_per_node}  # fmt: skip
+    engine = ZeroEngine(model, ZeroConfig(**{**base, **(flags or {})}))
     batches = gpt_microbatches(cfg, seed=0, data_step=0, count=n, batch_size=2)
     _, loss = engine(*batches[rank])
     engine.backward(loss)
@@ -266,14 +279,14 @@ def compute(profile: str) -> dict:
         records.append(
             make_record(config=config, result=result, kind="zeropp.limit", provenance=prov)
         )
-        exact = step_traffic(scheme, model_units(), Cluster(WORLD, PER_NODE))
+        exact = step_traffic(scheme, model_units(), Cluster(WORLD, PER_NODE, COUNTED_BLOCK))
         config = {
             "scheme": scheme,
             "model": MODEL,
             "world_size": WORLD,
             "ranks_per_node": PER_NODE,
             "chunk": CHUNK,
-            "block": BLOCK,
+            "block": COUNTED_BLOCK,
         }
         records.append(
             make_record(config=config, result=exact, kind="zeropp.analytic", provenance=prov)
@@ -318,7 +331,7 @@ def _fmt(x) -> str:
 WHY = {
     "ZeRO-3": "equal as N → ∞; (N-1)/N at 384",
     "hpZ": "equal as N → ∞; (N-1)/N at 384",
-    "qwZ": "+2/B: the int8 gather's fp32 scales",
+    "qwZ": "the backward gather is int8 too (-1/2); +4/B: both gathers' fp32 scales",
     "qgZ": "+2/B: the int4 hops' fp32 scales; (k-1)/k at 384",
     "ZeRO++": "+4/B of fp32 scales; (N-1)/N, (k-1)/k at 384",
 }
@@ -381,6 +394,8 @@ def render(payload: dict, out: Outputs) -> tuple[Path, str]:
         "per rank, intra / inter, for each rank of a node (every node alike), and a node's",
         "inter-node bytes. Exact: padding, the root unit's single gather and the factors",
         "(N-1)/N = 3/4 and (k-1)/k = 1/2 included, which is why they sit below the claim.",
+        f"Quantized: qwZ int{QWZ_BITS}, qgZ int{QGZ_BITS}, blocks of B = {COUNTED_BLOCK} (the",
+        f"block must divide the {CHUNK}-element chunk); counted rows: the engine's counter.",
         "",
         *markdown_table(EXACT_HEADER, _exact_rows(payload)),
         "",

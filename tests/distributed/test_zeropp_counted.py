@@ -1,10 +1,11 @@
 """The counted rows of ZeRO++'s volume table (paper_figures/zeropp_volume.py): a stage-3 step of
 its GPT on four gloo ranks simulated as two nodes of two sends, per rank and link, the bytes
-derived here by hand, which are also what the table's analytic rows say: ZeRO-3, and hpZ
-(ZeroConfig.hpz), the one ZeRO++ technique the engine has.
+derived here by hand, which are also what the table's analytic rows say: ZeRO-3, hpZ, qwZ, qgZ
+and the three together (ZeRO++).
 
 Legend: N = 4 ranks, R = 2 per node, k = 2 nodes, C = 128-element chunks, L_u a unit's shard,
-e = 2 bytes (bf16), M = N micro-batches (one micro-step per rank).
+e = 2 bytes (bf16), M = N micro-batches (one micro-step per rank), B = 128 the quantization
+block, q_b(n) = n·b/8 + 4·n/B the bytes of n values quantized to b bits with their fp32 scales.
 """
 
 from __future__ import annotations
@@ -66,3 +67,67 @@ def test_hpz_keeps_the_backward_gather_inside_each_node():
     assert [r["links"] for r in got] == want
     exact = zv.step_traffic("hpZ", zv.model_units(N), zv.Cluster(N, R))
     assert [list(x) for x in exact["ranks"]] == want[:2]
+
+
+def q(n: int, bits: int) -> int:
+    """q_b(n) by hand: n values of b bits, one 4-byte scale per 128 (B divides n here)."""
+    assert n % 128 == 0
+    return n * bits // 8 + 4 * (n // 128)
+
+
+def _counted(scheme: str) -> list[list[int]]:
+    got = get_pool(N).run(zv.counted_step, R, zv.ENGINE_FLAGS[scheme], timeout_s=240)
+    return [r["links"] for r in got]
+
+
+def _analytic(scheme: str) -> list[list[int]]:
+    exact = zv.step_traffic(scheme, zv.model_units(N), zv.Cluster(N, R, block=128))
+    return [list(x) for x in exact["ranks"]] * (N // R)
+
+
+@pytest.mark.dist
+def test_qwz_quantizes_both_gathers_on_the_world_ring():
+    """qwZ int8: every gather (each block's forward and backward, the root's forward) sends
+    (N-1)·q_8(L) = 3·L·33/32 bytes on the world ring (block 3·13,068, root 3·1,716): 318,780 B;
+    the reduce-scatters stay bf16, 2·3·(4·12,672 + 1,664) = 314,112 B. Ranks 1 and 3 send it all
+    across nodes, ranks 0 and 2 inside theirs."""
+    block, root, _ = hand_bytes()
+    assert (q(block, 8), q(root, 8)) == (13068, 1716)
+    ring = 3 * (8 * q(block, 8) + q(root, 8)) + 2 * 3 * (4 * block + root)
+    assert ring == 632892
+    want = [[ring, 0], [0, ring]] * 2
+    assert _counted("qwZ") == want
+    assert _analytic("qwZ") == want
+
+
+@pytest.mark.dist
+def test_qgz_sends_two_int4_hops_inside_then_across_nodes():
+    """qgZ int4, per unit on every rank: hop 1 to its R-1 = 1 node peer, q_4(k·L) =
+    2·L·17/32 bytes inside the node (block 13,464, root 1,768: 55,624 B in all); hop 2 to
+    the k-1 = 1 other node, q_4(L) = L·17/32 across (block 6,732, root 884: 27,812 B). The
+    gathers stay bf16 on the world ring: 2·3·(8·12,672 + 1,664) = 618,240 B."""
+    block, root, _ = hand_bytes()
+    inside = 4 * q(2 * block, 4) + q(2 * root, 4)
+    across = 4 * q(block, 4) + q(root, 4)
+    ring = 2 * 3 * (8 * block + root)
+    assert (inside, across, ring) == (55624, 27812, 618240)
+    want = [[ring + inside, across], [inside, ring + across]] * 2
+    assert _counted("qgZ") == want
+    assert _analytic("qgZ") == want
+
+
+@pytest.mark.dist
+def test_zeropp_crosses_nodes_only_with_int8_forward_gathers_and_int4_second_hops():
+    """ZeRO++ (qwZ int8 + hpZ + qgZ int4): the forward gathers on the world ring, quantized,
+    3·(4·13,068 + 1,716) = 161,964 B from ranks 1 and 3 across nodes; hpZ's bf16 backward
+    gathers inside the node, (R-1)·2·k·L per block, 202,752 B; qgZ's hops as above, 55,624 B
+    inside and 27,812 B across, on every rank."""
+    block, root, _ = hand_bytes()
+    ring = 3 * (4 * q(block, 8) + q(root, 8))
+    hpz = (R - 1) * 2 * (N // R) * block * 4
+    inside, across = 4 * q(2 * block, 4) + q(2 * root, 4), 4 * q(block, 4) + q(root, 4)
+    assert (ring, hpz) == (161964, 202752)
+    want = [[ring + hpz + inside, across], [hpz + inside, ring + across]] * 2
+    assert want[:2] == [[420340, 27812], [258376, 189776]]
+    assert _counted("ZeRO++") == want
+    assert _analytic("ZeRO++") == want
