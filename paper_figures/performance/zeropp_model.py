@@ -6,7 +6,11 @@ communication over two link classes (throughput_model.two_link_seconds): the bus
 intra-node bytes over its NVSwitch or NVLink, then a node's inter-node bytes over the node's
 link. The bytes per link are paper_figures/zeropp_volume.py's for ZeRO-3 and for ZeRO++ (qwZ,
 hpZ and qgZ together, blocks of 256) at the cluster's N and R, the model taken as one unit of Ψ
-(no padding, gathered twice). The speedup is t(ZeRO-3) / t(ZeRO++).
+(no padding, gathered twice). The speedup is t(ZeRO-3) / t(ZeRO++). qwZ quantizes the backward
+gather as well as the forward one (zeropp_volume's derivation), but within ZeRO++ the backward
+gather is hpZ's, bf16 inside the node, so ZeRO++'s bytes are those of the claim's table plus the
+scales: (N-1)/N·(1/2 + 2/B) + (k-1)/k·(1/4 + 2/B) of M across nodes (the engine counts the same
+bytes at 2 x 2: tests/distributed/test_zeropp_counted.py).
 
 Two sets of clusters:
 - ZeRO++'s own (docs/paper.md §3.2): 384 V100s, here 24 nodes of 16 (DGX-2, NVSwitch 300 GB/s
