@@ -156,11 +156,21 @@ def count_step(engine, batch, *, loss_of=lambda out: out[1]) -> dict[str, Counts
 
 
 def gpt_engine(
-    width: int, layers: int, stage: int, deterministic: bool, *, precision="bf16", device="cpu"
+    width: int,
+    layers: int,
+    stage: int,
+    deterministic: bool,
+    *,
+    precision="bf16",
+    device="cpu",
+    options=None,
 ):
     """A 24-unit (or `layers`-unit) GPT-2-shaped model of width d in one engine at N = 1, on
-    this process's one-rank gloo group, with a one-token-wide batch (the counts do not depend on
-    the batch; the optimizer's elements do not depend on it either)."""
+    this process's one-rank gloo group (or on every rank of the world there is, one micro-batch
+    each), with a one-token-wide batch (the counts do not depend on the batch; the optimizer's
+    elements do not depend on it either). options: more ZeroConfig fields (ZeRO++'s, HSDP's)."""
+    import torch.distributed as dist
+
     from reference.optim import Hyper
     from zero.config import ZeroConfig, decay_matrices_only
     from zero.engine import ZeroEngine
@@ -176,12 +186,13 @@ def gpt_engine(
         optimizer="adamw",
         groups=(Hyper(lr=3e-4, weight_decay=0.1), Hyper(lr=3e-4)),
         group_of=decay_matrices_only,
-        micro_batches=1,
+        micro_batches=dist.get_world_size(),
         units=tuple(model.unit_names()),
         overlap=True,
+        **(options or {}),
     )
     engine = ZeroEngine(model, config)
-    (batch,) = gpt_microbatches(gpt, seed=0, data_step=0, count=1, batch_size=1)
+    (batch,) = gpt_microbatches(gpt, seed=dist.get_rank(), data_step=0, count=1, batch_size=1)
     return engine, tuple(x.to(device) for x in batch)
 
 
@@ -200,10 +211,10 @@ def one_rank_group(device="cpu"):
 
 
 def measure(
-    width, layers, stage, deterministic, *, warmup=1, device="cpu"
+    width, layers, stage, deterministic, *, warmup=1, device="cpu", options=None
 ) -> tuple[int, dict[str, Counts]]:
     """(Ψ, per-phase counts) of one step after `warmup` steps (the first step allocates)."""
-    engine, batch = gpt_engine(width, layers, stage, deterministic, device=device)
+    engine, batch = gpt_engine(width, layers, stage, deterministic, device=device, options=options)
     psi = sum(p.numel() for p in engine.module.parameters())
     for _ in range(warmup):
         engine.backward(engine(*batch)[1])

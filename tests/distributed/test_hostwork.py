@@ -40,6 +40,16 @@ def recursive_tree_counts(rank, n):
         control.tree_total = saved
 
 
+NODE_OPTIONS = {  # at N = 4: two simulated nodes of two ranks
+    "ZeRO++": {"ranks_per_node": 2, "hpz": True, "qwz_bits": 8, "qgz_bits": 4},
+    "HSDP": {"ranks_per_node": 2, "shard_group_size": 2},
+}
+
+
+def node_counts(rank, n, options):
+    return {w: hostwork.measure(w, LAYERS, 3, True, options=options) for w in WIDTHS}
+
+
 @pytest.fixture(scope="module")
 def measured():
     (out,) = get_pool(1).run(counts_at_two_widths, CASES)
@@ -78,3 +88,29 @@ def test_the_count_catches_a_tree_summed_in_python():
     (calls,) = get_pool(1).run(recursive_tree_counts)
     small, large = (calls[w] for w in WIDTHS)
     assert large - small > 2 * 800  # 811 more partials at the larger width
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", sorted(NODE_OPTIONS))
+def test_node_aware_options_keep_host_work_flat(name):
+    """Stage 3 at N = 4 on two simulated nodes, deterministic, with ZeRO++ (hpZ, qwZ int8, qgZ
+    int4: quantizing, packing and two hops per unit) or HSDP (groups of 2): every rank's counts
+    are the same at both widths; backward reads nothing back, forward only the watchdog's
+    fingerprints, the step only the control exchange."""
+    per_rank = get_pool(4).run(node_counts, NODE_OPTIONS[name])
+    for measured_here in per_rank:
+        (psi_a, a), (psi_b, b) = (measured_here[w] for w in WIDTHS)
+        assert psi_b > 1.9 * psi_a
+        for phase in hostwork.PHASES:
+            got = [(c.calls, c.ops, c.reads, c.makes) for c in (a[phase], b[phase])]
+            assert got[0] == got[1], (name, phase, got)
+        assert b["backward"].reads == 0
+        # at N > 1 the watchdog checks its all-gathered fingerprints at each micro-step's
+        # forward and before the step ([Note: collective fingerprints], zero/ranks/watchdog.py)
+        watchdog = ("tolist", "zero/ranks/watchdog.py:_check")
+        assert dict(b["forward"].read_sites) == {watchdog: 1}
+        assert dict(b["step"].read_sites) == {
+            watchdog: 1,
+            ("cpu", "zero/control.py:exchange"): 1,
+            ("numpy", "zero/control.py:exchange"): 1,
+        }
