@@ -168,3 +168,73 @@ def test_a_group_size_that_does_not_divide_n_is_refused_by_name():
         assert "allowed here: [1, 2, 4] or None" in msg
     got = get_pool(4).run(wrong_world, 8)
     assert all("allowed here: [1, 2, 4] or None" in m for m in got)
+
+
+# -- checkpoints: [Note: HSDP checkpoints] in zero/checkpoint/commit.py ----------------------------
+
+
+def leg(rank, n, stage, g, steps, save_to=None, load_from=None, fmt="native"):
+    """verify's resume numerics (verify/checkpoints/resume.py: groups, clipping, M = 4, bf16
+    AdamW) at (n, stage, shard_group_size g): load (into a model of other start values), train
+    `steps`, save. Rank 0 returns state_of() and, after a save, the manifest (native format)."""
+    import dataclasses
+
+    from verify.checkpoints.resume import ResumeCase, microbatches, state_of
+    from zero.checkpoint import load_dcp, read_manifest, resolve, save_dcp
+    from zero.engine import ZeroEngine
+    from zero.loop import train_steps
+    from zero.workloads.models import init_parameters
+
+    case = ResumeCase(n1=n, s1=stage, n2=n, s2=stage)
+    model = case.make_model()
+    if load_from is not None:
+        init_parameters(model, 1)
+    cfg = case.engine_config(stage, model.unit_names())
+    eng = ZeroEngine(model, dataclasses.replace(cfg, shard_group_size=g))
+    if load_from is not None:
+        eng.load(load_from) if fmt == "native" else load_dcp(eng, load_from)
+    train_steps(eng, microbatches(case, model), steps, start_step=eng.data_step)
+    manifest = None
+    if save_to is not None and fmt == "native":
+        manifest = read_manifest(resolve(eng.save(save_to)))
+    elif save_to is not None:
+        save_dcp(eng, save_to)
+    state = state_of(eng)  # gathered: every rank takes part
+    return (state, manifest) if rank == 0 else None
+
+
+@pytest.mark.dist
+def test_checkpoints_reshard_between_hsdp_and_plain_bitwise(tmp_path):
+    """(N=4, G=2, stage 3) 2 steps -> save -> (N=2, plain, stage 1) 1 step -> save -> (N=4,
+    G=1, stage 2) 1 step: the bits of 4 uninterrupted plain steps (N=4, stage 3). The HSDP
+    manifest records N and G, and only the first group wrote unit files: G per unit."""
+    from verify.checkpoints.resume import compare_states
+
+    four, two = get_pool(4), get_pool(2)
+    whole = four.run(leg, 3, None, 4)[0][0]
+    a, b = tmp_path / "a", tmp_path / "b"
+    saved = four.run(leg, 3, 2, 2, str(a))[0][1]
+    assert (saved["world_size"], saved["shard_group_size"]) == (4, 2)
+    assert all(len(u["files"]) == 2 for u in saved["units"]) and len(saved["rng"]["files"]) == 4
+    assert sorted(p.name for p in (a / saved["name"]).glob("u*-r*.bin")) == sorted(
+        f for u in saved["units"] for f in u["files"]
+    )
+    two.run(leg, 1, None, 1, str(b), str(a))
+    state = four.run(leg, 2, 1, 1, None, str(b))[0][0]
+    assert compare_states(state, whole) == ""
+    moved = four.run(leg, 2, 2, 2, None, str(a))[0][0]  # HSDP into HSDP: G and stage change
+    assert compare_states(moved, whole) == ""
+    assert compare_states(four.run(leg, 3, None, 3)[0][0], whole) != ""  # a step short differs
+
+
+@pytest.mark.dist
+def test_dcp_round_trip_between_hsdp_and_plain_bitwise(tmp_path):
+    """save_dcp at (N=4, G=2, stage 2) after 2 steps (the first group writes each chunk once),
+    load_dcp at (N=2, plain, stage 3), 2 more steps: the uninterrupted plain run's bits."""
+    from verify.checkpoints.resume import compare_states
+
+    four, two = get_pool(4), get_pool(2)
+    whole = two.run(leg, 3, None, 4)[0][0]
+    four.run(leg, 2, 2, 2, str(tmp_path / "d"), None, "dcp")
+    state = two.run(leg, 3, None, 2, None, str(tmp_path / "d"), "dcp")[0][0]
+    assert compare_states(state, whole) == ""

@@ -106,14 +106,18 @@ def _rng_tensors(engine) -> list[tuple[str, torch.Tensor]]:
 
 
 def _write_rank_files(engine, step_dir: Path, pre: str) -> dict:
-    """This rank's files; `pre` prefixes every name (a model-parallel slice's, file_prefix)."""
+    """This rank's files; `pre` prefixes every name (a model-parallel slice's, file_prefix).
+    [Note: HSDP checkpoints] With hierarchical sharding (zero/stages/hsdp.py) the replicas
+    hold the same bits, so only the first shard group writes the units' files, as a world of
+    G would; every rank writes its RNG file, as at N. The manifest records both N and G."""
     files = {}
-    for u in engine.units:
+    writes = engine.rank < engine.shard_size  # the first shard group (every rank without HSDP)
+    for u in engine.units if writes else ():
         tensors = [("master", _own(engine, u, u.master))]
         tensors += [(x, _own(engine, u, t)) for x, t in sorted(u.opt.items())]
         name = f"{pre}u{u.index:04d}-r{engine.rank:04d}.bin"
         files[name] = _tensor_file(step_dir / name, tensors)
-    for j, u in enumerate(engine.frozen_units):  # values as held: the compute dtype
+    for j, u in enumerate(engine.frozen_units if writes else ()):  # as held: compute dtype
         resident, held = engine.working_extent(u)
         own = resident[u.part.own.start - held.start : u.part.own.stop - held.start]
         name = f"{pre}f{j:04d}-r{engine.rank:04d}.bin"
@@ -147,7 +151,7 @@ def _config_record(cfg) -> dict:
 def _slice(engine, pre: str) -> dict:
     """What a manifest says of this engine's model (one slice's, with model parallelism):
     params, units, frozen_units, state_dict_keys, rng (mpformat.SLICE_KEYS)."""
-    n = engine.world_size
+    n = engine.shard_size  # the units' files: N, or G ([Note: HSDP checkpoints])
     where = {}
     for u in engine.units:
         for s in u.part.layout.slots:
@@ -202,7 +206,7 @@ def _slice(engine, pre: str) -> dict:
         **({"frozen_units": frozen_units} if frozen_units else {}),
         "state_dict_keys": _state_dict_keys(engine.module, canonical),
         "rng": {
-            "files": [f"{pre}r{r:04d}.bin" for r in range(n)],
+            "files": [f"{pre}r{r:04d}.bin" for r in range(engine.world_size)],
             "restored_at_same_world_size": True,
         },
     }
@@ -240,6 +244,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str,
     """The manifest: the records of the one model (_slice) at its top, or of each slice under
     "mp" ([Note: MP checkpoint layout]); every file's entry and sha256; the checksum."""
     mp = {} if here is None else {"mp": mp_section(here, records)}
+    g = engine.shard_size  # [Note: HSDP checkpoints]
     body = {
         "format": FORMAT,
         "format_version": 2 if here is None else MP_FORMAT_VERSION,
@@ -247,6 +252,7 @@ def _manifest(engine, name: str, files: dict, extra, sequence: int, run_id: str,
         "sequence": sequence,
         "run_id": run_id,
         "world_size": engine.world_size,
+        **({"shard_group_size": g} if g != engine.world_size else {}),  # HSDP's G
         "stage": engine.config.stage,
         "t": engine.t,
         "data_step": engine.data_step,

@@ -167,8 +167,12 @@ def keys_of(engine, aliases):
 
 
 def save_chunks(engine, aliases) -> list[Chunk]:
-    """This rank's chunks: its own shard of every unit's master, states and frozen values."""
+    """This rank's chunks: its own shard of every unit's master, states and frozen values;
+    with hierarchical sharding only the first shard group's, so that each is written once
+    ([Note: HSDP checkpoints] in commit.py)."""
     out, keys = [], keys_of(engine, aliases)
+    if engine.rank >= engine.shard_size:
+        return out
     for u in engine.units:
         ext, own = engine.master_extent(u), u.part.own
         held = {"master": u.master, **u.opt}

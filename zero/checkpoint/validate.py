@@ -232,6 +232,9 @@ def validate_manifest(path: Path, m: dict) -> None:
     contradicts itself; see the module docstring for what is checked."""
     c = _Fields(Path(path))
     n = c.int(m.get("world_size"), "world_size", 1)
+    shards = c.int(m.get("shard_group_size", n), "shard_group_size", 1)  # HSDP's G
+    if n % shards:  # [Note: HSDP checkpoints] in commit.py
+        c.fail("shard_group_size", f"{shards}, expected a divisor of world_size {n}")
     if m.get("stage") not in (0, 1, 2, 3) or isinstance(m.get("stage"), bool):
         c.fail("stage", f"{m.get('stage')!r}, expected 0, 1, 2 or 3")
     for key in ("t", "data_step", "sequence"):
@@ -271,8 +274,8 @@ def validate_manifest(path: Path, m: dict) -> None:
             c.fail("scaler", f"not a loss scaler's state ({exc})")
     _files(c, m.get("files"))
     _params(c, m, len(hypers))
-    _units(c, m, n, hypers, kind, chunk)
-    _frozen_units(c, m, n, chunk)
+    _units(c, m, shards, hypers, kind, chunk)  # the units' shards: those of a world of G
+    _frozen_units(c, m, shards, chunk)
     rng = c.of(c.of(m.get("rng"), dict, "rng").get("files"), list, "rng.files")
     if len(rng) != n or any(name not in m["files"] for name in rng):
         c.fail("rng.files", f"{str(rng)[:120]}: expected {n} files listed in files")
