@@ -29,6 +29,7 @@ from fnmatch import fnmatchcase
 from reference import ModelSpec
 from reference.step import StepConfig
 
+from .expect_hsdp import as_group, groups_of, replica_traffic
 from .expect_memory import (
     DTYPE_BYTES,
     arena_span,
@@ -324,13 +325,19 @@ def expected_traffic(
     volume grows by 2Ψ_f·M/N (× (N-1)/N), stages 0-2 by nothing. A unit whose outputs need no
     gradient is not gathered in backward; this assumes every non-root unit's outputs do.
     names: the trainable units' names (None: unit 0 is the root, as in a model with a
-    trainable root).
+    trainable root). With shard_group_size, a world of G and the replicas' sums
+    (verify/checks/expect_hsdp.py).
     ran: ran_units(...) for a model whose units do not all run in every micro-step (then
     stage 3 gathers a unit for its forward and backward only where it runs, plus the forward
     prefetches of stage3_forward_gathers; `before` is ran's last micro-step of the step
     before); None: every unit runs every micro-step. Both at once (a branch of frozen units,
     or a root with nothing to train in a model with branches) are not modelled.
     """
+    g = groups_of(config, n)
+    if g is not None:  # HSDP: a world of G, and the sums over the replicas (expect_hsdp.py)
+        kw = dict(forward=forward, skipped=skipped, frozen=frozen, names=names, ran=ran)
+        inner = expected_traffic(as_group(config, n), spec, g, rank % g, before=before, **kw)
+        return {**inner, **replica_traffic(config, spec, n, rank)}
     k = config.micro_batches // n
     out: dict[str, list[int]] = {}
     if ran is None:  # every unit runs, in one order: no prefetch is spent for nothing

@@ -7,6 +7,8 @@ release_grads lets go between steps.
 
 from __future__ import annotations
 
+import dataclasses
+
 from reference.optim import state_names
 from zero.common.memory import model_state_breakdown
 
@@ -59,6 +61,12 @@ def expected_memory(config, spec, n: int, frozen=()) -> dict[str, int]:
     /N at stage 3 (not persistent). hpz (stage 3) adds the category "hpz": every sharded unit
     but the root (unit 0, never gathered for backward) keeps a secondary part of its padded
     numel / R in the compute dtype, R the config's ranks_per_node (None: N)."""
+    g = getattr(config, "shard_group_size", None)
+    if g is not None and g != n:  # HSDP: the states of a world of G, k = M/N micro-steps each
+        group = dataclasses.replace(
+            config, shard_group_size=None, micro_batches=config.micro_batches // n * g
+        )
+        return expected_memory(group, spec, g, frozen)  # (verify/checks/expect_hsdp.py)
     cb = DTYPE_BYTES[config.precision]
     gb = DTYPE_BYTES[config.reduce_dtype or "fp32"]
     fp32 = config.precision == "fp32"

@@ -45,6 +45,7 @@ from reference.step import CLIP_EPS, used_names
 from .bounds import ETA, gamma, kernel_for, optimizer_step_error
 from .compare import to_numpy
 from .expect import expected_extents
+from .expect_hsdp import shard_world
 
 U32 = UNIT_ROUNDOFF["fp32"]
 ETA32 = ETA["fp32"]  # absolute rounding error of a float32 result among the subnormals
@@ -186,7 +187,7 @@ def check_fast_step(
     bound proves nothing; tests inject exactly that and require the cell to fail.
     """
     perturb = perturb or {}
-    n = eng.world_size
+    n, rank = shard_world(eng.config, eng.world_size, eng.rank)  # HSDP: a world of G's shards
     c, e_r, g0, e_g0, d_norm = gradient_errors(spec, rcfg, before, info, grads, eng.config)
     coef, d_coef = clip_errors(rcfg, float(info.norm), d_norm)
     e_g = {  # the clipped gradient's bound
@@ -213,7 +214,7 @@ def check_fast_step(
     for u, held, lay in zip(eng.units, eng.last_reduced, spec.layouts, strict=True):
         err_p, err_state = errors[kernels[id(u)]]
         # the reference's layout and the stage's extents, not the engine's (verify/checks/expect.py)
-        ext, held_ext = expected_extents(stage, persist, lay, eng.rank, n)
+        ext, held_ext = expected_extents(stage, persist, lay, rank, n)
         theirs = _flat(lay, info.reduced, n)[ext]
         note("reduced", to_numpy(held).astype(np.float64), theirs, _flat(lay, e_r, n)[ext])
         ours = to_numpy(u.master).astype(np.float64)

@@ -33,6 +33,7 @@ from ..cells.cell import DELAY_S, Cell
 from ..cells.inject import to_torch
 from .compare import bitwise_equal, max_abs_diff, max_ulp, to_numpy
 from .expect import expected_extents
+from .expect_hsdp import shard_world
 
 
 def cell_device() -> torch.device:
@@ -173,7 +174,8 @@ def compare_rank(eng: ZeroEngine, ref, rcfg, spec=None) -> tuple[bool, float, in
     mismatch). NaN equals NaN whatever its payload; every other value must match in bits.
     spec: the reference's ModelSpec (verify.checks.expect.reference_spec); its layouts cut the
     reference's flat buffers (without it, the engine's own layouts: older callers)."""
-    n, rank, ok, worst_abs, worst_ulp, first = eng.world_size, eng.rank, True, 0.0, 0, ""
+    n, rank = shard_world(eng.config, eng.world_size, eng.rank)  # HSDP: shards of a world of G
+    ok, worst_abs, worst_ulp, first = True, 0.0, 0, ""
     stage, persist = eng.config.stage, eng.config.persist_below
     work = working_copy(ref, rcfg)
     for u in eng.units:

@@ -22,6 +22,7 @@ from .expect import (
     ran_units,
     traffic_of_step,
 )
+from .expect_hsdp import ring_next
 from .lockstep import gradient_errors
 from .sides import CellRun, compare_rank, engine_norm, frozen_unchanged, loss_bound
 
@@ -223,13 +224,15 @@ def link_mismatch(run: CellRun, step: int, records) -> str:
     ring over the world sends everything to the next rank, so with ranks node-major (R per
     node) a node's last rank sends all its bytes across nodes and every other rank none; one
     node keeps them all. With hpz a trainable sharded unit's backward all-gather runs over its
-    node's R ranks, all on one node: every byte stays inside (at R = 1 it sends none).
+    node's R ranks, all on one node: every byte stays inside (at R = 1 it sends none). With
+    shard_group_size the ring is the record's group's: the shard group's, or for the sums
+    over replicas the replica group's (verify/checks/expect_hsdp.py's ring_next).
     '' or the first record that differs."""
     n, cfg = run.eng.world_size, run.ref_cfg
     per_node = cfg.ranks_per_node or n
-    across = n > per_node and run.rank % per_node == per_node - 1
     layouts = run.spec.layouts
-    for r in records:
+    for r in records:  # HSDP: a ring over the record's shard or replica group (expect_hsdp.py)
+        across = run.rank // per_node != ring_next(cfg, n, run.rank, r.phase) // per_node
         if r.op == "all_to_all" and r.phase in ("grad_node", "grad_across"):  # qgZ's two hops:
             want = (r.nbytes, 0) if r.phase == "grad_node" else (0, r.nbytes)  # over a node,
         elif r.op not in RING_OPS:  # over one rank of each node

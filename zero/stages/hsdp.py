@@ -1,6 +1,6 @@
 """Hierarchical sharding (FSDP2's HSDP, DeepSpeed's MiCS; ZeroConfig.shard_group_size): the
 model states are sharded inside groups of G consecutive ranks and replicated across the K = N/G
-groups (docs/design.md §3.14, "Hierarchical sharding").
+groups (docs/design.md §3.13, "Hierarchical sharding").
 
 Legend: N ranks, G ranks per shard group (group g = ranks [g·G, (g+1)·G)), K = N/G replicas,
 rank r holds shard s = r mod G of every unit, L a unit's shard length at a world of G (its padded
@@ -22,6 +22,7 @@ bits, those of T_N. Fast mode takes the backend's all-reduce (2(K-1)/K·L per ra
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -107,18 +108,23 @@ class Replicas:
 
     def sum(self, x: torch.Tensor, u: FlatUnit, counter, whole: bool) -> torch.Tensor:
         k, tag = self.count, {"phase": PHASE, "unit": u.index, "kind": "model"}
-        kw = {"group": self.group, "counter": counter, "tag": tag}
         if self.deterministic:  # shards only: deterministic mode never all-reduces whole units
             out = torch.empty(k * x.numel(), dtype=x.dtype, device=x.device)
             pad = (k - 1) * (x.numel() - u.part.real_elements(u.part.rank))
-            C.all_gather(out, x, padding=pad, **kw)
+            rec = C.count_call(counter, "all_gather", (k - 1) * x.numel(), pad, x, **tag)
+            # not [Note: all-gather on gloo]'s point-to-point sends: on gloo a receive whose
+            # timed wait (a watchdog slice) runs out closes its pair, and another group's
+            # replica may well arrive a slice late (measured: a peer 3 s late fails that path,
+            # not the backend's all-gather)
+            C.launch(C.all_gather_flat, out, x, group=self.group, async_op=False, rec=rec)
+            rec.end = time.perf_counter()
             return tree_sum(list(out.view(k, x.numel()).unbind(0)))
         part = u.part
         real = part.real_elements(part.rank)
         if whole:  # every shard of the unit: a persistent stage-3 unit's whole buffer
             real = sum(part.real_elements(r) for r in range(part.world_size))
         pad = 2 * (k - 1) * ((x.numel() - real) // k)
-        return C.all_reduce_sum(x, padding=pad, **kw).wait()
+        return C.all_reduce_sum(x, padding=pad, group=self.group, counter=counter, tag=tag).wait()
 
 
 class _Summed:
