@@ -59,8 +59,10 @@ def one_run(rank: int, n: int, flags: dict, steps: int) -> dict | None:
     """A run of `steps` steps with the ZeroConfig `flags` over the plain stage-3 ones; rank 0
     returns its losses, the full fp32 master by name and its wall seconds (pool worker).
     All-gathers take gloo's own (zero/collectives.py GLOO_ALL_GATHER = "backend"; the same
-    bits and counted bytes): its point-to-point exchange failed this run after 100-200 steps
-    on this loaded 2-core machine ("Application timeout caused pair closure")."""
+    bits and counted bytes): with the point-to-point exchange, a rank reaching a gather more
+    than one watchdog slice (zero/ranks/watchdog.py SLICE_S) after its peer ends the run, as
+    gloo closes every pair when a timed receive expires ("Application timeout caused pair
+    closure"); on a busy 2-core machine that happened after 100-200 steps."""
     from zero import collectives
 
     was, collectives.GLOO_ALL_GATHER = collectives.GLOO_ALL_GATHER, "backend"
