@@ -22,6 +22,7 @@ Every function returns a Pending: the collective is launched (asynchronously whe
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -194,17 +195,49 @@ def on_host(t: torch.Tensor) -> bool:
 
 
 class _Works:
-    """Several launched point-to-point operations, finished together."""
+    """Several launched point-to-point operations, finished together.
+
+    [Note: no timed point-to-point waits] gloo treats an expired timed wait on a send or a
+    receive as fatal: it closes every pair of the group ("Application timeout caused pair
+    closure"), so a peer late by one watchdog slice (SLICE_S, zero/ranks/watchdog.py) would end
+    the run; and their is_completed() stays False until they are waited. So a timed wait hands
+    the untimed waits to a thread of their own (started at the first timed wait) and waits for
+    that thread with the timeout: on expiry the operations go on, as a collective's do."""
 
     def __init__(self, works):
         self.works = works
+        self._done: threading.Event | None = None
+        self._error: BaseException | None = None
+
+    def _wait_all(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        except BaseException as exc:  # re-raised by wait() in the caller's thread
+            self._error = exc
+        finally:
+            self._done.set()
 
     def wait(self, timeout=None) -> None:
+        if self._done is None:
+            if timeout is None:
+                self._wait_all_here()
+                return
+            self._done = threading.Event()
+            threading.Thread(target=self._wait_all, name="zero-p2p-wait", daemon=True).start()
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("timed out waiting for point-to-point operations")
+        if self._error is not None:
+            raise self._error
+
+    def _wait_all_here(self) -> None:
         for w in self.works:
-            w.wait(**({} if timeout is None else {"timeout": timeout}))
+            w.wait()
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        if self._done is None:
+            return all(w.is_completed() for w in self.works)
+        return self._done.is_set() and self._error is None
 
 
 def _exchange_shards(out: torch.Tensor, shard: torch.Tensor, group, unit) -> _Works:

@@ -354,3 +354,33 @@ def test_a_slow_rank_is_never_named():
     from zero.ranks.watchdog import SILENT_S
 
     assert spawn(slow_rank, 2, SILENT_S + 2, timeout_s=600, deadline_s=None) == ["done"] * 2
+
+
+def late_into_backward(rank, n, late_s):
+    """Stage 3 (its parameter all-gathers on gloo are point-to-point sends: [Note: all-gather
+    on gloo]); in the second step rank 1 starts backward late_s after its forward, so the
+    others wait that long in the backward gather, several watchdog slices. The losses."""
+    model, eng = mlp_engine(3, n, 1)
+    losses = []
+    for step in range(3):
+        x, y = mlp_microbatches(model.cfg, seed=0, data_step=step, count=n, batch_size=4)[rank]
+        _, loss = eng(x, y)
+        if rank == 1 and step == 1:
+            time.sleep(late_s)
+        eng.backward(loss)
+        losses.append(eng.step().loss)
+    return losses
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_rank_late_inside_a_point_to_point_gather_ends_nothing():
+    """[Note: no timed point-to-point waits] (zero/collectives.py): a peer late by four slices
+    inside stage 3's point-to-point all-gather is waited for, and the run gives the bits of one
+    where nobody is late. (A timed wait on gloo's receive closed every pair at the first slice:
+    "Application timeout caused pair closure".)"""
+    from zero.ranks.watchdog import SLICE_S
+
+    on_time = spawn(late_into_backward, 2, 0.0, timeout_s=120)
+    late = spawn(late_into_backward, 2, 4 * SLICE_S, timeout_s=120)
+    assert late == on_time
