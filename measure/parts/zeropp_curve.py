@@ -57,19 +57,8 @@ def _config(n: int, flags: dict):
 
 def one_run(rank: int, n: int, flags: dict, steps: int) -> dict | None:
     """A run of `steps` steps with the ZeroConfig `flags` over the plain stage-3 ones; rank 0
-    returns its losses, the full fp32 master by name and its wall seconds (pool worker).
-    All-gathers take gloo's own (zero/collectives.py GLOO_ALL_GATHER = "backend"; the same
-    bits and counted bytes): with the point-to-point exchange, a rank reaching a gather more
-    than one watchdog slice (zero/ranks/watchdog.py SLICE_S) after its peer ends the run, as
-    gloo closes every pair when a timed receive expires ("Application timeout caused pair
-    closure"); on a busy 2-core machine that happened after 100-200 steps."""
-    from zero import collectives
-
-    was, collectives.GLOO_ALL_GATHER = collectives.GLOO_ALL_GATHER, "backend"
-    try:
-        return _run(rank, n, flags, steps)
-    finally:  # the pool's worker lives on: leave it as it was
-        collectives.GLOO_ALL_GATHER = was
+    returns its losses, the full fp32 master by name and its wall seconds (pool worker)."""
+    return _run(rank, n, flags, steps)
 
 
 def _run(rank: int, n: int, flags: dict, steps: int) -> dict | None:
