@@ -101,8 +101,13 @@ def _reference_step(case, ck: dict, names: list, entries: list) -> dict:
     from reference.step import TrainState
     from zero.config import TORCH_DTYPES
 
-    from ..checks.expect import reference_spec, reference_step_config
-    from ..checks.sides import microbatch_grads
+    from ..checks.expect import (
+        frozen_layouts,
+        reference_spec,
+        reference_step_config,
+        reference_zeropp,
+    )
+    from ..checks.sides import microbatch_grads, quantized_compute
 
     meta = ck["meta"]
     model = case.make_model()
@@ -119,6 +124,10 @@ def _reference_step(case, ck: dict, names: list, entries: list) -> dict:
     data, work = microbatches(case, ref_model), working_copy(state, rcfg)
     frozen = {k for k, p in ref_model.named_parameters() if not p.requires_grad}
     work |= {k: cast(ck["model"][k].numpy(), case.precision) for k in frozen}  # exact: upcast
+    zeropp = reference_zeropp(cfg, spec)  # ZeRO++'s quantized reference, where asked
+    work = quantized_compute(
+        work, zeropp, spec, frozen_layouts(model, cfg), cfg, case.n2, case.precision
+    )
     dtype = TORCH_DTYPES[case.precision]
     # one thread, as every rank runs (docs/design.md §2): this runs in the launching process,
     # where BatchNorm's CPU reductions would otherwise split the batch over more threads
@@ -131,7 +140,7 @@ def _reference_step(case, ck: dict, names: list, entries: list) -> dict:
         ]
     finally:
         torch.set_num_threads(threads)
-    new, info = train_step(state, grads, spec, rcfg)
+    new, info = train_step(state, grads, spec, rcfg, zeropp)
     return dict(model=model, spec=spec, rcfg=rcfg, state=state, new=new, info=info, scale=scale)
 
 

@@ -333,18 +333,23 @@ def qwz_working(run, work: dict) -> dict:
     """The values a stage-3 unit computes with under qwZ ([Note: qwZ's values],
     reference/zeropp.py): every sharded unit's, trainable and frozen, quantized; work itself
     without qwZ."""
-    z = run.zeropp
-    if z is None or not z.qwz_bits:
+    n, precision = run.cell.world_size, run.cell.precision
+    return quantized_compute(work, run.zeropp, run.spec, run.frozen, run.ref_cfg, n, precision)
+
+
+def quantized_compute(work: dict, zeropp, spec, frozen, config, n: int, precision: str) -> dict:
+    """qwz_working from its parts: zeropp (expect.reference_zeropp), the reference's spec, the
+    frozen units (expect.frozen_layouts) and the config they come from."""
+    if zeropp is None or not zeropp.qwz_bits:
         return work
     from reference.zeropp import quantized_working
 
     from .expect_memory import persistent
 
-    n, precision = run.cell.world_size, run.cell.precision
-    out = quantized_working(work, run.spec, z, n, precision)
-    frozen = SimpleNamespace(layouts=[lay for _, lay in run.frozen])
-    sharded = tuple(not persistent(run.ref_cfg, lay) for lay in frozen.layouts)
-    return quantized_working(out, frozen, dataclasses.replace(z, units=sharded), n, precision)
+    out = quantized_working(work, spec, zeropp, n, precision)
+    layouts = SimpleNamespace(layouts=[lay for _, lay in frozen])
+    sharded = tuple(not persistent(config, lay) for lay in layouts.layouts)
+    return quantized_working(out, layouts, dataclasses.replace(zeropp, units=sharded), n, precision)
 
 
 @dataclass

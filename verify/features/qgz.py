@@ -10,7 +10,7 @@ in bytes, each on its link (verify.checks.expect.quantized_traffic, the verdict'
 from __future__ import annotations
 
 from .qwz import BLOCK
-from .record import Bug, Feature
+from .record import Bug, Feature, Pair
 
 
 def _bits(text: str) -> int:
@@ -92,6 +92,42 @@ FEATURE = Feature(
              mode="fast", features=("ranks_per_node=2", "qgz_bits=8"), seed=6805),
         dict(stage=3, precision="bf16", optimizer="adamw", world_size=4, accumulation=2,
              features=("ranks_per_node=2", "hpz", "qwz_bits=8", "qgz_bits=4"), seed=6806),
+    ),
+    # ZeRO++ beside ZeRO-R and the others: the reduced shard offloaded (to memory, to disk),
+    # the gradient arena, activation checkpointing (a recomputed forward gathers quantized
+    # again), frozen units (gathered quantized, never reduced)
+    complete=(
+        dict(stage=3, precision="bf16", optimizer="adamw", world_size=4, accumulation=2,
+             features=("offload", "ranks_per_node=2", "qwz_bits=8", "qgz_bits=4"), seed=6810),
+        dict(stage=3, precision="fp32", optimizer="adam", world_size=4, accumulation=1,
+             features=("offload", "disk", "ranks_per_node=2", "qgz_bits=4"), seed=6811),
+        dict(stage=3, precision="bf16", optimizer="adamw", world_size=4, accumulation=1,
+             features=("checkpointing", "contiguous", "ranks_per_node=2", "qwz_bits=8",
+                       "qgz_bits=4"), seed=6812),
+        dict(stage=3, precision="fp32", optimizer="adamw", world_size=4, accumulation=1,
+             model="mlp", features=("frozen", "ranks_per_node=2", "hpz", "qwz_bits=4",
+                                    "qgz_bits=8"), seed=6813),
+    ),
+    resume=(
+        # ZeRO++ saved and loaded at the same node shape (its bits depend on N and R)
+        ({4}, dict(n1=4, s1=3, n2=4, s2=3, precision="bf16", optimizer="adamw",
+                   features=("ranks_per_node=2", "hpz", "qwz_bits=8", "qgz_bits=4"))),
+    ),
+    pairs=(
+        Pair("qgZ × offload", "the quantized sum's shard offloaded to host memory", "cells",
+             lambda c: c.qgz_bits is not None and c.offload),
+        Pair("qgZ × disk tier", "the quantized sum's shard beside state files", "cells",
+             lambda c: c.qgz_bits is not None and c.disk),
+        Pair("qwZ × checkpointing", "a recomputed forward gathers quantized again", "cells",
+             lambda c: c.qwz_bits is not None and c.checkpointing),
+        Pair("qgZ × contiguous", "the quantized sum's shard in the gradient arena", "cells",
+             lambda c: c.qgz_bits is not None and c.contiguous),
+        Pair("qwZ × frozen", "frozen units gathered quantized, never reduced", "cells",
+             lambda c: c.qwz_bits is not None and c.frozen),
+        Pair("qwZ × hpZ", "hpZ's parts copy the forward's quantized values", "cells",
+             lambda c: c.qwz_bits is not None and c.hpz),
+        Pair("ZeRO++ × resume", "saved and loaded with quantized collectives", "resume",
+             lambda r: "qgz_bits=4" in r.features),
     ),
     branches={"qgZ's two quantized all-to-alls": lambda c: c.qgz_bits is not None},
     bugs=(

@@ -5,9 +5,9 @@ computes its micro-batch gradients at those values (verify.checks.sides.qwz_work
 bits still match in deterministic mode and the lock-step bounds hold in fast mode; its gathers
 are expected in bytes by verify.checks.expect.quantized_traffic. How far the quantized values
 are from the exact ones is reference/quantize.py's bound, property-tested there
-(tests/unit/test_reference_quantize.py, test_reference_zeropp.py): the engine equals the reference bit for bit, so it inherits it.
-How far that moves the loss depends on the model: measured, not bounded
-(`python -m measure.parts.zeropp_curve`)."""
+(tests/unit/test_reference_quantize.py, test_reference_zeropp.py): the engine equals the
+reference bit for bit, so it inherits it. How far that moves the loss depends on the model:
+measured, not bounded (`python -m measure.parts.zeropp_curve`)."""
 
 from __future__ import annotations
 
