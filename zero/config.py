@@ -254,7 +254,8 @@ class ZeroConfig:
     each rank's shard block-quantized (quant_block elements per float32 scale, 8 or 4 bits
     per value; reference/quantize.py), and the unit computes with the dequantized values, cast
     to the compute dtype. Both passes see the same values (a backward from hpZ's parts copies
-    the forward's). Not bitwise plain ZeRO: bitwise the reference with those weights. None: off."""
+    the forward's). Not bitwise plain ZeRO: bitwise the reference with those weights. Like hpZ
+    and qgZ, refused where the engine's group is not the whole world. None: off."""
     qgz_bits: int | None = None
     """ZeRO++'s qgZ, stage 3 only: each micro-step's gradient reduce-scatter becomes two
     all-to-alls of block-quantized gradients, inside the node and then across nodes, each
