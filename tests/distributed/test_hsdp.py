@@ -238,3 +238,40 @@ def test_dcp_round_trip_between_hsdp_and_plain_bitwise(tmp_path):
     four.run(leg, 2, 2, 2, str(tmp_path / "d"), None, "dcp")
     state = two.run(leg, 3, None, 2, None, str(tmp_path / "d"), "dcp")[0][0]
     assert compare_states(state, whole) == ""
+
+
+def test_hsdp_with_model_parallelism_is_refused_by_name():
+    """Refused before any collective: a mesh's data-parallel group is not sharded in groups."""
+    from zero.config import ZeroConfig
+    from zero.stages import hsdp
+
+    cfg = ZeroConfig(stage=2, micro_batches=4, shard_group_size=2)
+    with pytest.raises(ValueError, match=r"^shard_group_size=2 with model parallelism \(mp=\)"):
+        hsdp.check(cfg, 4, None, mp=object())
+
+
+def subgroup_engine(rank, n, g):
+    """An engine with shard_group_size g over half of the world (as model parallelism's DP group
+    would be): the message it is refused with, "" if built."""
+    import torch.distributed as dist
+
+    from zero.config import ZeroConfig
+    from zero.engine import ZeroEngine
+    from zero.workloads.models import MLP, MLPConfig
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3))
+    cfg = ZeroConfig(stage=2, micro_batches=2, chunk=128, shard_group_size=g)
+    try:
+        ZeroEngine(model, cfg, group=groups[rank // 2])
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.dist
+def test_hsdp_over_a_subgroup_is_refused_by_name_unless_plain():
+    got = get_pool(4).run(subgroup_engine, 1)
+    for msg in got:
+        assert msg.startswith("shard_group_size=1: the engine's group has 2 of the world's 4"), msg
+    assert get_pool(4).run(subgroup_engine, 2) == [""] * 4  # G = N of its group: plain ZeRO

@@ -52,6 +52,8 @@ def check(config, world_size: int, group, mp) -> None:
             f"shard_group_size={g}: must divide the world size N = {world_size} (groups of G "
             f"consecutive ranks); allowed here: {allowed} or None"
         )
+    if g == world_size:  # one group of N: plain ZeRO
+        return
     if mp is not None:
         raise ValueError(
             f"shard_group_size={g} with model parallelism (mp=): hierarchical sharding over a "
