@@ -85,6 +85,14 @@ FEATURE = Feature(
         dict(stage=2, precision="bf16", optimizer="adamw", world_size=4, accumulation=2,
              mode="fast", features=("shard_group_size=2",), seed=6805),
     ),
+    resume=(
+        # saved by the first group of 2 at N = 4 (stage 3), loaded at N = 2 (G = N: plain)
+        ({2, 4}, dict(n1=4, s1=3, n2=2, s2=1, precision="bf16", optimizer="adamw",
+                      features=("shard_group_size=2",))),
+        # a plain checkpoint (N = 2, G = N) loaded into groups of 2 at N = 4
+        ({2, 4}, dict(n1=2, s1=2, n2=4, s2=2, precision="fp32", optimizer="adam",
+                      features=("shard_group_size=2",))),
+    ),
     branches={"states sharded in groups of G < N": lambda c: (
         c.shard_group_size is not None and c.shard_group_size < c.world_size
     )},
