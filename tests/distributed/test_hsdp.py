@@ -275,3 +275,33 @@ def test_hsdp_over_a_subgroup_is_refused_by_name_unless_plain():
     for msg in got:
         assert msg.startswith("shard_group_size=1: the engine's group has 2 of the world's 4"), msg
     assert get_pool(4).run(subgroup_engine, 2) == [""] * 4  # G = N of its group: plain ZeRO
+
+
+def overflow(rank, n, g):
+    """Two injected steps at stage 2, bf16; in the first, one element of rank 3's gradient is
+    inf: which steps each rank skipped, and its digest."""
+    import torch
+
+    model, eng = mlp_engine(2, n, 1, precision="bf16", shard_group_size=g, nonfinite="skip")
+    skipped = []
+    for step in range(2):
+        grads = {
+            name: torch.full(p.shape, 0.01 * (rank + 1 + step), dtype=p.dtype)
+            for name, p in model.named_parameters()
+        }
+        if step == 0 and rank == 3:
+            grads["layers.1.weight"][0, 0] = float("inf")
+        eng.inject_gradients(grads)
+        result = eng.step()
+        skipped.append(result.skipped)
+    return skipped, state_digest(eng, result)
+
+
+@pytest.mark.dist
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    """The overflow decision stays the world's: rank 3 (group 1) alone sees the inf, and every
+    rank of both groups skips the first step, then ends as plain ZeRO does."""
+    pool = get_pool(4)
+    ours, plain = pool.run(overflow, 2), pool.run(overflow, None)
+    assert [s for s, _ in ours] == [[True, False]] * 4
+    assert ours == plain

@@ -18,6 +18,11 @@ aligned groups. So the shard group's tree reduce-scatter gives T_G of group g, a
 all-gather their K partials ((K-1)·L elements sent per rank, counted as an all_gather of phase
 "grad_replicas") and sum them with tree_sum in group order: every replica ends with the same
 bits, those of T_N. Fast mode takes the backend's all-reduce (2(K-1)/K·L per rank, ring cost).
+
+What stays the world's: the data (rank r runs micro-batch k·N + r), the watchdog, and the step's
+control exchange over the engine's group (zero/control.py): the loss, the overflow flag and the
+used-parameter flags of every rank; the norm's chunk partials are cut to each unit's chunks in
+rank-major order, which takes exactly the first group's rows, and every group holds all of R.
 """
 
 from __future__ import annotations
