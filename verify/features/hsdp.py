@@ -70,7 +70,7 @@ FEATURE = Feature(
     absent=None,
     needs=_needs,
     # stages 1-3 at N = 4, G = 2 in bf16 and fp32 (two micro-steps: the replicas' sum every
-    # micro-step), N = 8, G = 4 at stage 3 and 2, and one fast cell
+    # micro-step), N = 8, G = 4 at stage 3 and 2, and two fast cells
     quick=(
         dict(stage=1, precision="bf16", optimizer="adamw", world_size=4, accumulation=2,
              features=("shard_group_size=2",), seed=6800),
@@ -84,6 +84,9 @@ FEATURE = Feature(
              features=("shard_group_size=4",), seed=6804),
         dict(stage=2, precision="bf16", optimizer="adamw", world_size=4, accumulation=2,
              mode="fast", features=("shard_group_size=2",), seed=6805),
+        # fast at K = 4 with a persistent root: stage 0's all-reduce, then the replicas' whole
+        dict(stage=3, precision="fp32", optimizer="sgd", world_size=8, accumulation=2,
+             mode="fast", persist_below=300, features=("shard_group_size=2",), seed=6806),
     ),
     resume=(
         # saved by the first group of 2 at N = 4 (stage 3), loaded at N = 2 (G = N: plain)
