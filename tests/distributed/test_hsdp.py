@@ -230,13 +230,16 @@ def test_checkpoints_reshard_between_hsdp_and_plain_bitwise(tmp_path):
 @pytest.mark.dist
 def test_dcp_round_trip_between_hsdp_and_plain_bitwise(tmp_path):
     """save_dcp at (N=4, G=2, stage 2) after 2 steps (the first group writes each chunk once),
-    load_dcp at (N=2, plain, stage 3), 2 more steps: the uninterrupted plain run's bits."""
+    load_dcp at (N=2, plain, stage 3) and at (N=4, G=2, stage 3), 2 more steps: the
+    uninterrupted plain run's bits."""
     from verify.checkpoints.resume import compare_states
 
     four, two = get_pool(4), get_pool(2)
     whole = two.run(leg, 3, None, 4)[0][0]
     four.run(leg, 2, 2, 2, str(tmp_path / "d"), None, "dcp")
     state = two.run(leg, 3, None, 2, None, str(tmp_path / "d"), "dcp")[0][0]
+    assert compare_states(state, whole) == ""
+    state = four.run(leg, 3, 2, 2, None, str(tmp_path / "d"), "dcp")[0][0]  # into HSDP too
     assert compare_states(state, whole) == ""
 
 
