@@ -91,7 +91,7 @@ class ZeroEngine(Introspection, nn.Module):
         self.group = group if group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         build.check_config(self.config, self.world_size)
-        hsdp.check(self.config, self.world_size, self.group, mp)  # shard_group_size's world
+        hsdp.check(self.config, self.world_size, mp)  # shard_group_size's world
 
     def _join(self, mp) -> None:
         """The traffic counter (MP's, with model parallelism), and whether peers are real."""

@@ -250,7 +250,7 @@ def test_hsdp_with_model_parallelism_is_refused_by_name():
 
     cfg = ZeroConfig(stage=2, micro_batches=4, shard_group_size=2)
     with pytest.raises(ValueError, match=r"^shard_group_size=2 with model parallelism \(mp=\)"):
-        hsdp.check(cfg, 4, None, mp=object())
+        hsdp.check(cfg, 4, mp=object())
 
 
 def subgroup_engine(rank, n, g):

@@ -42,7 +42,7 @@ PHASE = "grad_replicas"
 """The traffic phase of the all-reduce across replicas ([Note: the sum over replicas])."""
 
 
-def check(config, world_size: int, group, mp) -> None:
+def check(config, world_size: int, mp) -> None:
     """What shard_group_size needs from this world (the config alone checks the rest,
     zero/config.py's check_nodes): a G that divides N, the whole world as the engine's group, no
     model parallelism. Refused by name, before any collective."""
