@@ -219,6 +219,9 @@ def test_checkpoints_reshard_between_hsdp_and_plain_bitwise(tmp_path):
     assert sorted(p.name for p in (a / saved["name"]).glob("u*-r*.bin")) == sorted(
         f for u in saved["units"] for f in u["files"]
     )
+    from zero import checkpoint
+
+    assert checkpoint.verify(a)["shard_group_size"] == 2  # every file against its checksum
     two.run(leg, 1, None, 1, str(b), str(a))
     state = four.run(leg, 2, 1, 1, None, str(b))[0][0]
     assert compare_states(state, whole) == ""
