@@ -27,7 +27,6 @@ rank-major order, which takes exactly the first group's rows, and every group ho
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -118,13 +117,7 @@ class Replicas:
         if self.deterministic:  # shards only: deterministic mode never all-reduces whole units
             out = torch.empty(k * x.numel(), dtype=x.dtype, device=x.device)
             pad = (k - 1) * (x.numel() - u.part.real_elements(u.part.rank))
-            rec = C.count_call(counter, "all_gather", (k - 1) * x.numel(), pad, x, **tag)
-            # not [Note: all-gather on gloo]'s point-to-point sends: on gloo a receive whose
-            # timed wait (a watchdog slice) runs out closes its pair, and another group's
-            # replica may well arrive a slice late (measured: a peer 3 s late fails that path,
-            # not the backend's all-gather)
-            C.launch(C.all_gather_flat, out, x, group=self.group, async_op=False, rec=rec)
-            rec.end = time.perf_counter()
+            C.all_gather(out, x, group=self.group, counter=counter, padding=pad, tag=tag)
             return tree_sum(list(out.view(k, x.numel()).unbind(0)))
         part = u.part
         real = part.real_elements(part.rank)
