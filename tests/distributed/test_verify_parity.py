@@ -7,6 +7,7 @@ import importlib.util
 import math
 
 import pytest
+import torch
 
 from verify.parity import section as parity
 from verify.parity.section import FAMILIES, Family, ParityCell, run_section
@@ -141,3 +142,26 @@ def test_the_cli_runs_the_parity_section_alone(tmp_path, capsys):
     assert len(data["parity_invariance"]) == len(FAMILIES) - (0 if HAS_TRANSFORMERS else 2)
     assert "## Parity with plain PyTorch" in md.read_text()
     assert "cells passed in" not in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_the_hugging_face_leg_passes_and_sees_a_value_the_import_moved(monkeypatch):
+    """verify/parity/hf_leg.py: a GPT-2 cell's export reads back as the master in transformers
+    and in a fresh engine (hf is ''); an import that moves one master element by 1 is named."""
+    from zero.checkpoint import hfread
+    from zero.ranks.local import spawn
+
+    cell = ParityCell(family="gpt2", stage=3, world_size=2, steps=1)
+    assert [r["hf"] for r in spawn(parity.run_cell, 2, cell, timeout_s=300)] == ["", ""]
+    real = hfread._fill
+
+    def fill(engine, u, source, where, *, master):
+        out = real(engine, u, source, where, master=master)
+        if master and engine.rank == 0 and not u.name:
+            with torch.no_grad():
+                u.master.view(-1)[0] += 1  # the root's first element: wte's first value
+        return out
+
+    monkeypatch.setattr(hfread, "_fill", fill)
+    said = [r["hf"] for r in spawn(parity.run_cell, 2, cell, timeout_s=300)]
+    assert all(s.startswith("hf: init_from_hf: ") for s in said), said

@@ -10,7 +10,8 @@ side (Plain) takes the engine's full state (gather_state: fp32 master, AdamW's m
 torch.optim.AdamW(foreach=False) (bf16: a bf16 copy for forward and backward, the fp32 master
 for the optimizer). Lock-step, as the anchors argue: only one step from a common state has a
 derivable bound (step_bounds' docstring derives each). Deterministic cells also hash the state
-(state_digest): one digest per family and precision over every N and stage. How to run it:
+(state_digest): one digest per family and precision over every N and stage, and the Hugging
+Face families' export and import (hf_leg.py) give the master's bits. How to run it:
 docs/verification.md, "Parity with plain PyTorch".
 
 Here: the families, the cells, running them and the report. One lock-step's plain side, bounds
@@ -32,6 +33,7 @@ from zero.engine import ZeroEngine
 from ..cells.cell import GROUPS, MODELS
 from ..checks.expect import group_mismatch
 from ..checks.harness import each_cell, state_digest
+from .hf_leg import hf_leg
 from .lockstep import (  # noqa: F401  (the lock-step's parts: importable from here)
     CHECKS,
     PLANTS,
@@ -239,8 +241,9 @@ def run_cell(rank: int, n: int, cell: ParityCell) -> dict:
         clipped.append(bool(cell.clip / (p.norm + 1e-6) < 1))
         norms.append(p.norm)
     digest = state_digest(eng, res)
+    hf = hf_leg(rank, cell, family, eng, model)  # Hugging Face families: export, read back
     return {"ratios": ratios, "clipped": clipped, "norms": norms, "digest": digest,
-            "groups": groups}  # fmt: skip
+            "groups": groups, "hf": hf}  # fmt: skip
 
 
 def run_cells(rank: int, n: int, cells: list[ParityCell]) -> list[dict]:
@@ -257,7 +260,7 @@ def row(cell: ParityCell, per_rank: list[dict]) -> dict:
     if errors:
         return {**out, "passed": False, "first_failure": errors[0], "worst": {}, "clipped": []}
     worst = {k: max(r[k] for r in lead["ratios"]) for k in CHECKS}
-    first = lead.get("groups") or next(
+    first = lead.get("groups") or lead.get("hf") or next(
         (f"step {i}: {k} ratio {r[k]:.3g}" for i, r in enumerate(lead["ratios"]) for k in CHECKS
          if not r[k] <= 1),
         "",
