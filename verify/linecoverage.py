@@ -71,6 +71,7 @@ NOT_LIBRARY_SCOPES = {
     "zero/zero_r/activations.py": ("SavedBytes", "saved_activation_bytes"),  # a probe
     "zero/common/traffic.py": (  # reports' queries
         "CommCounter.volume", "CommCounter.counts", "CommCounter.total",
+        "CommCounter.link_totals", "CommCounter.total_links", "CommCounter.link_volume",
     ),
 }  # fmt: skip
 """Scopes (verify/uncovered.py: def or class qualnames, module-level names, "__main__") that

@@ -52,13 +52,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor
     return d.clamp_(-F32_MAX, F32_MAX).view(-1)
 
 
-def wire_bytes(n: int, block: int, bits: int) -> int:
-    """Bytes of a quantized piece of n elements ([Note: quantized wire])."""
-    return n * bits // 8 + 4 * (n // block)
-
-
 def encode(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
-    """x (float32, rows of whole blocks: 1-D or [pieces, n]) -> uint8 [pieces, wire_bytes(n)]."""
+    """x (float32, rows of whole blocks: 1-D or [pieces, n]) -> uint8 [pieces, n·b/8 + 4n/B]
+    ([Note: quantized wire])."""
     rows = x.view(-1, x.shape[-1]) if x.dim() > 1 else x.view(1, -1)
     n = rows.shape[1]
     q, scale = quantize(rows.reshape(-1), block, bits)
@@ -71,7 +67,7 @@ def encode(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
 
 
 def decode(buf: torch.Tensor, n: int, block: int, bits: int) -> torch.Tensor:
-    """uint8 [pieces, wire_bytes(n)] -> float32 [pieces, n] (dequantized)."""
+    """uint8 [pieces, n·b/8 + 4n/B] -> float32 [pieces, n] (dequantized)."""
     qbytes = n * bits // 8
     q = buf[:, :qbytes]
     if bits == 4:
