@@ -94,6 +94,9 @@ FEATURE = Feature(
                       features=("dcp",))),
         ({1, 4}, dict(n1=4, s1=3, n2=1, s2=0, precision="fp16", optimizer="adam",
                       features=("dcp",))),
+        # frozen units' chunks (sharded at stage 3, whole at stage 1)
+        ({2, 4}, dict(n1=4, s1=3, n2=2, s2=1, precision="bf16", optimizer="adamw",
+                      features=("frozen", "dcp"))),
     ),
     bugs=(
         Bug(name="dcp_moments_swapped", kind="resume", check="consolidation",
@@ -102,6 +105,8 @@ FEATURE = Feature(
             observable=lambda case: "dcp" in case.features and case.optimizer != "sgd"),
     ),
     pairs=(
+        Pair("DCP × frozen", "frozen units' chunks written and read beside the trainable ones",
+             "resume", lambda r: "dcp" in r.features and "frozen" in r.features),
         Pair("DCP × resume", "saved as chunks of the parameters' shapes, read back by plain "
              "PyTorch and by the engine at another N and stage", "resume",
              lambda r: "dcp" in r.features),
