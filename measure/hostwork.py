@@ -100,11 +100,16 @@ class _Dispatch(TorchDispatchMode):
 def python_calls(counts: Counts):
     """Count Python function calls made on this thread inside the block. The heartbeat reads of
     a collective's wait that outlasts a slice (zero/ranks/watchdog.py's _name_silent, once per
-    SLICE_S of waiting) are not counted, nor anything they call: their number follows how long
-    the wait took on a loaded machine, not the model, and would make the count a timing."""
+    SLICE_S of waiting) and the timed waits of point-to-point gathers (one per slice) are not
+    counted, nor anything they call: their number follows how long the wait took on a loaded
+    machine, not the model, and would make the count a timing."""
+    from zero import collectives
     from zero.ranks import watchdog
 
-    waiting = {watchdog._name_silent.__code__}
+    # and a point-to-point gather's timed wait ([Note: no timed point-to-point waits] in
+    # zero/collectives.py), entered again after every slice the gather outlasts
+    works = collectives._Works
+    waiting = {watchdog._name_silent.__code__, works.wait.__code__, works.is_completed.__code__}
     inside = [0]  # depth inside a heartbeat read
 
     def profile(frame, event, arg):

@@ -7,7 +7,7 @@ Two runs of the same stage-3 training on N = 4 gloo ranks simulated as 2 nodes �
 (ZeroConfig.ranks_per_node = 2), from the same weights on the same data: *exact*, plain stage 3,
 and *ZeRO++*, the same with qwZ (int8 weights), hpZ (the backward gather inside the node) and
 qgZ (int4 gradients in two hops), blocks of B = 128 (the chunk's size: a block must divide it).
-The workload learns: the project's small GPT (paper_figures/zeropp_volume.py's MODEL, Ψ = 206K)
+The workload learns: the project's small GPT (measure/parts/zeropp_links.py's MODEL, Ψ = 206K)
 continuing arithmetic progressions mod V (zero/workloads/models.py gpt_microbatches), whose loss
 falls from about ln V. bf16 compute, gradients reduced in fp32 (qgZ sums dequantized fp32 terms
 and refuses a bf16 reduction), Adam, M = N micro-batches per step, deterministic mode.
@@ -28,7 +28,7 @@ import math
 import time
 from pathlib import Path
 
-from paper_figures.zeropp_volume import MODEL
+from measure.parts.zeropp_links import MODEL
 
 OUT = Path("paper_figures/measured/zeropp_curve.json")
 KIND = "zeropp.curve"

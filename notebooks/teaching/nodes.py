@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from paper_figures import zeropp_volume as zv
+from measure.parts import zeropp_links as zv
 
 N, R = zv.WORLD, zv.PER_NODE
 BLOCK = zv.COUNTED_BLOCK
 SCHEMES = ("stage 0", "stage 1", "stage 2", *zv.SCHEMES)
 """Stages 0-2 (plain, M = N, deterministic), then stage 3's: ZeRO-3, hpZ, qwZ, qgZ, ZeRO++."""
 FLAGS = {**{f"stage {s}": {"stage": s} for s in (0, 1, 2)}, **zv.ENGINE_FLAGS}
-"""Each scheme's ZeroConfig flags over paper_figures/zeropp_volume.py's counted_step's."""
+"""Each scheme's ZeroConfig flags over measure/parts/zeropp_links.py's counted_step's."""
 CURVE = Path(__file__).resolve().parents[2] / "paper_figures" / "measured" / "zeropp_curve.json"
 
 
@@ -41,7 +41,7 @@ def analytic(scheme: str) -> list[tuple[int, int]]:
 
 def counted(scheme: str) -> list[tuple[int, int]]:
     """(intra, inter) bytes each of the N gloo ranks sent in one step, from the engine's
-    counter (zeropp_volume.counted_step, ranks_per_node = R)."""
+    counter (zeropp_links.counted_step, ranks_per_node = R)."""
     from zero.ranks.local import get_pool
 
     got = get_pool(N).run(zv.counted_step, R, FLAGS[scheme], timeout_s=240)

@@ -92,14 +92,9 @@ FEATURE = Feature(
              mode="fast", features=("ranks_per_node=2", "qgz_bits=8"), seed=6805),
         dict(stage=3, precision="bf16", optimizer="adamw", world_size=4, accumulation=2,
              features=("ranks_per_node=2", "hpz", "qwz_bits=8", "qgz_bits=4"), seed=6806),
-        # one rank: nothing travels, qwZ still quantizes (its values do not depend on N)
-        dict(stage=3, precision="fp32", optimizer="adam", world_size=1, accumulation=2,
-             features=("qwz_bits=8", "qgz_bits=4"), seed=6807),
-    ),
-    # ZeRO++ beside ZeRO-R and the others: the reduced shard offloaded (to memory, to disk),
-    # the gradient arena, activation checkpointing (a recomputed forward gathers quantized
-    # again), frozen units (gathered quantized, never reduced)
-    complete=(
+        # ZeRO++ beside ZeRO-R and the others: the reduced shard offloaded (to memory, to disk),
+        # the gradient arena, activation checkpointing (a recomputed forward gathers quantized
+        # again), frozen units (gathered quantized, never reduced)
         dict(stage=3, precision="bf16", optimizer="adamw", world_size=4, accumulation=2,
              features=("offload", "ranks_per_node=2", "qwz_bits=8", "qgz_bits=4"), seed=6810),
         dict(stage=3, precision="fp32", optimizer="adam", world_size=4, accumulation=1,
@@ -110,6 +105,9 @@ FEATURE = Feature(
         dict(stage=3, precision="fp32", optimizer="adamw", world_size=4, accumulation=1,
              model="mlp", features=("frozen", "ranks_per_node=2", "hpz", "qwz_bits=4",
                                     "qgz_bits=8"), seed=6813),
+        # one rank: nothing travels, qwZ still quantizes (its values do not depend on N)
+        dict(stage=3, precision="fp32", optimizer="adam", world_size=1, accumulation=2,
+             features=("qwz_bits=8", "qgz_bits=4"), seed=6807),
     ),
     resume=(
         # ZeRO++ saved and loaded at the same node shape (its bits depend on N and R)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from ..unit import FlatUnit
 from . import zeropp
@@ -76,15 +75,7 @@ class Stage3(Stage2):
         self.gathering: dict[int, object] = {}  # unit index -> Pending all-gather
         cfg = ctx.config
         self.nodes = NodeGroups(ctx) if cfg.hpz or cfg.qgz_bits else None
-        for name in ("qgz_bits", "qwz_bits"):
-            if getattr(cfg, name) and ctx.world_size != dist.get_world_size():
-                raise ValueError(
-                    f"{name}={getattr(cfg, name)}: the engine's group has {ctx.world_size} of "
-                    f"the world's {dist.get_world_size()} ranks (model parallelism, or a "
-                    "subgroup); ZeRO++'s quantized collectives are built and verified over the "
-                    "world's nodes only, so they are allowed only when the engine's group is "
-                    "the whole world"
-                )
+        zeropp.refuse_subgroup(ctx)
         self.hpz = HpZ(ctx, self.nodes) if cfg.hpz else None  # ZeRO++'s secondary partition
 
     def post_backward(self, u: FlatUnit) -> None:

@@ -80,6 +80,19 @@ def decode(buf: torch.Tensor, n: int, block: int, bits: int) -> torch.Tensor:
     return dequantize(q.reshape(-1), scale, block).view(buf.shape[0], n)
 
 
+def refuse_subgroup(ctx) -> None:
+    """qwZ and qgZ where the engine's group is not the whole world: refused by name."""
+    for name in ("qgz_bits", "qwz_bits"):
+        if getattr(ctx.config, name) and ctx.world_size != dist.get_world_size():
+            raise ValueError(
+                f"{name}={getattr(ctx.config, name)}: the engine's group has {ctx.world_size} "
+                f"of the world's {dist.get_world_size()} ranks (model parallelism, or a "
+                "subgroup); ZeRO++'s quantized collectives are built and verified over the "
+                "world's nodes only, so they are allowed only when the engine's group is the "
+                "whole world"
+            )
+
+
 class NodeGroups:
     """The process groups of a node layout: this rank's node (R ranks) and its column (the K
     ranks of local index j). [Note: one node's group] in zero/stages/hpz.py: every rank creates
