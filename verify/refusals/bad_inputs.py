@@ -94,6 +94,7 @@ def _zero_fields(bad) -> None:
     bad(ZeroConfig, "qwz_bits", 2, True, 8.0, "8", 8)  # 8: refused without stage 3
     bad(ZeroConfig, "qgz_bits", 16, 4.0, 4)  # 4: refused without stage 3
     bad(ZeroConfig, "quant_block", 0, True, 2.5)
+    bad(ZeroConfig, "shard_group_size", 0, True, 2.0, "2", 2)  # 2: refused at stage 0
     bad(ZeroConfig, "clip_norm", INF, NAN, 0.0, -1.0)
     bad(ZeroConfig, "scaler", None)
     bad(ZeroConfig, "nonfinite", "ignore")

@@ -76,6 +76,14 @@ def config_rows() -> list[Refusal]:
          "with reduce_dtype='bf16': qgZ carries a float32 scale per block"),
         ("qgZ in C_B pieces", dict(stage=3, qgz_bits=4, bucket_elements=1024),
          "qgz_bits=4 with bucket_elements=1024: qgZ quantizes each unit's whole gradient"),
+        ("hierarchical sharding at stage 0", dict(shard_group_size=2),
+         "shard_group_size=2: hierarchical sharding shards inside groups of G ranks; stage 0"),
+        ("a group of 3 in deterministic mode", dict(stage=1, shard_group_size=3),
+         "shard_group_size=3: deterministic mode keeps the reference's sum over the N ranks"),
+        ("hierarchical sharding with hpZ", dict(stage=3, shard_group_size=2, hpz=True),
+         "shard_group_size=2 with hpz=True: hpZ's node parts over a sharded group"),
+        ("hierarchical sharding with qwZ", dict(stage=3, shard_group_size=2, qwz_bits=8),
+         "qwz_bits=8 with shard_group_size=2: quantized collectives over a sharded group"),
         ("units a word", dict(units="everything"), "units='everything': a tuple of submodule"),
         ("a unit named twice", dict(units=("a", "a")), "units=('a', 'a'): names must be distinct"),
         ("a disk tier not a path", dict(offload_optimizer=True, offload_dir=5),
@@ -248,6 +256,7 @@ def node_rows() -> list[Refusal]:
     from reference.quantize import quantize
     from zero.common.traffic import link_bytes
     from zero.ranks.nodes import check_rows, resolve
+    from zero.stages import hsdp
 
     torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
     rows = [
@@ -265,6 +274,10 @@ def node_rows() -> list[Refusal]:
          "ranks_per_node=4: under torchrun the launcher sets it (LOCAL_WORLD_SIZE=2)"),
         ("common/traffic", "a collective with no link model",
          lambda: link_bytes("gather", 8, (0, 1), 0), ValueError, "op='gather': no link model"),
+        ("stages/hsdp", "a group size not dividing the world",
+         lambda: hsdp.check(ZeroConfig(stage=2, shard_group_size=4), 6, None), ValueError,
+         "shard_group_size=4: must divide the world size N = 6 (groups of G consecutive ranks); "
+         "allowed here: [1, 2] or None"),
         ("reference/quantize", "a width the quantizer has no grid for",
          lambda: quantize(np.ones(8, np.float32), block=4, bits=5), ValueError,
          "bits=5: allowed are (8, 4)"),
