@@ -1,10 +1,12 @@
 """The parity section's Hugging Face leg (docs/checkpoints.md, "Hugging Face"): after a
 deterministic cell of a Hugging Face family (GPT-2, Llama) has trained, export_hf writes the
-engine's model (zero/checkpoint/hf.py), and
+engine's model (zero/checkpoint/hf.py) in files of at most SHARD_BYTES (so with an index), twice
+into one folder (the second replaces the first whole), and
   1. transformers' from_pretrained reads it: every parameter is the engine's gathered fp32 master
      bit for bit (GPT-2's lm_head is tied to wte again, so it is the master's wte too);
-  2. init_from_hf (zero/checkpoint/hfread.py) fills a fresh engine of the same cell from it: the
-     fresh engine's gathered master is the same bits.
+  2. the folder's model built on the meta device (meta_model) and materialised as zeros unit by
+     unit, in a fresh engine of the same cell, filled by init_from_hf (zero/checkpoint/hfread.py):
+     the fresh engine's gathered master is the same bits.
 The folder is this cell's own name under the temporary directory; rank 0 removes it before the
 export (what a killed run of the same cell left) and after the leg."""
 
@@ -16,9 +18,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 HF_FAMILIES = ("gpt2", "llama")
+SHARD_BYTES = 20_000
+"""The largest file's data: the families' 30-60K parameters take several files and an index."""
 
 
 def folder_of(cell) -> Path:
@@ -57,7 +60,7 @@ def _as_transformers_reads(folder: Path, master: dict) -> str:
 
 def hf_leg(rank: int, cell, family, eng, model) -> str:
     """'' or the first mismatch; a cell it does not apply to: ''. Every rank calls it."""
-    from zero.checkpoint import export_hf, init_from_hf
+    from zero.checkpoint import export_hf, init_from_hf, meta_model
     from zero.engine import ZeroEngine
 
     if not applies(cell):
@@ -66,12 +69,12 @@ def hf_leg(rank: int, cell, family, eng, model) -> str:
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
     try:
-        export_hf(eng, model, folder)
+        for _ in range(2):  # the second export replaces the first's folder
+            export_hf(eng, model, folder, max_shard_bytes=SHARD_BYTES)
         master, _ = eng.gather_state()
         why = _as_transformers_reads(folder, master) if rank == 0 else ""
-        torch.manual_seed(0)
-        fresh_model = family.build()
-        fresh = ZeroEngine(fresh_model, cell.config(fresh_model))
+        fresh_model = meta_model(folder, attn_implementation="eager")
+        fresh = ZeroEngine(fresh_model, cell.config(fresh_model), device=eng.device, init_seed=None)
         init_from_hf(fresh, folder)
         got, _ = fresh.gather_state()  # every rank has read: the folder can go
         mine = {k: v.numpy() for k, v in got.items()}

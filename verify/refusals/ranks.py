@@ -27,6 +27,7 @@ from zero.engine import ZeroEngine
 from zero.workloads.models import GPT, MLP, GPTConfig, MLPConfig
 
 from ..cells.cell import GROUPS, MODELS
+from .hf_rows import hf_rows
 from .rows import SMALL_GPT, Refusal, attempt
 
 PLAIN, MP = "plain", "mp"
@@ -257,7 +258,8 @@ def one_rank_rows(directory: Path) -> list[Refusal]:
     """Rows on a pool of one rank, by subject: the engine's construction, its calls and
     initialisation, model parallelism, saves and loads."""
     rows = [*_build_rows(), *_engine_rows(), *_mp_rows(directory), *_checkpoint_rows(directory)]
-    return [Refusal(f"{m}: {w}", m, make, e, s, world=1) for m, w, make, e, s in rows]
+    hf = hf_rows(directory)  # Refusal rows already (verify/refusals/hf_rows.py)
+    return [Refusal(f"{m}: {w}", m, make, e, s, world=1) for m, w, make, e, s in rows] + hf
 
 
 def _build_rows() -> list[tuple]:
