@@ -2,7 +2,6 @@
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -182,15 +181,12 @@ def check_preset_report(data, cells):
 
 @pytest.mark.dist
 @pytest.mark.timeout(400)
-def test_quick_preset_passes_and_has_teeth(tmp_path, capsys):
-    """python -m verify --quick: the CI preset. Every cell and invariance row passes, and for
-    every planted bug (tests/distributed/test_verify_planted.py) a cell where it is observable
-    ran."""
-    out, md = tmp_path / "quick.json", tmp_path / "quick.md"
-    started = time.time()
-    assert main(["--quick", "--json", str(out), "--markdown", str(md)]) == 0
-    took = time.time() - started
-    data = json.loads(out.read_text())
+def test_quick_preset_passes_and_has_teeth(quick_report):
+    """python -m verify --quick: the CI preset (tests/distributed/conftest.py runs it once).
+    Every cell and invariance row passes, and for every planted bug
+    (tests/distributed/test_verify_planted.py) a cell where it is observable ran."""
+    assert quick_report["rc"] == 0
+    took, data = quick_report["took"], quick_report["data"]
     cells, runs = matrix.quick()
     inv = check_preset_report(data, cells)
     assert {(r["stage"], r["world_size"]) for r in inv} == {
@@ -203,7 +199,7 @@ def test_quick_preset_passes_and_has_teeth(tmp_path, capsys):
         4,
         8,
     }
-    text = md.read_text()
+    text = quick_report["markdown"]
     assert "## World-size invariance" in text and "## Injected gradients" in text
     # the parity section (verify/parity/section.py): at least one cell per model family, all passing
     assert {r["config"]["family"] for r in data["parity"]} == set(parity.FAMILIES)
@@ -215,7 +211,7 @@ def test_quick_preset_passes_and_has_teeth(tmp_path, capsys):
     # and N_m = 2 against N_m = 1, operator by operator (verify/mp/lockstep.py)
     assert len(data["mp_operators"]) == len(mp_lockstep.quick_cells())
     assert all(r["passed"] for r in data["mp_operators"]) and "## Model parallelism against" in text
-    printed = capsys.readouterr().out
+    printed = quick_report["printed"]
     assert re.search(r"\d+/\d+ cells passed", printed)
     print(f"--quick took {took:.0f} s")  # visible with -s; the CLI's JSON keeps timing too
 

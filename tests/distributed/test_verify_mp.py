@@ -13,8 +13,9 @@ from verify.mp.cells import MPCell, run_section
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 
-def test_quick_mp_section_passes():
-    rows, inv = run_section(mp_cells.quick_cells(), say=lambda *a: None)
+def test_quick_mp_section_passes(quick_report):
+    """The MP section of the session's --quick run (tests/distributed/conftest.py)."""
+    rows, inv = quick_report["data"]["mp"], quick_report["data"]["mp_invariance"]
     assert len(rows) == len(mp_cells.quick_cells())
     for r in rows:
         assert r["passed"], (r["label"], r["first_failure"])

@@ -17,8 +17,10 @@ HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
 @pytest.fixture(scope="module")
-def quick():
-    return run_section(parity.quick_cells(), say=lambda *a: None)
+def quick(quick_report):
+    """The parity section of the session's --quick run (tests/distributed/conftest.py)."""
+    data = quick_report["data"]
+    return data["parity"], data["parity_invariance"]
 
 
 def test_quick_parity_cells_pass_for_every_family(quick):

@@ -232,12 +232,13 @@ def test_under_torchrun_the_stopped_rank_is_blamed(tmp_path):
 
 
 @pytest.mark.dist
-def test_verify_watchdog_section_passes_and_has_teeth():
-    """verify's watchdog cells (verify/faults/watchdog_cells.py) pass; with the majority rule broken
-    (every rank blamed whenever the calls differ) the majority cell fails."""
+def test_verify_watchdog_section_passes_and_has_teeth(quick_report):
+    """verify's watchdog cells (verify/faults/watchdog_cells.py; the session's --quick run,
+    tests/distributed/conftest.py) pass; with the majority rule broken (every rank blamed
+    whenever the calls differ) the majority cell fails."""
     from verify.faults import watchdog_cells
 
-    rows = watchdog_cells.run_section(timeout_s=120, say=lambda *a: None)
+    rows = quick_report["data"]["watchdog"]
     assert [r["passed"] for r in rows] == [True] * len(watchdog_cells.CELLS)
     cell = next(c for c in watchdog_cells.CELLS if c.fault == "extra_eval")
     planted = watchdog_cells.get_pool(cell.world_size).run(_planted_majority, cell, timeout_s=120)

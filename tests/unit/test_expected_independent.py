@@ -42,6 +42,13 @@ IMPORTS = {
     ("verify/parity/section.py", "zero.engine.ZeroEngine"): (
         "a", "the engine under test: gather_state and its step's results are compared"),
     ("verify/parity/section.py", "zero.workloads.lora.add_lora"): ("b", MODEL),
+    ("verify/parity/hf_leg.py", "zero.checkpoint.export_hf"): (
+        "a", "under test: its folder is read back by transformers and compared with the master"),
+    ("verify/parity/hf_leg.py", "zero.checkpoint.init_from_hf"): (
+        "a", "under test: the engine it fills is compared with the exporting engine's master"),
+    ("verify/parity/hf_leg.py", "zero.checkpoint.meta_model"): (
+        "a", "under test: the fresh engine's model; its values come from init_from_hf"),
+    ("verify/parity/hf_leg.py", "zero.engine.ZeroEngine"): ("a", "the engine under test"),
     ("verify/parity/section.py", "zero.workloads.resnet.ResNet"): ("b", MODEL),
     ("verify/parity/section.py", "zero.workloads.resnet.ResNetConfig"): ("b", MODEL),
     ("verify/mp/lockstep.py", "zero.collectives.CommCounter"): ("b", MP_SOURCE),

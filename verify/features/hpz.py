@@ -19,6 +19,8 @@ def plant_hpz_stale(p) -> None:
     real = hpz.HpZ.keep
 
     def keep(self, u):
+        if not hasattr(u, "secondary"):  # a frozen unit keeps no part
+            return
         if not getattr(u, "planted_kept", False):
             real(self, u)
             u.planted_kept = True
@@ -63,8 +65,10 @@ FEATURE = Feature(
     bugs=(
         Bug(name="hpz_stale", breaks="hpZ's secondary parts not refreshed after an update",
             where="hpZ, deterministic, two optimizer steps", plant=plant_hpz_stale,
-            check="state", observable=lambda c: (
+            check="state", observable=lambda c: (  # with the frozen MLP only the first
+                # layer keeps a part, and its backward reads no weight (its input needs no grad)
                 c.hpz and c.mode == "deterministic" and _steps_after_update(c) >= 2
+                and not c.frozen
             )),
         Bug(name="hpz_over_world", breaks="hpZ's backward all-gather taken over the world",
             where="hpZ on more than one node", plant=plant_hpz_over_world, check="traffic",
