@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from engine_tools import mlp_engine, one_step
+from engine_tools import mlp_engine, on_half_the_world, one_step
 
 from verify.checks.sides import state_digest
 from zero.config import ZeroConfig
@@ -121,27 +121,9 @@ def test_a_stale_secondary_part_changes_the_bits():
     assert [r["digest"] for r in stale] != [r["digest"] for r in plain]
 
 
-def subgroup_engine(rank, n):
-    """An hpZ engine over half of the world (as model parallelism's DP group would be)."""
-    import torch.distributed as dist
-
-    from zero.engine import ZeroEngine
-    from zero.workloads.models import MLP, MLPConfig
-
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3))
-    units = tuple(model.unit_names())
-    cfg = ZeroConfig(stage=3, micro_batches=2, units=units, chunk=128, hpz=True)
-    try:
-        ZeroEngine(model, cfg, group=groups[rank // 2])
-    except ValueError as e:
-        return str(e)
-    return ""
-
-
 @pytest.mark.dist
 def test_hpz_over_a_subgroup_is_refused_by_name():
-    got = get_pool(4).run(subgroup_engine)
+    got = get_pool(4).run(on_half_the_world, {"hpz": True})
     for msg in got:
         assert msg.startswith("hpz=True: the engine's group has 2 of the world's 4 ranks"), msg
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from engine_tools import mlp_engine, one_step
+from engine_tools import mlp_engine, on_half_the_world, one_step
 
 from reference.optim import Hyper
 from verify.checks.sides import state_digest
@@ -265,31 +265,14 @@ def test_hsdp_with_model_parallelism_is_refused_by_name():
         hsdp.check(cfg, 4, mp=object())
 
 
-def subgroup_engine(rank, n, g):
-    """An engine with shard_group_size g over half of the world (as model parallelism's DP group
-    would be): the message it is refused with, "" if built."""
-    import torch.distributed as dist
-
-    from zero.config import ZeroConfig
-    from zero.engine import ZeroEngine
-    from zero.workloads.models import MLP, MLPConfig
-
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3))
-    cfg = ZeroConfig(stage=2, micro_batches=2, chunk=128, shard_group_size=g)
-    try:
-        ZeroEngine(model, cfg, group=groups[rank // 2])
-    except ValueError as e:
-        return str(e)
-    return ""
-
-
 @pytest.mark.dist
 def test_hsdp_over_a_subgroup_is_refused_by_name_unless_plain():
-    got = get_pool(4).run(subgroup_engine, 1)
+    got = get_pool(4).run(on_half_the_world, {"stage": 2, "shard_group_size": 1})
     for msg in got:
         assert msg.startswith("shard_group_size=1: the engine's group has 2 of the world's 4"), msg
-    assert get_pool(4).run(subgroup_engine, 2) == [""] * 4  # G = N of its group: plain ZeRO
+    assert (
+        get_pool(4).run(on_half_the_world, {"stage": 2, "shard_group_size": 2}) == [""] * 4
+    )  # G = N of its group: plain ZeRO
 
 
 def overflow(rank, n, g):

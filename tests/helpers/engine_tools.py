@@ -96,3 +96,19 @@ def probe_gpt_engine(stage, n, k, *, seq, hidden, heads, layers, **kw):
         **kw,
     )
     return model, ZeroEngine(model, cfg)
+
+
+def on_half_the_world(rank, n, fields):
+    """The tests' MLP in an engine over half of the world (as model parallelism's DP group
+    would be; every rank creates both halves' groups): the message its construction is refused
+    with, "" if built. fields: ZeroConfig fields over stage 3, M = 2, 128-element chunks."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group(list(range(0, n // 2))), dist.new_group(list(range(n // 2, n)))]
+    model = MLP(MLPConfig(d_in=16, d_hidden=48, d_out=4, n_layer=3))
+    base = {"stage": 3, "micro_batches": n // 2, "units": tuple(model.unit_names()), "chunk": 128}
+    try:
+        ZeroEngine(model, ZeroConfig(**{**base, **fields}), group=groups[rank // (n // 2)])
+    except ValueError as e:
+        return str(e)
+    return ""

@@ -9,15 +9,8 @@ in bytes, each on its link (verify.checks.expect.quantized_traffic, the verdict'
 
 from __future__ import annotations
 
-from .qwz import BLOCK
+from .qwz import BLOCK, bits_parser
 from .record import Bug, Feature, Pair
-
-
-def _bits(text: str) -> int:
-    value = int(text)
-    if value not in (4, 8):
-        raise ValueError(f"qgz_bits={text}: allowed are 4 and 8")
-    return value
 
 
 def plant_qgz_one_hop(p) -> None:
@@ -69,7 +62,7 @@ FEATURE = Feature(
     name="qgz_bits",
     doc="ZeRO++'s qgZ: stage 3's gradient reduction as two quantized all-to-alls (qgz_bits=b)",
     config=lambda value: {"qgz_bits": value, "quant_block": BLOCK},
-    parse=_bits,
+    parse=bits_parser("qgz_bits"),
     absent=None,
     needs=lambda c: (
         "" if c.stage == 3 and c.reduce_dtype in (None, "fp32")

@@ -18,11 +18,16 @@ BLOCK = 32
 that straddle parameters (ALIGN is 128)."""
 
 
-def _bits(text: str) -> int:
-    value = int(text)
-    if value not in (4, 8):
-        raise ValueError(f"qwz_bits={text}: allowed are 4 and 8")
-    return value
+def bits_parser(name: str):
+    """The parse of a quantizer width feature ("qwz_bits=8"): 4 or 8, else refused by name."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value not in (4, 8):
+            raise ValueError(f"{name}={text}: allowed are 4 and 8")
+        return value
+
+    return parse
 
 
 def plant_qwz_owner_exact(p) -> None:
@@ -58,7 +63,7 @@ FEATURE = Feature(
     name="qwz_bits",
     doc="ZeRO++'s qwZ: stage 3's parameter all-gathers block-quantized (ZeroConfig.qwz_bits=b)",
     config=lambda value: {"qwz_bits": value, "quant_block": BLOCK},
-    parse=_bits,
+    parse=bits_parser("qwz_bits"),
     absent=None,
     needs=lambda c: "" if c.stage == 3 else "qwZ quantizes stage 3's all-gathers; needs stage=3",
     # int8 in bf16 and fp32 (two micro-steps: forward and backward gathers each), int4, a fast
